@@ -1,0 +1,35 @@
+"""portattn: exact scaled-dot-product attention for any Python array library.
+
+``import portattn`` imports no array library; the namespace of the arrays you pass
+decides which library runs, and the kernel registry decides which kernel.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors, masks
+from ._api import attention, explain, scaled_dot_product_attention
+from ._dispatch import Plan, disable_kernels, use_kernel
+from ._inputs import AttentionInputs
+from ._merge import merge
+from ._registry import KernelEntry, kernels, refresh_kernels
+from .kernel import Kernel
+
+__all__ = [
+    "AttentionInputs",
+    "Kernel",
+    "KernelEntry",
+    "Plan",
+    "__version__",
+    "attention",
+    "disable_kernels",
+    "errors",
+    "explain",
+    "kernels",
+    "masks",
+    "merge",
+    "refresh_kernels",
+    "scaled_dot_product_attention",
+    "use_kernel",
+]

@@ -1,0 +1,96 @@
+"""The public attention functions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import masks
+from ._dispatch import Plan, choose, plan
+from ._inputs import describe
+
+if TYPE_CHECKING:
+    from .masks import Mask
+
+__all__ = ["attention", "explain", "scaled_dot_product_attention"]
+
+
+def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
+              bias: Any = None, scale: float | None = None, softcap: float | None = None,
+              return_lse: bool = False, return_weights: bool = False,
+              dropout_p: float = 0.0, kernel: str | None = None) -> Any:
+    """Exact scaled-dot-product attention on any Array API library.
+
+    Shapes: ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``,
+    ``value (..., Hkv, Lk, Dv)``; the output is ``(..., Hq, Lq, Dv)``. ``Hq`` must be
+    a multiple of ``Hkv`` (grouped-query attention; K/V are never copied per head).
+
+    Args:
+        mask: a :mod:`portattn.masks` mask (``causal()``, ``sliding_window(...)``,
+            ``key_lengths(...)``, ... combined with ``&``) or a boolean array (True =
+            attend). Fully masked rows give 0 and a log-sum-exp of ``-inf``.
+        bias: float array added to the scores, broadcastable to ``(..., Hq, Lq, Lk)``.
+        scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``.
+        softcap: scores become ``softcap * tanh(s / softcap)`` (after scaling, before
+            bias and mask).
+        return_lse: also return the natural log-sum-exp of the final scores,
+            ``(..., Hq, Lq)``, in float32 for half-precision inputs.
+        return_weights: also return the softmax matrix; materialises ``Lq x Lk``.
+        dropout_p: dropout on the weights; only kernels backed by a random generator
+            accept it.
+        kernel: run this kernel by name instead of choosing one.
+
+    Returns:
+        ``out``, or a tuple ``(out, lse, weights)`` holding only the requested parts.
+    """
+    inputs = describe(query, key, value, mask=mask, bias=bias, scale=scale, softcap=softcap,
+                      return_lse=return_lse, return_weights=return_weights,
+                      dropout_p=dropout_p)
+    out, lse, weights = choose(inputs, kernel).kernel.run(inputs)
+    if not (return_lse or return_weights):
+        return out
+    extras = ((lse,) if return_lse else ()) + ((weights,) if return_weights else ())
+    return (out, *extras)
+
+
+def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
+    """The kernel :func:`attention` would run with these arguments, and why the others
+    would not; computes nothing."""
+    kernel = kwargs.pop("kernel", None)
+    return plan(describe(query, key, value, **kwargs), kernel)
+
+
+def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None, enable_gqa: bool = False) -> Any:
+    """``torch.nn.functional.scaled_dot_product_attention`` semantics on any library.
+
+    ``is_causal`` is top-left aligned; a boolean ``attn_mask`` is True where attention
+    is allowed; a float ``attn_mask`` is added to the scores. Unlike torch, ``attn_mask``
+    and ``is_causal`` may be combined.
+    """
+    q_heads, kv_heads = query.shape[-3], key.shape[-3]
+    if q_heads != kv_heads and not enable_gqa:
+        msg = (f"query has {q_heads} heads but key has {kv_heads}; pass enable_gqa=True "
+               "for grouped-query attention")
+        raise ValueError(msg)
+    mask, bias = None, None
+    if attn_mask is not None:
+        xp = _namespace(attn_mask)
+        if xp.isdtype(attn_mask.dtype, "bool"):
+            mask = masks.dense(attn_mask)
+        else:
+            bias = attn_mask
+    if is_causal:
+        mask = masks.causal("top_left") if mask is None else mask & masks.causal("top_left")
+    return attention(query, key, value, mask=mask, bias=bias, scale=scale,
+                     dropout_p=dropout_p)
+
+
+def _namespace(x: Any) -> Any:
+    from array_api_compat import array_namespace
+
+    try:
+        return array_namespace(x)
+    except TypeError as e:
+        msg = f"attn_mask must be an array; got {type(x).__name__}"
+        raise TypeError(msg) from e

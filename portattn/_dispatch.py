@@ -1,0 +1,134 @@
+"""Choosing the kernel for a call, and explaining the choice."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._registry import KNOWN_PLUGINS, KernelEntry, kernel_entries
+from .errors import KernelNotUsableError, NoKernelError, UnknownKernelError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ._inputs import AttentionInputs
+
+__all__ = ["Plan", "choose", "disable_kernels", "plan", "use_kernel"]
+
+FORCE_ENV = "PORTATTN_KERNEL"
+logger = logging.getLogger("portattn")
+
+_forced: ContextVar[str | None] = ContextVar("portattn_forced_kernel", default=None)
+_disabled: ContextVar[frozenset[str]] = ContextVar("portattn_disabled", default=frozenset())
+
+
+@contextlib.contextmanager
+def use_kernel(name: str | None) -> Iterator[None]:
+    """Within the block, every call runs kernel ``name`` (like ``kernel=name``)."""
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+@contextlib.contextmanager
+def disable_kernels(*names: str) -> Iterator[None]:
+    """Within the block, dispatch skips the named kernels."""
+    token = _disabled.set(_disabled.get() | frozenset(names))
+    try:
+        yield
+    finally:
+        _disabled.reset(token)
+
+
+def reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
+    """Why ``entry`` cannot run ``inputs``; empty when it can."""
+    if entry.kernel is None:
+        return [entry.status or "unavailable"]
+    if entry.name in _disabled.get():
+        return ["disabled by portattn.disable_kernels()"]
+    why = entry.kernel.available()
+    if why is not None:
+        return [f"unavailable: {why}"]
+    return entry.kernel.not_supported_reasons(inputs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What dispatch would do for one call; ``str(plan)`` reads like a report."""
+
+    kernel: KernelEntry | None
+    candidates: tuple[tuple[KernelEntry, tuple[str, ...]], ...]
+    inputs: AttentionInputs
+    forced: str | None = None
+
+    def __str__(self) -> str:
+        if self.kernel is not None:
+            head = f"kernel: {self.kernel}" + (f" (forced: {self.forced})" if self.forced else "")
+        else:
+            head = "kernel: none can run these inputs"
+        lines = [head, "inputs:", self.inputs.block(), "kernels, in priority order:"]
+        for entry, why in self.candidates:
+            verdict = "chosen" if entry is self.kernel else "; ".join(why) or "can run"
+            lines.append(f"    {entry}: {verdict}")
+        return "\n".join(lines)
+
+
+def plan(inputs: AttentionInputs, kernel: str | None = None) -> Plan:
+    """Evaluate every kernel against ``inputs`` without running any."""
+    forced = _forced_name(kernel)
+    entries = kernel_entries()
+    candidates = tuple((e, tuple(reasons(e, inputs))) for e in entries)
+    if forced is not None:
+        chosen = [e for e, why in candidates if e.name == forced and not why]
+    else:
+        chosen = [e for e, why in candidates if not why]
+    return Plan(chosen[0] if chosen else None, candidates, inputs, forced)
+
+
+def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
+    """The kernel that runs ``inputs``: the forced one, else the first that can."""
+    forced = _forced_name(kernel)
+    entries = kernel_entries()
+    if forced is not None:
+        entry = _lookup(entries, forced)
+        why = reasons(entry, inputs)
+        if why:
+            msg = (f"kernel {forced!r} cannot run attention with these inputs:\n"
+                   f"{inputs.block()}\nbecause:\n" + "\n".join(f"    {w}" for w in why))
+            raise KernelNotUsableError(msg)
+    else:
+        entry = next((e for e in entries if not reasons(e, inputs)), None)
+        if entry is None:
+            raise NoKernelError(_nothing_fits(entries, inputs))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("attention: %s@%s", entry.name, entry.version)
+    return entry
+
+
+def _forced_name(kernel: str | None) -> str | None:
+    return kernel or _forced.get() or os.environ.get(FORCE_ENV) or None
+
+
+def _lookup(entries: list[KernelEntry], name: str) -> KernelEntry:
+    for entry in entries:
+        if entry.name == name:
+            return entry
+    installed = ", ".join(sorted(e.name for e in entries))
+    msg = f"unknown kernel {name!r}; installed kernels: {installed}"
+    if name in KNOWN_PLUGINS:
+        msg += f"\n{name} comes with `pip install {KNOWN_PLUGINS[name]}`"
+    raise UnknownKernelError(msg)
+
+
+def _nothing_fits(entries: list[KernelEntry], inputs: AttentionInputs) -> str:
+    lines = ["no kernel can run attention with these inputs:", inputs.block(),
+             "kernels tried, in priority order:"]
+    lines += [f"    {e}: {'; '.join(reasons(e, inputs))}" for e in entries]
+    lines.append("run `python -m portattn info` to see every installed kernel")
+    return "\n".join(lines)

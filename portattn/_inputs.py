@@ -1,0 +1,269 @@
+"""One attention call, validated and described.
+
+:func:`describe` checks the arguments once (clear ``TypeError``/``ValueError`` naming
+the argument and its value) and returns a frozen :class:`AttentionInputs` that every
+kernel receives. It also renders the "inputs block" shown in errors and logs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from array_api_compat import array_namespace
+from array_api_compat import device as device_of
+
+from . import masks as _masks
+
+if TYPE_CHECKING:
+    from .masks import Mask
+
+__all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespace_name"]
+
+_HALF = ("float16", "bfloat16")
+
+
+def namespace_name(xp: Any) -> str:
+    """Short library name of an array namespace: numpy, torch, jax, cupy, dask, ..."""
+    name = xp.__name__
+    name = name.removeprefix("array_api_compat.")
+    return {"dask.array": "dask", "jax.numpy": "jax"}.get(name, name.split(".")[0])
+
+
+def dtype_name(dtype: Any) -> str:
+    """``float32`` for numpy, torch, jax and array-api-strict dtypes alike."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def device_kind(dev: Any) -> str:
+    """Normalised device kind: ``cpu``, ``cuda``, ..."""
+    kind = getattr(dev, "type", None)  # torch.device
+    if isinstance(kind, str):
+        return kind
+    platform = getattr(dev, "platform", None)  # jax Device
+    if isinstance(platform, str):
+        return "cuda" if platform == "gpu" else platform
+    text = str(dev).lower()
+    for known in ("cpu", "cuda", "rocm"):
+        if known in text:
+            return known
+    return text
+
+
+def _needs_grad(arrays: tuple[Any, ...]) -> bool:
+    # Duck-typed: a torch tensor that requires grad, or a JAX tracer (jit/grad/vmap).
+    if any(getattr(a, "requires_grad", False) is True for a in arrays):
+        return "torch" in sys.modules and sys.modules["torch"].is_grad_enabled()
+    jax_core = sys.modules.get("jax.core")
+    tracer = getattr(jax_core, "Tracer", None)
+    return tracer is not None and any(isinstance(a, tracer) for a in arrays)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionInputs:
+    """Everything a kernel needs to know about one call (validated)."""
+
+    query: Any
+    key: Any
+    value: Any
+    mask: Mask | None
+    bias: Any
+    scale: float
+    softcap: float | None
+    return_lse: bool
+    return_weights: bool
+    dropout_p: float
+    xp: Any
+    namespace: str
+    device: str
+    device_obj: Any
+    dtype: str
+    batch_shape: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_head_dim: int
+    requires_grad: bool
+    mask_kinds: frozenset[str] = field(default=frozenset())
+
+    @property
+    def compute_dtype(self) -> Any:
+        """float32 for half precision inputs, the input dtype otherwise."""
+        return self.xp.float32 if self.dtype in _HALF else self.query.dtype
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def block(self) -> str:
+        """The inputs block used in errors and logs."""
+        dev = str(self.device_obj) if self.device != "cpu" else "cpu"
+        lines = []
+        for name in ("query", "key", "value"):
+            a = getattr(self, name)
+            lines.append(f"    {name:<6}: shape={tuple(a.shape)} dtype={self.dtype} "
+                         f"namespace={self.namespace} device={dev}")
+        bias = None if self.bias is None else f"shape={tuple(self.bias.shape)}"
+        lines.append(f"    mask={self.mask!r} bias={bias} scale={self.scale:.6g} "
+                     f"softcap={self.softcap}")
+        flags = [f for f in ("return_lse", "return_weights", "requires_grad") if getattr(self, f)]
+        if self.dropout_p:
+            flags.append(f"dropout_p={self.dropout_p}")
+        if flags:
+            lines.append("    " + " ".join(flags))
+        return "\n".join(lines)
+
+
+def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias: Any = None,
+             scale: float | None = None, softcap: float | None = None,
+             return_lse: bool = False, return_weights: bool = False,
+             dropout_p: float = 0.0) -> AttentionInputs:
+    """Validate one call's arguments and describe it."""
+    arrays = {"query": query, "key": key, "value": value}
+    for name, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            msg = f"{name} must be an array; got {type(a).__name__}"
+            raise TypeError(msg)
+    xp = _common_namespace(arrays)
+    dev = _common_device(arrays)
+    _check_dtypes(xp, arrays)
+    batch, hq, hkv, lq, lk, d, dv = _check_shapes(query, key, value)
+    full_shape = (*batch, hq, lq, lk)
+
+    if mask is not None:
+        if not isinstance(mask, _masks.Mask):
+            if hasattr(mask, "shape"):
+                mask = _masks.dense(mask)
+            else:
+                msg = f"mask must be a portattn.masks mask or a boolean array; got {mask!r}"
+                raise TypeError(msg)
+        for a in mask.arrays:
+            _check_same_library(xp, dev, a, f"mask {mask!r}")
+        mask = mask.bind(xp, batch, hq, lq, lk)
+    if bias is not None:
+        _check_same_library(xp, dev, bias, "bias")
+        if not xp.isdtype(bias.dtype, "real floating"):
+            msg = f"bias must have a real floating dtype; got dtype={dtype_name(bias.dtype)}"
+            raise TypeError(msg)
+        bias = _masks.expand_to_rank(xp, bias, full_shape, "bias")
+
+    scale = _check_positive("scale", scale, default=1.0 / math.sqrt(d) if d else 1.0)
+    if softcap is not None:
+        softcap = _check_positive("softcap", softcap)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
+            0.0 <= dropout_p < 1.0):
+        msg = f"dropout_p must be a float in [0, 1); got dropout_p={dropout_p!r}"
+        raise ValueError(msg)
+
+    return AttentionInputs(
+        query=query, key=key, value=value, mask=mask, bias=bias, scale=scale,
+        softcap=softcap, return_lse=bool(return_lse), return_weights=bool(return_weights),
+        dropout_p=float(dropout_p), xp=xp, namespace=namespace_name(xp),
+        device=device_kind(dev), device_obj=dev, dtype=dtype_name(query.dtype),
+        batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
+        head_dim=d, value_head_dim=dv,
+        requires_grad=_needs_grad((query, key, value, bias)),
+        mask_kinds=mask.kinds if mask is not None else frozenset(),
+    )
+
+
+def _common_namespace(arrays: dict[str, Any]) -> Any:
+    try:
+        return array_namespace(*arrays.values())
+    except TypeError as e:
+        kinds = ", ".join(f"{n}={type(a).__module__}.{type(a).__name__}"
+                          for n, a in arrays.items())
+        msg = f"query, key and value must come from one array library; got {kinds}"
+        raise TypeError(msg) from e
+
+
+def _device(a: Any) -> Any:
+    try:
+        return device_of(a)
+    except Exception:  # e.g. a tracer that carries no device while being traced
+        return None
+
+
+def _common_device(arrays: dict[str, Any]) -> Any:
+    devices = {n: _device(a) for n, a in arrays.items()}
+    first = devices["query"]
+    if any(d != first for d in devices.values()):
+        listed = ", ".join(f"{n}.device={d}" for n, d in devices.items())
+        msg = f"query, key and value must be on one device; got {listed}"
+        raise ValueError(msg)
+    return first if first is not None else "cpu"
+
+
+def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:
+    try:
+        other = array_namespace(a)
+    except TypeError as e:
+        msg = f"{what} must be an array of the query's library; got {type(a).__name__}"
+        raise TypeError(msg) from e
+    if namespace_name(other) != namespace_name(xp):
+        msg = (f"{what} must come from the query's library ({namespace_name(xp)}); "
+               f"got {namespace_name(other)}")
+        raise TypeError(msg)
+    a_dev = _device(a)
+    if a_dev is not None and device_kind(a_dev) != device_kind(dev):
+        msg = f"{what} must be on the query's device ({dev}); got {a_dev}"
+        raise ValueError(msg)
+
+
+def _check_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
+    names = {n: dtype_name(a.dtype) for n, a in arrays.items()}
+    for n, a in arrays.items():
+        if not xp.isdtype(a.dtype, "real floating"):
+            msg = f"{n} must have a real floating dtype; got {n}.dtype={names[n]}"
+            raise TypeError(msg)
+    if len(set(names.values())) > 1:
+        listed = ", ".join(f"{n}.dtype={d}" for n, d in names.items())
+        msg = f"query, key and value must share one dtype; got {listed}"
+        raise TypeError(msg)
+
+
+def _check_shapes(query: Any, key: Any, value: Any) -> tuple:
+    q, k, v = (tuple(a.shape) for a in (query, key, value))
+    for name, shape in (("query", q), ("key", k), ("value", v)):
+        if len(shape) < 3:
+            msg = (f"{name} must have shape (..., heads, length, head_dim) with at least 3 "
+                   f"dims; got {name}.shape={shape}")
+            raise ValueError(msg)
+    if not len(q) == len(k) == len(v):
+        msg = f"query, key and value must have the same rank; got shapes {q}, {k}, {v}"
+        raise ValueError(msg)
+    if not q[:-3] == k[:-3] == v[:-3]:
+        msg = (f"query, key and value must share the leading batch dims; got "
+               f"query.shape={q}, key.shape={k}, value.shape={v}")
+        raise ValueError(msg)
+    if q[-1] != k[-1]:
+        msg = (f"query and key must have the same head dimension; got "
+               f"query.shape[-1]={q[-1]}, key.shape[-1]={k[-1]}")
+        raise ValueError(msg)
+    if k[-3:-1] != v[-3:-1]:
+        msg = (f"key and value must have the same heads and length; got "
+               f"key.shape={k}, value.shape={v}")
+        raise ValueError(msg)
+    hq, hkv = q[-3], k[-3]
+    if hkv == 0 or hq % hkv:
+        msg = (f"query heads must be a multiple of key/value heads (grouped-query); got "
+               f"query.shape[-3]={hq}, key.shape[-3]={hkv}")
+        raise ValueError(msg)
+    return q[:-3], hq, hkv, q[-2], k[-2], q[-1], v[-1]
+
+
+def _check_positive(name: str, value: Any, default: float | None = None) -> float:
+    if value is None:
+        return default  # type: ignore[return-value]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+        msg = f"{name} must be a finite number > 0; got {name}={value!r}"
+        raise ValueError(msg)
+    return number

@@ -1,0 +1,90 @@
+"""Array API building blocks shared by the portable kernels.
+
+Grouped-query attention never repeats K/V: queries are viewed as
+``(*batch, Hkv, G, L, D)`` and keys/values as ``(*batch, Hkv, 1, L, D)``, so one
+matmul broadcasts each K/V head over its group of G query heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
+
+
+def group_queries(xp: Any, x: Any, num_kv_heads: int) -> Any:
+    """``(*b, Hq, L, D) -> (*b, Hkv, G, L, D)``."""
+    *batch, hq, length, dim = x.shape
+    return xp.reshape(x, (*batch, num_kv_heads, hq // num_kv_heads, length, dim))
+
+
+def group_kv(xp: Any, x: Any) -> Any:
+    """``(*b, Hkv, L, D) -> (*b, Hkv, 1, L, D)``."""
+    return xp.expand_dims(x, axis=-3)
+
+
+def ungroup(xp: Any, x: Any, trailing: int = 2) -> Any:
+    """``(*b, Hkv, G, *rest) -> (*b, Hq, *rest)`` where ``rest`` has ``trailing`` dims."""
+    shape = tuple(x.shape)
+    axis = len(shape) - trailing - 2
+    return xp.reshape(x, (*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2:]))
+
+
+def group_tile(xp: Any, tile: Any, num_kv_heads: int) -> Any:
+    """A mask or bias tile of shape ``(tq, tk)`` or ``(*b, H, tq, tk)`` in grouped layout."""
+    if tile.ndim == 2:
+        return tile
+    *batch, heads, tq, tk = tile.shape
+    if heads == 1:
+        return xp.reshape(tile, (*batch, 1, 1, tq, tk))
+    return xp.reshape(tile, (*batch, num_kv_heads, heads // num_kv_heads, tq, tk))
+
+
+def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+    """Scaled, soft-capped, biased and masked scores of one tile (grouped layout).
+
+    Masked entries are ``-inf``. ``q`` and ``k`` are grouped and already in the compute
+    dtype.
+    """
+    xp = inputs.xp
+    s = xp.matmul(q, xp.matrix_transpose(k))
+    s = s * inputs.scale
+    if inputs.softcap is not None:
+        s = xp.tanh(s / inputs.softcap) * inputs.softcap
+    if inputs.bias is not None:
+        from .masks import slice_tile
+
+        b = slice_tile(inputs.bias, q0, q1, k0, k1)
+        s = s + group_tile(xp, xp.astype(b, s.dtype), inputs.num_kv_heads)
+    mask = inputs.mask
+    if mask is not None and not mask.covers(q0, q1, k0, k1, inputs.q_len, inputs.kv_len):
+        allowed = mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, inputs.device_obj)
+        s = xp.where(group_tile(xp, allowed, inputs.num_kv_heads), s, -math.inf)
+    return s
+
+
+def safe_max(xp: Any, s: Any) -> Any:
+    """Row maximum, with ``-inf`` rows (fully masked) replaced by 0 so ``s - m`` is finite."""
+    m = xp.max(s, axis=-1, keepdims=True)
+    return xp.where(m == -math.inf, xp.zeros_like(m), m)
+
+
+def finish(xp: Any, acc: Any, m: Any, denom: Any) -> tuple[Any, Any]:
+    """Normalise an accumulated output; ``(out, lse)`` with 0 / ``-inf`` on empty rows."""
+    has_mass = denom > 0
+    safe = xp.where(has_mass, denom, xp.ones_like(denom))
+    out = acc / safe
+    lse = xp.where(has_mass, m + xp.log(safe), xp.full_like(denom, -math.inf))
+    return out, lse[..., 0]
+
+
+def empty_result(inputs: AttentionInputs) -> tuple[Any, Any]:
+    """Output zeros and lse ``-inf`` for calls with no keys (or no queries)."""
+    xp = inputs.xp
+    lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
+    out = xp.zeros((*lead, inputs.value_head_dim), dtype=inputs.query.dtype,
+                   device=inputs.device_obj)
+    lse = xp.full(lead, -math.inf, dtype=inputs.compute_dtype, device=inputs.device_obj)
+    return out, lse

@@ -1,0 +1,54 @@
+"""The reference kernel: materialises the whole score matrix. The numerical oracle."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._portable import empty_result, finish, group_kv, group_queries, safe_max, scores, ungroup
+from .kernel import ANY, Kernel
+
+if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
+
+
+class ReferenceKernel(Kernel):
+    """O(L^2) memory; the only portable kernel that returns the softmax weights."""
+
+    name = "reference"
+    namespaces = ANY
+    devices = ANY
+    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    bias = softcap = gqa = value_head_dim = empty = True
+    returns_lse = returns_weights = grad = True
+    priority = 0
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        return reference_attention(inputs)
+
+
+def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+    xp = inputs.xp
+    lq, lk = inputs.q_len, inputs.kv_len
+    if lq == 0 or lk == 0:
+        out, lse = empty_result(inputs)
+        weights = None
+        if inputs.return_weights:
+            weights = xp.zeros((*inputs.batch_shape, inputs.num_heads, lq, lk),
+                               dtype=inputs.query.dtype, device=inputs.device_obj)
+        return out, lse if inputs.return_lse else None, weights
+    ct = inputs.compute_dtype
+    q = group_queries(xp, xp.astype(inputs.query, ct), inputs.num_kv_heads)
+    k = group_kv(xp, xp.astype(inputs.key, ct))
+    v = group_kv(xp, xp.astype(inputs.value, ct))
+    s = scores(inputs, q, k, 0, lq, 0, lk)
+    m = safe_max(xp, s)
+    p = xp.exp(s - m)
+    denom = xp.sum(p, axis=-1, keepdims=True)
+    weights, lse = finish(xp, p, m, denom)
+    out = xp.astype(ungroup(xp, xp.matmul(weights, v)), inputs.query.dtype)
+    return (
+        out,
+        ungroup(xp, lse, trailing=1) if inputs.return_lse else None,
+        xp.astype(ungroup(xp, weights), inputs.query.dtype) if inputs.return_weights else None,
+    )

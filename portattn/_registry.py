@@ -1,0 +1,183 @@
+"""Kernel discovery through the ``portattn.kernels`` entry-point group.
+
+A short pipeline of small functions: collect -> drop disabled -> load -> validate ->
+resolve duplicates -> order. Loading is lazy (first dispatch or ``kernels()``) and
+cached; ``refresh_kernels()`` starts over. A plugin that fails never breaks a call: it
+becomes a warning and an entry whose ``status`` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
+
+from .errors import PluginWarning
+from .kernel import Kernel
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["GROUP", "KernelEntry", "kernels", "refresh_kernels"]
+
+GROUP = "portattn.kernels"
+CORE = "portattn"
+DISABLE_ENV = "PORTATTN_DISABLE_KERNELS"
+
+#: Kernels provided by portattn's own plugin distributions, for install hints.
+KNOWN_PLUGINS = {
+    "numpy_fast": "portattn-numpy",
+    "torch_sdpa": "portattn-torch",
+    "torch_sdpa_dlpack": "portattn-torch",
+    "triton_flash": "portattn-triton",
+    "jax_dpa": "portattn-jax",
+    "dask_blockwise": "portattn-dask",
+}
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One installed kernel and where it came from."""
+
+    name: str
+    kernel: Kernel | None
+    distribution: str
+    version: str
+    status: str | None = None
+    """None when loaded; otherwise why the kernel cannot be used at all."""
+
+    @property
+    def priority(self) -> int:
+        return self.kernel.priority if self.kernel is not None else -(2**31)
+
+    @property
+    def provenance(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.provenance})"
+
+
+def collect(group: str = GROUP) -> list[EntryPoint]:
+    return list(entry_points(group=group))
+
+
+def disabled_names(value: str | None = None) -> frozenset[str]:
+    value = os.environ.get(DISABLE_ENV, "") if value is None else value
+    return frozenset(n.strip() for n in value.split(",") if n.strip())
+
+
+def _origin(ep: EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown", "?"
+    return dist.metadata["Name"] or "unknown", dist.version or "?"
+
+
+def drop_disabled(eps: Iterable[EntryPoint], disabled: frozenset[str]
+                  ) -> tuple[list[EntryPoint], list[KernelEntry]]:
+    """Disabled plugins are never imported, so disabling works around a broken one."""
+    kept, dropped = [], []
+    for ep in eps:
+        if ep.name in disabled:
+            dist, version = _origin(ep)
+            dropped.append(KernelEntry(ep.name, None, dist, version,
+                                       f"disabled by {DISABLE_ENV}"))
+        else:
+            kept.append(ep)
+    return kept, dropped
+
+
+def load(ep: EntryPoint) -> KernelEntry:
+    dist, version = _origin(ep)
+    try:
+        obj = ep.load()
+    except Exception as e:
+        status = f"unavailable: failed to import {ep.value}: {type(e).__name__}: {e}"
+        warnings.warn(f"portattn kernel {ep.name!r} from {dist} {version}: {status}",
+                      PluginWarning, stacklevel=2)
+        return KernelEntry(ep.name, None, dist, version, status)
+    return validate(ep.name, obj, dist, version)
+
+
+def validate(name: str, obj: object, dist: str, version: str) -> KernelEntry:
+    problem = None
+    if not (isinstance(obj, type) and issubclass(obj, Kernel)):
+        problem = f"{obj!r} is not a portattn.kernel.Kernel subclass"
+    elif obj.name != name:
+        problem = f"class declares name={obj.name!r} but is registered as {name!r}"
+    if problem is not None:
+        status = f"unavailable: {problem}"
+        warnings.warn(f"portattn kernel {name!r} from {dist} {version}: {status}",
+                      PluginWarning, stacklevel=2)
+        return KernelEntry(name, None, dist, version, status)
+    return KernelEntry(name, obj(), dist, version)
+
+
+def resolve_duplicates(entries: Iterable[KernelEntry]) -> list[KernelEntry]:
+    """One entry per name. Rule: portattn's own kernels win; then a loaded entry over a
+    broken one; then higher priority; then the distribution name that sorts first."""
+    def rank(e: KernelEntry) -> tuple:
+        return (e.distribution != CORE, e.kernel is None, -e.priority, e.distribution)
+
+    best: dict[str, KernelEntry] = {}
+    for entry in sorted(entries, key=rank):
+        kept = best.setdefault(entry.name, entry)
+        if kept is not entry:
+            warnings.warn(
+                f"portattn kernel {entry.name!r} is provided by both {kept.provenance} and "
+                f"{entry.provenance}; using {kept.provenance}", PluginWarning, stacklevel=2)
+    return list(best.values())
+
+
+def order(entries: Iterable[KernelEntry]) -> list[KernelEntry]:
+    return sorted(entries, key=lambda e: (-e.priority, e.name))
+
+
+def builtin_entries() -> list[KernelEntry]:
+    from . import __version__
+    from ._reference import ReferenceKernel
+    from ._tiled import TiledKernel
+
+    return [KernelEntry(k.name, k(), CORE, __version__) for k in (ReferenceKernel, TiledKernel)]
+
+
+def discover(eps: Iterable[EntryPoint] | None = None,
+             disabled: frozenset[str] | None = None) -> list[KernelEntry]:
+    """Run the whole pipeline (entry points default to the installed ones)."""
+    disabled = disabled_names() if disabled is None else disabled
+    kept, dropped = drop_disabled(collect() if eps is None else eps, disabled)
+    builtins = [e if e.name not in disabled else
+                KernelEntry(e.name, None, e.distribution, e.version, f"disabled by {DISABLE_ENV}")
+                for e in builtin_entries()]
+    loaded = [load(ep) for ep in kept]
+    return order(resolve_duplicates([*builtins, *loaded, *dropped]))
+
+
+_cache: dict[str, list[KernelEntry]] = {}
+
+
+def kernel_entries() -> list[KernelEntry]:
+    """Installed kernels in dispatch order (cached; keyed by the disable variable)."""
+    key = os.environ.get(DISABLE_ENV, "")
+    entries = _cache.get(key)
+    if entries is None:
+        entries = _cache[key] = discover(disabled=disabled_names(key))
+    return entries
+
+
+def kernels() -> list[KernelEntry]:
+    """Every installed kernel, in dispatch order, with distribution and version."""
+    return list(kernel_entries())
+
+
+def refresh_kernels() -> list[KernelEntry]:
+    """Forget what was discovered and read the entry points again."""
+    for entries in _cache.values():
+        for entry in entries:
+            if entry.kernel is not None and "_availability" in type(entry.kernel).__dict__:
+                del type(entry.kernel)._availability  # check availability again too
+    _cache.clear()
+    return kernels()

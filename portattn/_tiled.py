@@ -1,0 +1,101 @@
+"""The tiled kernel: flash-style attention in pure Array API.
+
+Queries are processed in blocks; for each block the keys are visited in blocks with an
+online softmax (running max ``m``, running denominator ``l``, rescaled accumulator), so
+memory is O(L * block) rather than O(L^2). The structured mask tells which key blocks
+a query block can reach at all (causal: about half) and which tiles need no mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from ._portable import empty_result, finish, group_kv, group_queries, scores, ungroup
+from .kernel import ANY, Kernel
+
+if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
+
+#: Score-tile budget in elements across all batch and head rows: large tiles amortise
+#: per-call overhead, small ones stay in cache.
+TILE_ELEMENTS = 1 << 20
+MIN_BLOCK_Q = 16
+MAX_BLOCK_K = 1024
+
+
+class TiledKernel(Kernel):
+    """O(L * block) memory flash-style kernel; the default for everything it supports."""
+
+    name = "tiled"
+    namespaces = ANY
+    devices = ANY
+    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    bias = softcap = gqa = value_head_dim = empty = True
+    returns_lse = grad = True
+    priority = 10
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        out, lse = tiled_attention(inputs)
+        return out, lse if inputs.return_lse else None, None
+
+
+def block_sizes(inputs: AttentionInputs) -> tuple[int, int]:
+    """Query and key block lengths for a call, within :data:`TILE_ELEMENTS`."""
+    rows = math.prod(inputs.batch_shape) * inputs.num_heads
+    block_k = max(1, min(inputs.kv_len, MAX_BLOCK_K))
+    block_q = max(MIN_BLOCK_Q, TILE_ELEMENTS // max(1, rows * block_k))
+    return min(block_q, max(1, inputs.q_len)), block_k
+
+
+def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
+                    block_k: int | None = None) -> tuple[Any, Any]:
+    """``(out, lse)`` computed tile by tile."""
+    if inputs.q_len == 0 or inputs.kv_len == 0:
+        return empty_result(inputs)
+    xp = inputs.xp
+    default_q, default_k = block_sizes(inputs)
+    block_q, block_k = block_q or default_q, block_k or default_k
+    ct = inputs.compute_dtype
+    k = group_kv(xp, xp.astype(inputs.key, ct))
+    v = group_kv(xp, xp.astype(inputs.value, ct))
+    outs, lses = [], []
+    for q0 in range(0, inputs.q_len, block_q):
+        q1 = min(inputs.q_len, q0 + block_q)
+        q = group_queries(xp, xp.astype(inputs.query[..., q0:q1, :], ct), inputs.num_kv_heads)
+        out, lse = _query_block(inputs, q, k, v, q0, q1, block_k)
+        outs.append(out)
+        lses.append(lse)
+    out = ungroup(xp, xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0])
+    lse = ungroup(xp, xp.concat(lses, axis=-1) if len(lses) > 1 else lses[0], trailing=1)
+    return xp.astype(out, inputs.query.dtype), lse
+
+
+def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, q0: int, q1: int,
+                 block_k: int) -> tuple[Any, Any]:
+    xp = inputs.xp
+    lo, hi = (0, inputs.kv_len) if inputs.mask is None else inputs.mask.key_range(
+        q0, q1, inputs.q_len, inputs.kv_len)
+    acc = denom = m = m_safe = None
+    for k0 in range(lo, hi, block_k):
+        k1 = min(hi, k0 + block_k)
+        s = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1)
+        m_tile = xp.max(s, axis=-1, keepdims=True)
+        m_new = m_tile if m is None else xp.maximum(m, m_tile)
+        m_safe = xp.where(m_new == -math.inf, xp.zeros_like(m_new), m_new)
+        p = xp.exp(s - m_safe)
+        pv = xp.matmul(p, v[..., k0:k1, :])
+        row_sum = xp.sum(p, axis=-1, keepdims=True)
+        if acc is None:
+            acc, denom = pv, row_sum
+        else:
+            alpha = xp.exp(m - m_safe)
+            acc = acc * alpha + pv
+            denom = denom * alpha + row_sum
+        m = m_new
+    if acc is None:  # the mask leaves this query block no keys at all
+        shape = (*q.shape[:-1], v.shape[-1])
+        zeros = xp.zeros(shape, dtype=q.dtype, device=inputs.device_obj)
+        return zeros, xp.full(shape[:-1], -math.inf, dtype=q.dtype, device=inputs.device_obj)
+    return finish(xp, acc, m_safe, denom)

@@ -1,0 +1,25 @@
+"""Exceptions raised by portattn.
+
+Input mistakes are plain ``TypeError`` / ``ValueError``. Kernel selection has its own
+classes so callers can tell "no kernel fits" from "the kernel you forced cannot run".
+"""
+
+from __future__ import annotations
+
+__all__ = ["KernelNotUsableError", "NoKernelError", "PluginWarning", "UnknownKernelError"]
+
+
+class NoKernelError(NotImplementedError):
+    """No installed kernel can honour the call; the message lists every kernel's reasons."""
+
+
+class KernelNotUsableError(ValueError):
+    """A kernel forced by name (argument, environment or context) cannot run this call."""
+
+
+class UnknownKernelError(KernelNotUsableError):
+    """A kernel name that no installed distribution provides."""
+
+
+class PluginWarning(UserWarning):
+    """A kernel plugin could not be loaded, or two distributions claim one name."""

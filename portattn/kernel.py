@@ -1,0 +1,127 @@
+"""The base class every attention kernel derives from.
+
+A kernel declares what it supports as plain class data; the base class turns that
+data into rejection reasons, one short fact each. Plugins extend
+:meth:`Kernel.not_supported_reasons` for constraints the data cannot express, and
+override :meth:`Kernel.check_available` to say why they cannot run at all here.
+
+>>> class MyKernel(Kernel):
+...     name = "my_kernel"
+...     namespaces = frozenset({"numpy"})
+...     devices = frozenset({"cpu"})
+...     dtypes = frozenset({"float32"})
+...     def run(self, inputs):
+...         ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
+
+__all__ = ["ANY", "Kernel"]
+
+ANY = "*"
+"""Wildcard for ``namespaces`` and ``devices``."""
+
+
+def _listed(values: Any) -> str:
+    return ", ".join(sorted(values))
+
+
+class Kernel:
+    """Base class of attention kernels. Defaults support nothing optional."""
+
+    name: ClassVar[str] = ""
+    namespaces: ClassVar[frozenset[str] | str] = frozenset()
+    devices: ClassVar[frozenset[str] | str] = frozenset()
+    dtypes: ClassVar[frozenset[str]] = frozenset()
+    head_dim: ClassVar[tuple[int, int | None]] = (1, None)
+    masks: ClassVar[frozenset[str]] = frozenset()
+    bias: ClassVar[bool] = False
+    softcap: ClassVar[bool] = False
+    gqa: ClassVar[bool] = False
+    value_head_dim: ClassVar[bool] = False
+    """Supports ``value.shape[-1] != query.shape[-1]``."""
+    empty: ClassVar[bool] = False
+    """Handles ``Lq == 0`` or ``Lk == 0``."""
+    returns_lse: ClassVar[bool] = False
+    returns_weights: ClassVar[bool] = False
+    dropout: ClassVar[bool] = False
+    grad: ClassVar[bool] = False
+    deterministic: ClassVar[bool] = True
+    priority: ClassVar[int] = 0
+
+    #: Capability names shown by ``python -m portattn info`` and read by the
+    #: conformance kit.
+    CAPABILITIES: ClassVar[tuple[str, ...]] = (
+        "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "gqa",
+        "value_head_dim", "empty", "returns_lse", "returns_weights", "dropout", "grad",
+        "deterministic", "priority",
+    )
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        return {c: getattr(cls, c) for c in cls.CAPABILITIES}
+
+    @classmethod
+    def available(cls) -> str | None:
+        """None when the kernel can run here, else why not (cached per class)."""
+        if "_availability" not in cls.__dict__:
+            cls._availability = cls.check_available()
+        return cls._availability
+
+    @classmethod
+    def check_available(cls) -> str | None:
+        """Override: import the library, look for a device. Called once."""
+        return None
+
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        """Why this kernel cannot run ``inputs`` (empty when it can). Never allocates."""
+        reasons: list[str] = []
+        if cls.namespaces != ANY and inputs.namespace not in cls.namespaces:
+            reasons.append(f"namespace={inputs.namespace} (supported: {_listed(cls.namespaces)})")
+        if cls.devices != ANY and inputs.device not in cls.devices:
+            reasons.append(f"device={inputs.device} (supported: {_listed(cls.devices)})")
+        if inputs.dtype not in cls.dtypes:
+            reasons.append(f"dtype={inputs.dtype} (supported: {_listed(cls.dtypes)})")
+        low, high = cls.head_dim
+        for what, dim in (("head_dim", inputs.head_dim), ("value head_dim", inputs.value_head_dim)):
+            if dim < low:
+                reasons.append(f"{what}={dim} < {low}")
+            elif high is not None and dim > high:
+                reasons.append(f"{what}={dim} > {high}")
+        if inputs.value_head_dim != inputs.head_dim and not cls.value_head_dim:
+            reasons.append(f"value head_dim={inputs.value_head_dim} != "
+                           f"head_dim={inputs.head_dim} not supported")
+        if not cls.empty and (inputs.q_len == 0 or inputs.kv_len == 0):
+            reasons.append(f"empty sequence (Lq={inputs.q_len}, Lk={inputs.kv_len}) "
+                           "not supported")
+        for kind in sorted(inputs.mask_kinds - cls.masks):
+            reasons.append(f"mask {kind} not supported")
+        if inputs.bias is not None and not cls.bias:
+            reasons.append("bias not supported")
+        if inputs.softcap is not None and not cls.softcap:
+            reasons.append("softcap not supported")
+        if inputs.num_heads != inputs.num_kv_heads and not cls.gqa:
+            reasons.append(f"grouped-query (Hq={inputs.num_heads}, Hkv={inputs.num_kv_heads}) "
+                           "not supported")
+        if inputs.return_lse and not cls.returns_lse:
+            reasons.append("return_lse not supported")
+        if inputs.return_weights and not cls.returns_weights:
+            reasons.append("return_weights not supported")
+        if inputs.dropout_p and not cls.dropout:
+            reasons.append(f"dropout_p={inputs.dropout_p} not supported")
+        if inputs.requires_grad and not cls.grad:
+            reasons.append("gradients required but not supported")
+        return reasons
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        """Compute ``(out, lse, weights)``, with None for what was not asked."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.name}>"
