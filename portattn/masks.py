@@ -79,17 +79,42 @@ class Mask:
         """Validate against a call's shapes; return the mask normalised for it."""
         return self
 
+    def restrict(self, xp: Any, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> Mask:
+        """The mask of the sub-problem ``query[q0:q1]`` x ``key[k0:k1]``, in its own
+        coordinates (for split-KV, ring attention and blockwise schedulers)."""
+        raise NotImplementedError
+
 
 class _Positional(Mask):
-    """Masks defined by query/key positions only (no arrays)."""
+    """Masks defined by query/key positions only (no arrays).
+
+    ``shift`` moves the query positions further; it is how :meth:`restrict` keeps a
+    sub-problem aligned with the whole.
+    """
+
+    shift: int = 0
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         qpos = xp.arange(q0, q1, device=device)[:, None] + self._offset(lq, lk)
         kpos = xp.arange(k0, k1, device=device)[None, :]
         return self._allowed(xp, qpos, kpos)
 
-    def _offset(self, lq: int, lk: int) -> int:
+    def _base(self, lq: int, lk: int) -> int:
         return lk - lq
+
+    def _offset(self, lq: int, lk: int) -> int:
+        return self._base(lq, lk) + self.shift
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        # global position of local query i: (q0 + i) + offset; of local key j: k0 + j.
+        shift = self._offset(lq, lk) + q0 - k0 - self._base(q1 - q0, k1 - k0)
+        return self._shifted(shift)
+
+    def _shifted(self, shift: int) -> Mask:
+        raise NotImplementedError
+
+    def _shift_text(self) -> str:
+        return f", shift={self.shift}" if self.shift else ""
 
     def _allowed(self, xp, qpos, kpos):
         raise NotImplementedError
@@ -98,14 +123,18 @@ class _Positional(Mask):
 class _Causal(_Positional):
     kind = "causal"
 
-    def __init__(self, alignment: str) -> None:
+    def __init__(self, alignment: str, shift: int = 0) -> None:
         if alignment not in ("bottom_right", "top_left"):
             msg = f"alignment must be 'bottom_right' or 'top_left'; got alignment={alignment!r}"
             raise ValueError(msg)
         self.alignment = alignment
+        self.shift = shift
 
-    def _offset(self, lq, lk):
+    def _base(self, lq, lk):
         return lk - lq if self.alignment == "bottom_right" else 0
+
+    def _shifted(self, shift):
+        return _Causal(self.alignment, shift)
 
     def key_range(self, q0, q1, lq, lk):
         return 0, max(0, min(lk, q1 + self._offset(lq, lk)))
@@ -117,19 +146,20 @@ class _Causal(_Positional):
         return kpos <= qpos
 
     def __repr__(self) -> str:
-        return f"causal({self.alignment})"
+        return f"causal({self.alignment}{self._shift_text()})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Causal) and other.alignment == self.alignment
+        return (isinstance(other, _Causal)
+                and (other.alignment, other.shift) == (self.alignment, self.shift))
 
     def __hash__(self) -> int:
-        return hash(("causal", self.alignment))
+        return hash(("causal", self.alignment, self.shift))
 
 
 class _SlidingWindow(_Positional):
     kind = "sliding_window"
 
-    def __init__(self, left: int | None, right: int | None) -> None:
+    def __init__(self, left: int | None, right: int | None, shift: int = 0) -> None:
         for name, value in (("left", left), ("right", right)):
             if value is None:
                 continue
@@ -138,6 +168,10 @@ class _SlidingWindow(_Positional):
                 raise ValueError(msg)
         self.left = left
         self.right = right
+        self.shift = shift
+
+    def _shifted(self, shift):
+        return _SlidingWindow(self.left, self.right, shift)
 
     def _bounds(self) -> tuple[float, float]:
         left = math.inf if self.left is None else self.left
@@ -168,14 +202,14 @@ class _SlidingWindow(_Positional):
         return allowed
 
     def __repr__(self) -> str:
-        return f"sliding_window(left={self.left}, right={self.right})"
+        return f"sliding_window(left={self.left}, right={self.right}{self._shift_text()})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, _SlidingWindow)
-                and (other.left, other.right) == (self.left, self.right))
+        return (isinstance(other, _SlidingWindow) and
+                (other.left, other.right, other.shift) == (self.left, self.right, self.shift))
 
     def __hash__(self) -> int:
-        return hash(("sliding_window", self.left, self.right))
+        return hash(("sliding_window", self.left, self.right, self.shift))
 
 
 class _Lengths(Mask):
@@ -204,6 +238,10 @@ class _Lengths(Mask):
         limit = lk if self.kind == "key_lengths" else lq
         _check_range(xp, lengths, limit, self.kind)
         return self
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        start, stop = (k0, k1) if self.kind == "key_lengths" else (q0, q1)
+        return type(self)(xp.clip(self.lengths - start, 0, stop - start))
 
     def _column(self, xp):
         # (*batch) -> (*batch, 1, 1, 1): broadcasts against (*batch, H, tq, tk)
@@ -265,6 +303,9 @@ class _Dense(Mask):
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         return slice_tile(self.allowed, q0, q1, k0, k1)
 
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        return _Dense(slice_tile(self.allowed, q0, q1, k0, k1))
+
     def __repr__(self) -> str:
         return f"dense(shape={tuple(self.allowed.shape)})"
 
@@ -299,6 +340,9 @@ class _Intersection(Mask):
             t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
             allowed = t if allowed is None else xp.logical_and(allowed, t)
         return allowed
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        return _Intersection(tuple(p.restrict(xp, q0, q1, k0, k1, lq, lk) for p in self._parts))
 
     def bind(self, xp, batch_shape, num_heads, lq, lk):
         return _Intersection(tuple(p.bind(xp, batch_shape, num_heads, lq, lk)

@@ -1,0 +1,237 @@
+"""The conformance kit: cases generated from a kernel's declared capabilities.
+
+Every case is checked against the float64 NumPy reference. A case is generated only
+for what the kernel declares, and a kernel that then rejects its own case fails: a
+declared feature must work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from .. import masks
+from .._inputs import describe
+from ..kernel import ANY, Kernel
+from .oracle import assert_close, oracle
+
+if TYPE_CHECKING:
+    from .backends import Backend
+
+__all__ = ["Case", "check_case", "check_kernel", "conformance_cases"]
+
+HEAD_DIMS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention call, described as data (built on any backend by :meth:`build`)."""
+
+    name: str
+    dtype: str = "float32"
+    batch: tuple[int, ...] = (2,)
+    hq: int = 4
+    hkv: int = 4
+    lq: int = 33
+    lk: int = 33
+    d: int = 16
+    dv: int = 16
+    mask: tuple[tuple[Any, ...], ...] = ()
+    bias: str | None = None  # None, "broadcast" (Hq, Lq, Lk) or "full"
+    softcap: float | None = None
+    scale: float | None = None
+    lse: bool = False
+    weights: bool = False
+    seed: int = 0
+    needs: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.name}-{self.dtype}"
+
+    def build(self, backend: Backend) -> tuple[tuple, dict, tuple, dict]:
+        """``(args, kwargs)`` on ``backend`` and the same call on float64 NumPy."""
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        shapes = ((*self.batch, self.hq, self.lq, self.d), (*self.batch, self.hkv, self.lk, self.d),
+                  (*self.batch, self.hkv, self.lk, self.dv))
+        arrays = tuple(backend.asarray(rng.standard_normal(s), self.dtype) for s in shapes)
+        # The oracle sees exactly the rounded inputs the kernel sees.
+        np_arrays = tuple(np.asarray(backend.to_numpy(a), dtype=np.float64) for a in arrays)
+        kwargs = {"scale": self.scale, "softcap": self.softcap, "return_lse": self.lse,
+                  "return_weights": self.weights}
+        np_kwargs = dict(kwargs)
+        if self.bias is not None:
+            shape = (self.hq, self.lq, self.lk) if self.bias == "broadcast" else (
+                *self.batch, self.hq, self.lq, self.lk)
+            bias = rng.standard_normal(shape) * 0.5
+            kwargs["bias"] = backend.asarray(bias, self.dtype)
+            np_kwargs["bias"] = np.asarray(backend.to_numpy(kwargs["bias"]), dtype=np.float64)
+        if self.mask:
+            kwargs["mask"] = self._mask(rng, lambda a: backend.asarray(a))
+            np_kwargs["mask"] = self._mask(np.random.default_rng(self.seed + 1), np.asarray)
+        return arrays, kwargs, np_arrays, np_kwargs
+
+    def _mask(self, rng: Any, convert: Any) -> masks.Mask:
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed + 1)  # same draws for backend and oracle
+        parts = []
+        for kind, *args in self.mask:
+            if kind == "causal":
+                parts.append(masks.causal(*args))
+            elif kind == "sliding_window":
+                parts.append(masks.sliding_window(*args))
+            elif kind in ("key_lengths", "query_lengths"):
+                lengths = np.asarray(args[0], dtype=np.int64).reshape(self.batch)
+                parts.append(getattr(masks, kind)(convert(lengths)))
+            elif kind == "dense":
+                allowed = rng.random((*self.batch, self.hq, self.lq, self.lk)) < args[0]
+                parts.append(masks.dense(convert(allowed)))
+        mask = parts[0]
+        for part in parts[1:]:
+            mask = mask & part
+        return mask
+
+
+def _lengths(n: int, values: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(values[i % len(values)] for i in range(n))
+
+
+def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
+    """Cases for everything ``kernel`` declares, and nothing it does not."""
+    k = kernel if isinstance(kernel, type) else type(kernel)
+    lse = k.returns_lse
+    base = Case("basic", lse=lse)
+    cases = [
+        base,
+        replace(base, name="cross_short_queries", lq=5, lk=47),
+        replace(base, name="cross_long_queries", lq=47, lk=9),
+        replace(base, name="single_token", lq=1, lk=1),
+        replace(base, name="decode_step", lq=1, lk=40),
+        replace(base, name="two_batch_dims", batch=(2, 3), hq=2, hkv=2, lq=11, lk=13),
+        replace(base, name="no_batch_dims", batch=(), lq=19, lk=21),
+        replace(base, name="custom_scale", scale=0.3),
+    ]
+    low, high = k.head_dim
+    dims = [d for d in HEAD_DIMS if d >= low and (high is None or d <= high)]
+    for d in sorted({dims[0], dims[-1], *(d for d in dims if d == 64)}) if dims else ():
+        cases.append(replace(base, name=f"head_dim_{d}", d=d, dv=d, lq=17, lk=23))
+    cases = [replace(c, d=max(c.d, low), dv=max(c.dv, low)) for c in cases]
+    if k.gqa:
+        cases += [replace(base, name="grouped_query", hq=6, hkv=2),
+                  replace(base, name="multi_query", hq=4, hkv=1, lq=9, lk=30)]
+    if k.value_head_dim:
+        cases.append(replace(base, name="value_head_dim", d=max(16, low), dv=max(24, low)))
+    cases += _mask_cases(k, base)
+    if k.bias:
+        cases += [replace(base, name="bias_broadcast", bias="broadcast"),
+                  replace(base, name="bias_full", bias="full", lq=9, lk=30)]
+        if "causal" in k.masks:
+            cases.append(replace(base, name="bias_and_causal", bias="broadcast",
+                                 mask=(("causal", "bottom_right"),)))
+    if k.softcap:
+        cases += [replace(base, name="softcap", softcap=5.0, scale=1.0),
+                  replace(base, name="softcap_small", softcap=1.0, lq=9, lk=30)]
+    if k.returns_weights:
+        cases += [replace(base, name="weights", weights=True)]
+        if "causal" in k.masks:
+            cases.append(replace(base, name="weights_causal", weights=True,
+                                 mask=(("causal", "bottom_right"),)))
+    if k.empty:
+        cases += [replace(base, name="no_keys", lk=0), replace(base, name="no_queries", lq=0)]
+    primary = "float32" if "float32" in k.dtypes else sorted(k.dtypes)[0] if k.dtypes else None
+    if primary is None:
+        return []
+    out = [replace(c, dtype=primary) for c in cases]
+    sampler = {"basic", "causal_bottom_right", "grouped_query", "key_lengths", "softcap"}
+    for dtype in sorted(k.dtypes - {primary}):
+        out += [replace(c, dtype=dtype) for c in cases if c.name in sampler]
+    return out
+
+
+def _mask_cases(k: type[Kernel], base: Case) -> list[Case]:
+    declared = k.masks
+    cases = []
+
+    def add(name: str, *parts: tuple[Any, ...], **changes: Any) -> None:
+        if {p[0] for p in parts} <= declared:
+            cases.append(replace(base, name=name, mask=parts, **changes))
+
+    br, tl = ("causal", "bottom_right"), ("causal", "top_left")
+    add("causal_bottom_right", br)
+    add("causal_bottom_right_cross", br, lq=9, lk=40)
+    add("causal_bottom_right_fully_masked_rows", br, lq=40, lk=9)
+    add("causal_top_left", tl)
+    add("causal_top_left_cross", tl, lq=9, lk=40)
+    add("causal_top_left_long_queries", tl, lq=40, lk=9)
+    add("window_left", ("sliding_window", 4, 0))
+    add("window_both_sides", ("sliding_window", 3, 2))
+    add("window_cross", ("sliding_window", 5, 1), lq=10, lk=40)
+    add("window_unbounded_left", ("sliding_window", None, 2))
+    add("key_lengths", ("key_lengths", _lengths(2, (20, 0))))
+    add("key_lengths_full", ("key_lengths", _lengths(2, (33, 1))))
+    add("query_lengths", ("query_lengths", _lengths(2, (33, 7))))
+    add("dense", ("dense", 0.7))
+    add("dense_sparse", ("dense", 0.05))
+    add("causal_and_key_lengths", br, ("key_lengths", _lengths(2, (25, 12))))
+    add("window_and_lengths", ("sliding_window", 6, 0), ("key_lengths", (30, 17)),
+        ("query_lengths", (33, 20)))
+    add("causal_and_dense", tl, ("dense", 0.6))
+    if k.gqa:
+        add("grouped_query_causal", br, hq=6, hkv=2, lq=20, lk=35)
+    return cases
+
+
+def _skip_reason(k: type[Kernel], case: Case, backend: Backend) -> str | None:
+    if case.dtype not in backend.dtypes:
+        return f"{backend.name} has no {case.dtype}"
+    if k.namespaces != ANY and backend.namespace not in k.namespaces:
+        return f"{k.name} does not run on {backend.namespace}"
+    if k.devices != ANY and backend.device_kind not in k.devices:
+        return f"{k.name} does not run on {backend.device_kind}"
+    why = k.available()
+    return None if why is None else f"{k.name} unavailable: {why}"
+
+
+def check_case(kernel: type[Kernel] | Kernel, case: Case, backend: Backend) -> None:
+    """Run ``case`` through ``kernel`` on ``backend`` and compare with the reference.
+
+    Skips (pytest) when the kernel does not target the backend; fails when the kernel
+    rejects a case built from its own declarations or gets it wrong.
+    """
+    import pytest
+
+    instance = kernel if isinstance(kernel, Kernel) else kernel()
+    k = type(instance)
+    skip = _skip_reason(k, case, backend)
+    if skip is not None:
+        pytest.skip(skip)
+    args, kwargs, np_args, np_kwargs = case.build(backend)
+    inputs = describe(*args, **kwargs)
+    reasons = k.not_supported_reasons(inputs)
+    if reasons:
+        pytest.fail(f"{k.name} rejects case {case} built from its declarations: "
+                    + "; ".join(reasons))
+    out, lse, weights = instance.run(inputs)
+    want_out, want_lse, want_weights = oracle(*np_args, **np_kwargs)
+    assert_close(out, want_out, case.dtype, "out")
+    if case.lse:
+        assert lse is not None, f"{k.name} returned no lse although asked"
+        assert_close(lse, want_lse, case.dtype, "lse")
+    if case.weights:
+        assert weights is not None, f"{k.name} returned no weights although asked"
+        assert_close(weights, want_weights, case.dtype, "weights")
+    out_dtype = str(out.dtype).rsplit(".", 1)[-1]
+    assert out_dtype == case.dtype, f"out dtype {out_dtype} != input dtype {case.dtype}"
+
+
+def check_kernel(kernel: type[Kernel] | Kernel, backend: Backend) -> None:
+    """Every conformance case of ``kernel`` on ``backend``; raises on the first failure."""
+    for case in conformance_cases(kernel):
+        try:
+            check_case(kernel, case, backend)
+        except Exception as e:
+            if type(e).__name__ == "Skipped":
+                continue
+            raise

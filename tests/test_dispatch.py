@@ -1,0 +1,172 @@
+"""Choosing a kernel: priority, forcing, disabling, gradients, explain, errors, logs."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import portattn
+from portattn import _dispatch, _registry, masks
+from portattn.errors import KernelNotUsableError, NoKernelError, UnknownKernelError
+
+rng = np.random.default_rng(0)
+Q, K, V = (rng.standard_normal((1, 2, 8, 16)).astype(np.float32) for _ in range(3))
+
+
+@pytest.fixture
+def only_builtins(monkeypatch):
+    """Dispatch sees the built-in kernels only (installed plugins would change choices)."""
+    entries = _registry.order(_registry.builtin_entries())
+    monkeypatch.setattr(_dispatch, "kernel_entries", lambda: entries)
+    return entries
+
+
+def add_kernel(monkeypatch, cls, entries):
+    entry = _registry.KernelEntry(cls.name, cls(), "portattn-test", "0.0")
+    ordered = _registry.order([*entries, entry])
+    monkeypatch.setattr(_dispatch, "kernel_entries", lambda: ordered)
+    return entry
+
+
+def test_tiled_is_the_default_and_reference_returns_weights(only_builtins):
+    assert portattn.explain(Q, K, V).kernel.name == "tiled"
+    assert portattn.explain(Q, K, V, return_weights=True).kernel.name == "reference"
+
+
+def test_forcing_by_argument_env_and_context(only_builtins, monkeypatch):
+    assert portattn.explain(Q, K, V, kernel="reference").kernel.name == "reference"
+    with portattn.use_kernel("reference"):
+        assert portattn.explain(Q, K, V).kernel.name == "reference"
+    monkeypatch.setenv("PORTATTN_KERNEL", "reference")
+    assert portattn.explain(Q, K, V).kernel.name == "reference"
+
+
+def test_forced_kernel_that_cannot_run(only_builtins):
+    with pytest.raises(KernelNotUsableError, match="return_weights not supported") as info:
+        portattn.attention(Q, K, V, return_weights=True, kernel="tiled")
+    assert "kernel 'tiled' cannot run" in str(info.value)
+    assert "query : shape=(1, 2, 8, 16)" in str(info.value)
+
+
+def test_unknown_kernel_lists_installed_and_install_hint(only_builtins, monkeypatch):
+    monkeypatch.setitem(_registry.KNOWN_PLUGINS, "fancy", "portattn-fancy")
+    with pytest.raises(UnknownKernelError, match="installed kernels: reference, tiled"):
+        portattn.attention(Q, K, V, kernel="nope")
+    with pytest.raises(UnknownKernelError, match="pip install portattn-fancy"):
+        portattn.attention(Q, K, V, kernel="fancy")
+
+
+def test_disable_kernels_context(only_builtins):
+    with portattn.disable_kernels("tiled"):
+        assert portattn.explain(Q, K, V).kernel.name == "reference"
+    assert portattn.explain(Q, K, V).kernel.name == "tiled"
+
+
+def test_nothing_fits_lists_every_kernel(only_builtins):
+    with portattn.disable_kernels("tiled"), pytest.raises(NoKernelError) as info:
+        portattn.attention(Q, K, V, dropout_p=0.2)
+    text = str(info.value)
+    assert "no kernel can run attention with these inputs:" in text
+    assert "tiled (portattn 0.1.0): disabled by portattn.disable_kernels()" in text
+    assert "reference (portattn 0.1.0): dropout_p=0.2 not supported" in text
+    assert "python -m portattn info" in text
+    assert isinstance(info.value, NotImplementedError)
+
+
+def test_priority_and_reasons_from_declared_data(only_builtins, monkeypatch):
+    class Fast(portattn.Kernel):
+        name = "fast"
+        namespaces = frozenset({"numpy"})
+        devices = frozenset({"cpu"})
+        dtypes = frozenset({"float16"})
+        head_dim = (32, 128)
+        masks = frozenset({"causal"})
+        priority = 99
+
+        def run(self, inputs):
+            raise AssertionError
+
+    add_kernel(monkeypatch, Fast, only_builtins)
+    plan = portattn.explain(Q, K, V, mask=masks.causal() & masks.sliding_window(2),
+                            softcap=3.0)
+    assert plan.kernel.name == "tiled"
+    fast_reasons = dict((e.name, why) for e, why in plan.candidates)["fast"]
+    assert fast_reasons == ("dtype=float32 (supported: float16)", "head_dim=16 < 32",
+                            "value head_dim=16 < 32", "mask sliding_window not supported",
+                            "softcap not supported")
+    text = str(plan)
+    assert text.splitlines()[0] == "kernel: tiled (portattn 0.1.0)"
+    assert "fast (portattn-test 0.0): dtype=float32 (supported: float16);" in text
+
+
+def test_unavailable_kernel_is_skipped(only_builtins, monkeypatch):
+    from registry_kernels import Unavailable
+
+    add_kernel(monkeypatch, Unavailable, only_builtins)
+    plan = portattn.explain(Q, K, V)
+    assert plan.kernel.name == "tiled"
+    assert dict((e.name, why) for e, why in plan.candidates)["unavailable"] == (
+        "unavailable: no such device",)
+
+
+def test_gradients_go_only_to_grad_kernels(only_builtins, monkeypatch):
+    torch = pytest.importorskip("torch")
+
+    class NoGrad(portattn.Kernel):
+        name = "no_grad"
+        namespaces = devices = "*"
+        dtypes = frozenset({"float32"})
+        priority = 999
+
+        def run(self, inputs):
+            return portattn._tiled.TiledKernel().run(inputs)
+
+    add_kernel(monkeypatch, NoGrad, only_builtins)
+    q, k, v = (torch.asarray(a) for a in (Q, K, V))
+    assert portattn.explain(q, k, v).kernel.name == "no_grad"
+    q.requires_grad_(True)
+    plan = portattn.explain(q, k, v)
+    assert plan.kernel.name == "tiled"
+    assert "gradients required but not supported" in str(plan)
+    with torch.no_grad():
+        assert portattn.explain(q, k, v).kernel.name == "no_grad"
+
+
+def test_debug_log_names_kernel_and_version(only_builtins, caplog):
+    with caplog.at_level(logging.DEBUG, logger="portattn"):
+        portattn.attention(Q, K, V)
+    assert "attention: tiled@0.1.0" in caplog.text
+
+
+def run_python(code):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+HEAVY = ("torch", "jax", "cupy", "triton", "dask", "numpy")
+
+
+def test_import_portattn_imports_no_array_library():
+    out = run_python(f"""
+        import sys, portattn
+        print(sorted(m for m in {HEAVY!r} if m in sys.modules))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_numpy_call_imports_no_other_library():
+    out = run_python(f"""
+        import sys, numpy as np, portattn
+        q = np.ones((1, 2, 4, 8), dtype=np.float32)
+        portattn.attention(q, q, q, mask=portattn.masks.causal())
+        portattn.explain(q, q, q)
+        print(sorted(m for m in {HEAVY!r} if m in sys.modules and m != "numpy"))
+    """)
+    assert out.strip() == "[]"
