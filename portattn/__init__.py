@@ -15,11 +15,16 @@ from ._inputs import AttentionInputs
 from ._merge import merge
 from ._registry import KernelEntry, kernels, refresh_kernels
 from .kernel import Kernel
+from .kv_cache import KVCache
+from .linear import linear_attention
+from .multihead import MultiHeadAttention, multi_head_attention
 
 __all__ = [
     "AttentionInputs",
     "Kernel",
+    "KVCache",
     "KernelEntry",
+    "MultiHeadAttention",
     "Plan",
     "__version__",
     "attention",
@@ -27,8 +32,10 @@ __all__ = [
     "errors",
     "explain",
     "kernels",
+    "linear_attention",
     "masks",
     "merge",
+    "multi_head_attention",
     "refresh_kernels",
     "scaled_dot_product_attention",
     "use_kernel",

@@ -101,7 +101,7 @@ class AttentionInputs:
 
     def block(self) -> str:
         """The inputs block used in errors and logs."""
-        dev = str(self.device_obj) if self.device != "cpu" else "cpu"
+        dev = self.device if self.device_obj is None or self.device == "cpu" else self.device_obj
         lines = []
         for name in ("query", "key", "value"):
             a = getattr(self, name)
@@ -163,7 +163,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         query=query, key=key, value=value, mask=mask, bias=bias, scale=scale,
         softcap=softcap, return_lse=bool(return_lse), return_weights=bool(return_weights),
         dropout_p=float(dropout_p), xp=xp, namespace=namespace_name(xp),
-        device=device_kind(dev), device_obj=dev, dtype=dtype_name(query.dtype),
+        device="cpu" if dev is None else device_kind(dev), device_obj=dev,
+        dtype=dtype_name(query.dtype),
         batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
         head_dim=d, value_head_dim=dv,
         requires_grad=_needs_grad((query, key, value, bias)),
@@ -195,7 +196,7 @@ def _common_device(arrays: dict[str, Any]) -> Any:
         listed = ", ".join(f"{n}.device={d}" for n, d in devices.items())
         msg = f"query, key and value must be on one device; got {listed}"
         raise ValueError(msg)
-    return first if first is not None else "cpu"
+    return first  # None for traced arrays: ``device=None`` works in every library
 
 
 def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:
@@ -209,7 +210,7 @@ def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:
                f"got {namespace_name(other)}")
         raise TypeError(msg)
     a_dev = _device(a)
-    if a_dev is not None and device_kind(a_dev) != device_kind(dev):
+    if a_dev is not None and dev is not None and device_kind(a_dev) != device_kind(dev):
         msg = f"{what} must be on the query's device ({dev}); got {a_dev}"
         raise ValueError(msg)
 

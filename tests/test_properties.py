@@ -59,7 +59,8 @@ def test_tiled_equals_reference(call):
     out, lse = tiled_attention(inputs, *blocks)
     dtype = str(args[0].dtype)
     assert out.dtype == args[0].dtype
-    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert not np.isnan(out).any()
+    assert not np.isnan(lse).any()
     assert_close(out, want_out.astype(np.float64), dtype, "out")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)

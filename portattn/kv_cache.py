@@ -1,0 +1,148 @@
+"""A key/value cache for autoregressive decoding.
+
+The cache preallocates ``capacity`` positions for keys and values and fills them step
+by step. Each :meth:`KVCache.append` writes the new positions with a functional update
+(``array_api_extra.at``), so it works on immutable arrays (JAX) as well as on mutable
+ones (where the write happens in place), and returns the keys and values filled so far.
+
+Attending the new queries to those keys with the bottom-right aligned
+:func:`portattn.masks.causal` places query ``i`` of ``n`` new tokens at absolute position
+``length - n + i``: decoding one token at a time gives exactly the rows of one causal
+pass over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from array_api_compat import array_namespace
+
+from ._convert import check_like, namespace, resolve_dtype, safe_device
+from ._inputs import dtype_name
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys ``(*batch, Hkv, capacity, D)`` and values ``(*batch, Hkv, capacity, Dv)``.
+
+    One cache serves one attention layer; all batch elements share one length.
+    Use :meth:`empty` (or ``MultiHeadAttention.new_cache``) to make one.
+    """
+
+    def __init__(self, key_buffer: Any, value_buffer: Any, length: int = 0) -> None:
+        xp = array_namespace(key_buffer)
+        check_like(xp, safe_device(key_buffer), value_buffer, "value_buffer", "key_buffer")
+        k, v = tuple(key_buffer.shape), tuple(value_buffer.shape)
+        if len(k) < 3 or k[:-1] != v[:-1]:
+            msg = (f"key_buffer and value_buffer must have shapes (*batch, Hkv, capacity, D) "
+                   f"and (*batch, Hkv, capacity, Dv); got key_buffer.shape={k}, "
+                   f"value_buffer.shape={v}")
+            raise ValueError(msg)
+        if key_buffer.dtype != value_buffer.dtype:
+            msg = (f"key_buffer and value_buffer must share one dtype; got "
+                   f"{dtype_name(key_buffer.dtype)} and {dtype_name(value_buffer.dtype)}")
+            raise TypeError(msg)
+        length = _index("length", length)
+        if length > k[-2]:
+            msg = f"length must lie in [0, capacity={k[-2]}]; got length={length}"
+            raise ValueError(msg)
+        self._xp = xp
+        self._key = key_buffer
+        self._value = value_buffer
+        self._length = length
+
+    @classmethod
+    def empty(cls, batch_shape: int | tuple[int, ...], num_kv_heads: int, head_dim: int,
+              capacity: int, *, value_head_dim: int | None = None, xp: Any = None,
+              dtype: Any = "float32", device: Any = None) -> KVCache:
+        """A cache of ``capacity`` positions in library ``xp`` (NumPy when None)."""
+        xp = namespace(xp)
+        batch = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+        for i, b in enumerate(batch):
+            _index(f"batch_shape[{i}]", b)
+        heads = _index("num_kv_heads", num_kv_heads, low=1)
+        dim = _index("head_dim", head_dim, low=1)
+        vdim = dim if value_head_dim is None else _index("value_head_dim", value_head_dim, low=1)
+        cap = _index("capacity", capacity, low=1)
+        dt = resolve_dtype(xp, dtype)
+        kwargs = {} if device is None else {"device": device}
+        key = xp.zeros((*batch, heads, cap, dim), dtype=dt, **kwargs)
+        value = xp.zeros((*batch, heads, cap, vdim), dtype=dt, **kwargs)
+        return cls(key, value)
+
+    @property
+    def capacity(self) -> int:
+        return self._key.shape[-2]
+
+    @property
+    def length(self) -> int:
+        """Positions filled so far."""
+        return self._length
+
+    @property
+    def keys(self) -> Any:
+        """The keys filled so far, ``(*batch, Hkv, length, D)``."""
+        return self._key[..., :self._length, :]
+
+    @property
+    def values(self) -> Any:
+        """The values filled so far, ``(*batch, Hkv, length, Dv)``."""
+        return self._value[..., :self._length, :]
+
+    def append(self, key: Any, value: Any) -> tuple[Any, Any]:
+        """Store ``n`` new positions; return all keys and values filled so far.
+
+        ``key`` is ``(*batch, Hkv, n, D)`` and ``value`` ``(*batch, Hkv, n, Dv)``.
+        Raises ``ValueError`` when the cache has no room for them (nothing is written).
+        """
+        from array_api_extra import at
+
+        for name, new, buf in (("key", key, self._key), ("value", value, self._value)):
+            check_like(self._xp, safe_device(buf), new, name, "the cache")
+            want = (*buf.shape[:-2], buf.shape[-1])
+            got = tuple(new.shape)
+            if len(got) != len(buf.shape) or (*got[:-2], got[-1]) != want:
+                shape = (*buf.shape[:-2], "n", buf.shape[-1])
+                msg = (f"{name} must have shape {shape} to fit the cache; "
+                       f"got {name}.shape={got}")
+                raise ValueError(msg)
+            if new.dtype != buf.dtype:
+                msg = (f"{name}.dtype={dtype_name(new.dtype)} differs from the cache's dtype "
+                       f"{dtype_name(buf.dtype)}")
+                raise TypeError(msg)
+        n = key.shape[-2]
+        if value.shape[-2] != n:
+            msg = (f"key and value must add the same number of positions; got "
+                   f"key.shape[-2]={n}, value.shape[-2]={value.shape[-2]}")
+            raise ValueError(msg)
+        start, stop = self._length, self._length + n
+        if stop > self.capacity:
+            msg = (f"KVCache overflow: appending {n} positions at length={start} needs "
+                   f"{stop} > capacity={self.capacity}; make the cache larger")
+            raise ValueError(msg)
+        self._key = at(self._key)[..., start:stop, :].set(key)
+        self._value = at(self._value)[..., start:stop, :].set(value)
+        self._length = stop
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are reused)."""
+        self._length = 0
+
+    def __repr__(self) -> str:
+        return (f"KVCache(shape={tuple(self._key.shape)}, value_head_dim="
+                f"{self._value.shape[-1]}, length={self._length}, "
+                f"dtype={dtype_name(self._key.dtype)})")
+
+
+def _index(name: str, value: Any, low: int = 0) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < low:
+        msg = f"{name} must be an int >= {low}; got {name}={value!r}"
+        raise ValueError(msg)
+    return number

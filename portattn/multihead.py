@@ -1,0 +1,246 @@
+"""Multi-head attention: projections, heads, output projection, on any library.
+
+:func:`multi_head_attention` is the functional form; :class:`MultiHeadAttention` holds
+the weights. Weights apply as ``x @ W`` (``W`` is ``(in_features, out_features)``, the
+transpose of a torch ``nn.Linear.weight``). Grouped-query attention (``num_kv_heads <
+num_heads``, multi-query when 1) projects fewer key/value heads and lets the attention
+kernel share each across its group; nothing is repeated per head.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._api import attention
+from ._convert import namespace, place, resolve_dtype, safe_device
+from ._inputs import dtype_name
+from ._mha_checks import (
+    BIASES,
+    WEIGHTS,
+    check_features,
+    check_same,
+    count,
+    dimensions,
+    namespace_of,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .kv_cache import KVCache
+    from .masks import Mask
+
+__all__ = ["MultiHeadAttention", "multi_head_attention"]
+
+def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
+                         num_kv_heads: int | None = None, b_q: Any = None, b_k: Any = None,
+                         b_v: Any = None, b_o: Any = None, context: Any = None,
+                         mask: Mask | Any = None, scale: float | None = None,
+                         kernel: str | None = None, cache: KVCache | None = None) -> Any:
+    """Multi-head (grouped-query, multi-query, cross) attention of ``x``.
+
+    Shapes: ``x (..., L, d_model)``; ``w_q (d_model, num_heads * head_dim)``;
+    ``w_k (d_context, num_kv_heads * head_dim)``; ``w_v (d_context, num_kv_heads * dv)``;
+    ``w_o (num_heads * dv, d_out)``; biases are 1-d with the projections' output size.
+    ``d_context`` is ``d_model`` for self-attention. The result is ``(..., L, d_out)``.
+
+    Args:
+        num_heads: query heads; ``w_q.shape[1]`` must be divisible by it.
+        num_kv_heads: key/value heads (default ``num_heads``); must divide ``num_heads``.
+        context: ``(..., S, d_context)``; keys and values come from it instead of ``x``
+            (cross-attention). Same library, device and dtype as ``x``.
+        mask: a :mod:`portattn.masks` mask or a boolean array (True = attend), over
+            ``(..., num_heads, L, S)``; e.g. ``masks.causal()`` for a decoder or
+            ``masks.key_lengths(lengths)`` for padded keys.
+        scale: score scale, default ``1/sqrt(head_dim)``.
+        kernel: force an attention kernel by name.
+        cache: a :class:`portattn.KVCache`; the new keys and values are appended to it
+            and the queries attend to everything cached (self-attention only). With
+            ``masks.causal()`` (bottom-right aligned) a step over new tokens equals the
+            matching rows of a causal pass over the whole sequence.
+    """
+    xp, dev = namespace_of(x, "x", 2)
+    arrays = {"w_q": w_q, "w_k": w_k, "w_v": w_v, "w_o": w_o, "b_q": b_q, "b_k": b_k,
+              "b_v": b_v, "b_o": b_o, "context": context}
+    for name, a in arrays.items():
+        if a is not None:
+            check_same(xp, dev, x, a, name, "x")
+    dims = dimensions(w_q, w_k, w_v, w_o, num_heads, num_kv_heads,
+                      {n: arrays[n] for n in BIASES})
+    d_model, d_context, kv_heads = dims.d_model, dims.d_context, dims.num_kv_heads
+    check_features("x", x, d_model, "w_q.shape[0]")
+    source = x
+    if context is not None:
+        check_features("context", context, d_context, "w_k.shape[0]")
+        if tuple(context.shape[:-2]) != tuple(x.shape[:-2]):
+            msg = (f"context must share x's leading batch dims; got x.shape="
+                   f"{tuple(x.shape)}, context.shape={tuple(context.shape)}")
+            raise ValueError(msg)
+        if cache is not None:
+            msg = "cache holds self-attention keys and values; got both context and cache"
+            raise ValueError(msg)
+        source = context
+    elif d_context != d_model:
+        msg = (f"w_k.shape[0]={d_context} differs from d_model={d_model}; pass context= "
+               "for cross-attention with a different feature size")
+        raise ValueError(msg)
+
+    q = _split_heads(xp, _project(xp, x, w_q, b_q), num_heads)
+    k = _split_heads(xp, _project(xp, source, w_k, b_k), kv_heads)
+    v = _split_heads(xp, _project(xp, source, w_v, b_v), kv_heads)
+    if cache is not None:
+        k, v = cache.append(k, v)
+    out = attention(q, k, v, mask=mask, scale=scale, kernel=kernel)
+    return _project(xp, _merge_heads(xp, out), w_o, b_o)
+
+
+def _project(xp: Any, a: Any, w: Any, b: Any) -> Any:
+    y = xp.matmul(a, w)
+    return y if b is None else y + b
+
+
+def _split_heads(xp: Any, a: Any, heads: int) -> Any:
+    """``(..., L, H * d) -> (..., H, L, d)``."""
+    *batch, length, features = a.shape
+    a = xp.reshape(a, (*batch, length, heads, features // heads))
+    n = a.ndim
+    return xp.permute_dims(a, (*range(n - 3), n - 2, n - 3, n - 1))
+
+
+def _merge_heads(xp: Any, a: Any) -> Any:
+    """``(..., H, L, d) -> (..., L, H * d)``."""
+    n = a.ndim
+    a = xp.permute_dims(a, (*range(n - 3), n - 2, n - 3, n - 1))
+    *batch, length, heads, dim = a.shape
+    return xp.reshape(a, (*batch, length, heads * dim))
+
+
+class MultiHeadAttention:
+    """A multi-head attention layer holding its weights in any library.
+
+    ``layer(x, context=None, mask=None, cache=None)`` is
+    :func:`multi_head_attention` with the layer's weights. Make one from a seed with
+    :meth:`init`, from arrays with the constructor, or from a torch
+    ``nn.MultiheadAttention`` with :meth:`from_torch_state_dict`.
+    """
+
+    def __init__(self, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
+                 num_kv_heads: int | None = None, b_q: Any = None, b_k: Any = None,
+                 b_v: Any = None, b_o: Any = None, scale: float | None = None,
+                 kernel: str | None = None) -> None:
+        params = {"w_q": w_q, "w_k": w_k, "w_v": w_v, "w_o": w_o,
+                  "b_q": b_q, "b_k": b_k, "b_v": b_v, "b_o": b_o}
+        xp, dev = namespace_of(w_q, "w_q", 2)
+        for name, a in params.items():
+            if a is not None and name != "w_q":
+                check_same(xp, dev, w_q, a, name, "w_q")
+        dims = dimensions(w_q, w_k, w_v, w_o, num_heads, num_kv_heads,
+                          {n: params[n] for n in BIASES})
+        self.d_model, self.d_context, self.head_dim, self.value_head_dim, kv = dims
+        self.num_heads, self.num_kv_heads = num_heads, kv
+        self.scale, self.kernel = scale, kernel
+        self.params = {n: a for n, a in params.items() if a is not None}
+
+    @classmethod
+    def init(cls, d_model: int, num_heads: int, num_kv_heads: int | None = None, *,
+             bias: bool = True, seed: int = 0, xp: Any = None, device: Any = None,
+             dtype: Any = "float32", scale: float | None = None,
+             kernel: str | None = None) -> MultiHeadAttention:
+        """A layer with Xavier-uniform weights and zero biases.
+
+        The weights come from ``numpy.random.default_rng(seed)``, so a seed gives the
+        same layer in every library; they are then placed in ``xp`` (NumPy when None)
+        on ``device`` in ``dtype``.
+        """
+        import numpy as np
+
+        d_model, heads = count("d_model", d_model), count("num_heads", num_heads)
+        kv_heads = heads if num_kv_heads is None else count("num_kv_heads", num_kv_heads)
+        if d_model % heads:
+            msg = f"d_model={d_model} is not divisible by num_heads={heads}"
+            raise ValueError(msg)
+        head_dim = d_model // heads
+        rng = np.random.default_rng(seed)
+        shapes = {"w_q": (d_model, d_model), "w_k": (d_model, kv_heads * head_dim),
+                  "w_v": (d_model, kv_heads * head_dim), "w_o": (d_model, d_model)}
+        host = {}
+        for name, (fan_in, fan_out) in shapes.items():
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            host[name] = rng.uniform(-limit, limit, size=(fan_in, fan_out))
+        if bias:
+            host.update({b: np.zeros(shapes[w][1]) for w, b in zip(WEIGHTS, BIASES,
+                                                                   strict=True)})
+        ns = namespace(xp)
+        resolve_dtype(ns, dtype)
+        params = {n: place(a, ns, device=device, dtype=dtype) for n, a in host.items()}
+        return cls(**params, num_heads=heads, num_kv_heads=kv_heads, scale=scale,
+                   kernel=kernel)
+
+    @property
+    def xp(self) -> Any:
+        """The array namespace holding the weights."""
+        return namespace_of(self.params["w_q"], "w_q", 2)[0]
+
+    @property
+    def device(self) -> Any:
+        return safe_device(self.params["w_q"])
+
+    @property
+    def dtype(self) -> Any:
+        return self.params["w_q"].dtype
+
+    def to(self, xp: Any = None, *, device: Any = None, dtype: Any = None) -> MultiHeadAttention:
+        """A copy of the layer with its weights in ``xp`` (NumPy when None)."""
+        ns = namespace(xp)
+        params = {n: place(a, ns, device=device, dtype=dtype) for n, a in self.params.items()}
+        return type(self)(**params, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          scale=self.scale, kernel=self.kernel)
+
+    def __call__(self, x: Any, context: Any = None, mask: Mask | Any = None,
+                 cache: KVCache | None = None) -> Any:
+        return multi_head_attention(x, **self.params, num_heads=self.num_heads,
+                                    num_kv_heads=self.num_kv_heads, context=context,
+                                    mask=mask, scale=self.scale, kernel=self.kernel,
+                                    cache=cache)
+
+    def new_cache(self, batch_shape: int | tuple[int, ...], capacity: int) -> KVCache:
+        """An empty :class:`portattn.KVCache` for this layer's keys and values."""
+        from .kv_cache import KVCache
+
+        return KVCache.empty(batch_shape, self.num_kv_heads, self.head_dim, capacity,
+                             value_head_dim=self.value_head_dim, xp=self.xp,
+                             dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def from_torch_state_dict(cls, state_dict: Mapping[str, Any], num_heads: int, *,
+                              xp: Any = None, device: Any = None, dtype: Any = None,
+                              ) -> MultiHeadAttention:
+        """A layer equal to a torch ``nn.MultiheadAttention`` with this state dict.
+
+        The module must have been made with ``batch_first=True`` for ``layer(x)`` to
+        take the same input; its weights may live in any library. ``xp``, ``device``
+        and ``dtype`` default to the state dict's own.
+        """
+        from ._torch_state import params_from_torch
+
+        params = params_from_torch(state_dict, num_heads)
+        ns = namespace_of(params["w_q"], "w_q", 2)[0] if xp is None else namespace(xp)
+        params = {n: place(a, ns, device=device, dtype=dtype) for n, a in params.items()}
+        return cls(**params, num_heads=num_heads)
+
+    def to_torch_state_dict(self) -> dict[str, Any]:
+        """The state dict of an equivalent torch ``nn.MultiheadAttention``.
+
+        Load it into ``nn.MultiheadAttention(d_model, num_heads, bias=..., kdim=...,
+        vdim=..., batch_first=True)``; torch has no grouped-query form, so this needs
+        ``num_kv_heads == num_heads``.
+        """
+        from ._torch_state import params_to_torch
+
+        return params_to_torch(self)
+
+    def __repr__(self) -> str:
+        kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}{kv}, "
+                f"head_dim={self.head_dim}, bias={'b_q' in self.params}, "
+                f"dtype={dtype_name(self.dtype)})")
