@@ -1,0 +1,103 @@
+"""The picture: time and peak memory against sequence length, one line per kernel.
+
+Drawn with matplotlib's object API on a bare ``Figure`` (rendered by Agg when saved
+as PNG), so the user's pyplot backend and global state are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+__all__ = ["MissingDependency", "plot"]
+
+
+#: One marker per array library, so neighbouring colours stay apart.
+_MARKERS = {"numpy": "o", "torch": "s", "jax": "^", "dask": "D", "cupy": "v",
+            "array_api_strict": "x"}
+
+
+class MissingDependency(ImportError):
+    """An optional dependency of ``portattn bench`` is not installed."""
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        msg = ("the plot needs matplotlib, which is not installed; "
+               "install it with `pip install 'portattn[bench]'` (or pass --no-plot)")
+        raise MissingDependency(msg) from e
+    return Figure
+
+
+def _label(key: tuple[str, str, str], dtypes: set[str]) -> str:
+    runner, backend, dtype = key
+    label = f"{runner} [{backend}]"
+    return f"{label} {dtype}" if len(dtypes) > 1 else label
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Write a PNG (log-log time vs L and memory vs L per mask); returns ``path``."""
+    figure = _figure_class()
+    from matplotlib.ticker import NullLocator
+    ok = [r for r in rows if r["status"] == "ok"]
+    masks = [m for m in ("none", "causal") if any(r["mask"] == m for r in ok)] or ["none"]
+    dtypes = {r["dtype"] for r in ok}
+    series: dict[tuple[str, str, str], dict[str, list[dict]]] = {}
+    for r in sorted(ok, key=lambda r: r["q_len"]):
+        series.setdefault((r["runner"], r["backend"], r["dtype"]), {}).setdefault(
+            r["mask"], []).append(r)
+
+    fig = figure(figsize=(5.5 * len(masks) + 3, 8.5), layout="constrained")
+    axes = fig.subplots(2, len(masks), squeeze=False, sharex=True)
+    colours = _colours(len(series))
+    for (key, by_mask), colour in zip(sorted(series.items()), colours, strict=True):
+        style = {"color": colour, "marker": _MARKERS.get(key[1].split(":")[0], "o"),
+                 "markersize": 4,
+                 "linestyle": "--" if by_mask[next(iter(by_mask))][0]["kind"] == "baseline"
+                 else "-", "label": _label(key, dtypes)}
+        for col, mask in enumerate(masks):
+            points = by_mask.get(mask, [])
+            if not points:
+                continue
+            lengths = [p["q_len"] for p in points]
+            axes[0][col].plot(lengths, [p["best_s"] for p in points], **style)
+            mem = [(p["q_len"], p["memory_bytes"] / 2**20) for p in points
+                   if p["memory_bytes"]]
+            if mem:
+                axes[1][col].plot(*zip(*mem, strict=True), **style)
+    methods = ", ".join(sorted({r["memory_method"] for r in ok if r["memory_method"]})) or "-"
+    for col, mask in enumerate(masks):
+        top, bottom = axes[0][col], axes[1][col]
+        top.set_title(f"mask={mask}")
+        top.set_ylabel("time per call (s, best)")
+        bottom.set_ylabel(f"peak memory (MiB; {methods})")
+        bottom.set_xlabel("sequence length L (Lq = Lk)")
+        lengths = sorted({r["q_len"] for r in ok})
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.grid(True, which="major", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes.flat[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if handles:
+        fig.legend(handles, labels, loc="outside right upper", fontsize="small")
+    fig.suptitle(title, fontsize="medium")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _colours(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20" if n > 10 else "tab10"]
+    return [cmap(i % cmap.N) for i in range(n)]

@@ -1,0 +1,117 @@
+"""Turning result rows into ratios, a terminal table and a JSON file."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from .runners import SDPA_BASELINE
+from .sweep import fmt_bytes
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+__all__ = ["SCHEMA", "add_ratios", "fmt_time", "table", "write_json"]
+
+SCHEMA = "portattn-bench/1"
+_SHOWN = ("ok", "skipped", "error")
+"""Statuses that get a table row ("unsupported" cases are only in the JSON)."""
+
+
+def _group(row: dict[str, Any]) -> tuple:
+    """Rows comparable with each other: same device, dtype, mask and length."""
+    return (row["device"], row["dtype"], row["mask"], row["q_len"])
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``ratio_fastest`` and ``ratio_sdpa`` (time over the fastest / over torch SDPA)."""
+    fastest: dict[tuple, float] = {}
+    sdpa: dict[tuple, float] = {}
+    for row in rows:
+        if row["best_s"] is None:
+            continue
+        key = _group(row)
+        fastest[key] = min(fastest.get(key, row["best_s"]), row["best_s"])
+        if row["runner"] == SDPA_BASELINE:
+            sdpa[key] = row["best_s"]
+    for row in rows:
+        key, best = _group(row), row["best_s"]
+        row["ratio_fastest"] = best / fastest[key] if best is not None else None
+        row["ratio_sdpa"] = best / sdpa[key] if best is not None and key in sdpa else None
+
+
+def fmt_time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale or unit == "us":
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return ""  # pragma: no cover
+
+
+def _ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def _memory(row: dict[str, Any]) -> str:
+    if row["memory_bytes"] is None:
+        return "-"
+    return f"{fmt_bytes(row['memory_bytes'])} ({row['memory_method']})"
+
+
+_COLUMNS = ("L", "kernel", "backend", "best", "median", "GFLOP/s", "vs fastest",
+            "vs sdpa", "peak memory")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    name = row["runner"] + ("*" if row["kind"] == "baseline" else "")
+    head = [str(row["q_len"]), name, row["backend"]]
+    if row["status"] != "ok":
+        return [*head, f"{row['status']}: {row['reason']}"]
+    return [*head, fmt_time(row["best_s"]), fmt_time(row["median_s"]), f"{row['gflops']:.1f}",
+            _ratio(row["ratio_fastest"]), _ratio(row["ratio_sdpa"]), _memory(row)]
+
+
+def table(rows: list[dict[str, Any]], shape: dict[str, int]) -> str:
+    """Sections per (device, dtype, mask); rows by length, then time."""
+    sections: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["status"] in _SHOWN:
+            sections[row["device"], row["dtype"], row["mask"]].append(row)
+    dims = ", ".join(f"{k}={v}" for k, v in shape.items())
+    out: list[str] = []
+    for (device, dtype, mask), section in sorted(sections.items()):
+        section.sort(key=lambda r: (r["q_len"], r["best_s"] is None, r["best_s"] or 0.0,
+                                    r["runner"]))
+        cells = [_cells(r) for r in section]
+        # A skip/error reason spans the timing columns, so it does not size them.
+        sized = [list(_COLUMNS), *(c if len(c) == len(_COLUMNS) else c[:-1] for c in cells)]
+        widths = [max(len(c[i]) for c in sized if len(c) > i) for i in range(len(_COLUMNS))]
+        out.append(f"device={device} dtype={dtype} mask={mask} ({dims})")
+        out.append(_line(list(_COLUMNS), widths))
+        previous = None
+        for row, c in zip(section, cells, strict=True):
+            if previous is not None and row["q_len"] != previous:
+                out.append("")
+            previous = row["q_len"]
+            out.append(_line(c, widths))
+        out.append("")
+    if any(r["kind"] == "baseline" for r in rows):
+        out.append("* baseline, not a portattn kernel")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _line(cells: list[str], widths: list[int]) -> str:
+    numeric = {0, 3, 4, 5, 6, 7}
+    parts = []
+    for i, cell in enumerate(cells):
+        if i == len(cells) - 1 and len(cells) < len(widths):
+            parts.append(cell)  # a skip/error reason spans the remaining columns
+        else:
+            parts.append(cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]))
+    return "  ".join(parts).rstrip()
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    payload = {"schema": SCHEMA, **payload}
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")

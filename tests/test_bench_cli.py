@@ -1,0 +1,150 @@
+"""``portattn bench`` end to end on a tiny NumPy sweep, and the pieces it is built from."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from portattn._bench import main
+from portattn._bench.cases import Shape, SweepConfig, causal_pairs, flops
+from portattn._bench.report import SCHEMA
+
+RUNNERS = ("reference", "tiled", "numpy_textbook")
+SIZES = (16, 32)
+TINY = ["--backends", "numpy", "--kernels", ",".join(RUNNERS), "--sizes",
+        ",".join(map(str, SIZES)), "--heads", "2", "--head-dim", "8", "--repeat", "2",
+        "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One tiny sweep shared by the tests that read its outputs (capsys is per test)."""
+    out = tmp_path_factory.mktemp("bench")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([*TINY, "--out", str(out)])
+    return {"code": code, "out": out, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+            "json": json.loads((out / "portattn-bench-cpu.json").read_text())}
+
+
+def test_exit_code(run: dict) -> None:
+    assert run["code"] == 0, run["stderr"]
+
+
+def test_json_schema(run: dict) -> None:
+    data = run["json"]
+    assert data["schema"] == SCHEMA
+    for key in ("cpu", "cpu_count", "python", "blas", "versions"):
+        assert key in data["machine"]
+    assert {"portattn", "numpy"} <= set(data["machine"]["versions"])
+    assert data["config"]["sizes"] == list(SIZES)
+    rows = data["results"]
+    seen = {(r["runner"], r["q_len"], r["mask"]) for r in rows}
+    assert seen == {(n, length, m) for n in RUNNERS for length in SIZES
+                    for m in ("none", "causal")}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["backend"] == "numpy"
+        assert r["dtype"] == "float32"
+        assert len(r["times_s"]) == 2
+        assert r["best_s"] == min(r["times_s"]) > 0
+        assert r["gflops"] == pytest.approx(r["flops"] / r["best_s"] / 1e9)
+        assert r["memory_bytes"] > 0
+        assert r["memory_method"] in ("tracemalloc", "rss")
+        assert r["ratio_sdpa"] is None  # torch is not in this sweep
+
+
+def test_flops_and_ratios(run: dict) -> None:
+    rows = run["json"]["results"]
+    for r in rows:
+        length = r["q_len"]
+        allowed = np.tril(np.ones((length, length), dtype=bool)).sum() if r["mask"] == "causal" \
+            else length * length
+        assert r["flops"] == 2 * r["batch"] * r["heads"] * allowed * (8 + 8)
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["mask"], r["q_len"]), []).append(r["ratio_fastest"])
+    for ratios in groups.values():
+        assert min(ratios) == 1.0
+        assert all(x >= 1.0 for x in ratios)
+
+
+def test_table_printed(run: dict) -> None:
+    text = run["stdout"]
+    for mask in ("none", "causal"):
+        assert f"device=cpu dtype=float32 mask={mask}" in text
+    for name in RUNNERS:
+        assert name in text
+    assert "GFLOP/s" in text
+
+
+def test_plot_written(run: dict) -> None:
+    pytest.importorskip("matplotlib")
+    png = run["out"] / "portattn-bench-cpu.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
+    args = [*TINY, "--kernels", "tiled", "--sizes", "16", "--repeat", "1", "--no-causal"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "matplotlib" in err
+    assert "portattn[bench]" in err
+    assert not (tmp_path / "portattn-bench-cpu.png").exists()
+    assert (tmp_path / "portattn-bench-cpu.json").exists()
+
+
+def test_unknown_kernel(tmp_path, capsys) -> None:
+    assert main([*TINY, "--kernels", "no_such_kernel", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_kernel" in err
+    assert "tiled" in err  # the installed ones are listed
+
+
+def test_bad_sizes() -> None:
+    with pytest.raises(SystemExit):
+        main(["--sizes", "0,abc"])
+
+
+def test_causal_pairs_count_the_mask() -> None:
+    for lq, lk in ((1, 1), (5, 5), (3, 7), (7, 3)):
+        # bottom-right: query i sees key j when j <= i + (lk - lq)
+        allowed = np.tril(np.ones((lq, lk), dtype=bool), k=lk - lq).sum()
+        assert causal_pairs(lq, lk) == allowed
+    shape = Shape(batch=2, heads=3, head_dim=4, value_head_dim=5)
+    assert flops(shape, 6, 6, causal=False) == 2 * 2 * 3 * 36 * 9
+
+
+def test_history_skips_predicted_overruns() -> None:
+    from portattn._bench.sweep import History
+
+    history = History(SweepConfig(max_time=1.0, max_memory=1000.0))
+
+    class FakeCase:
+        series = ("k", "numpy", "float32", "none")
+
+        def __init__(self, length: int) -> None:
+            self.length = length
+
+    assert history.skip_reason(FakeCase(512)) is None
+    history.add(FakeCase(512), seconds=0.3, memory=100)
+    assert history.skip_reason(FakeCase(1024)) is not None  # 0.3 s * 4 > 1 s
+    history = History(SweepConfig(max_time=100.0, max_memory=1000.0))
+    history.add(FakeCase(512), seconds=0.1, memory=300)
+    assert "memory" in history.skip_reason(FakeCase(1024))  # 300 B * 4 > 1000 B
+    history.fail(FakeCase(1024))
+    assert "failed at L=1024" in history.skip_reason(FakeCase(2048))
+
+
+def test_import_portattn_leaves_bench_alone() -> None:
+    code = "import sys, portattn; portattn.kernels(); print('portattn._bench' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
