@@ -45,12 +45,11 @@ def group_tile(xp: Any, tile: Any, num_kv_heads: int) -> Any:
 def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
     """Scaled, soft-capped, biased and masked scores of one tile (grouped layout).
 
-    Masked entries are ``-inf``. ``q`` and ``k`` are grouped and already in the compute
-    dtype.
+    Masked entries are ``-inf``. ``q`` and ``k`` are grouped, in the compute dtype, and
+    ``q`` is already multiplied by the scale (cheaper than scaling the scores).
     """
     xp = inputs.xp
     s = xp.matmul(q, xp.matrix_transpose(k))
-    s = s * inputs.scale
     if inputs.softcap is not None:
         s = xp.tanh(s / inputs.softcap) * inputs.softcap
     if inputs.bias is not None:

@@ -38,7 +38,7 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
                                dtype=inputs.query.dtype, device=inputs.device_obj)
         return out, lse if inputs.return_lse else None, weights
     ct = inputs.compute_dtype
-    q = group_queries(xp, xp.astype(inputs.query, ct), inputs.num_kv_heads)
+    q = group_queries(xp, xp.astype(inputs.query, ct) * inputs.scale, inputs.num_kv_heads)
     k = group_kv(xp, xp.astype(inputs.key, ct))
     v = group_kv(xp, xp.astype(inputs.value, ct))
     s = scores(inputs, q, k, 0, lq, 0, lk)

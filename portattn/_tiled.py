@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 #: Score-tile budget in elements across all batch and head rows: large tiles amortise
 #: per-call overhead, small ones stay in cache.
-TILE_ELEMENTS = 1 << 20
+TILE_ELEMENTS = 1 << 18
 MIN_BLOCK_Q = 16
-MAX_BLOCK_K = 1024
+MAX_BLOCK_K = 256
 
 
 class TiledKernel(Kernel):
@@ -63,7 +63,8 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
     outs, lses = [], []
     for q0 in range(0, inputs.q_len, block_q):
         q1 = min(inputs.q_len, q0 + block_q)
-        q = group_queries(xp, xp.astype(inputs.query[..., q0:q1, :], ct), inputs.num_kv_heads)
+        q = xp.astype(inputs.query[..., q0:q1, :], ct) * inputs.scale
+        q = group_queries(xp, q, inputs.num_kv_heads)
         out, lse = _query_block(inputs, q, k, v, q0, q1, block_k)
         outs.append(out)
         lses.append(lse)
