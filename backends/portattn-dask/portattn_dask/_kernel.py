@@ -1,0 +1,58 @@
+"""The ``dask_blockwise`` kernel: its declarations and its entry point."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import TYPE_CHECKING, Any
+
+from portattn.kernel import ANY, Kernel
+
+from ._block import NAME
+
+if TYPE_CHECKING:
+    from portattn import AttentionInputs
+
+__all__ = ["DaskBlockwiseKernel"]
+
+
+class DaskBlockwiseKernel(Kernel):
+    """Attention on Dask arrays as a lazy graph of per-chunk attention calls.
+
+    Batch and head chunks are independent blocks, query-length chunks map blockwise,
+    and key-length chunks are computed separately and merged exactly (split-KV), so no
+    task holds all keys. Each block runs through ``portattn.attention`` on the chunks
+    themselves, so the registry picks the best kernel for their library and device.
+    Key blocks that the structured mask hides completely are never scheduled.
+    """
+
+    name = NAME
+    namespaces = frozenset({"dask"})
+    devices = ANY  # the chunks' own kernels decide where they run
+    dtypes = frozenset({"float16", "float32", "float64"})  # as the chunk libraries offer
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    bias = softcap = gqa = value_head_dim = empty = True
+    returns_lse = True
+    priority = 100
+
+    @classmethod
+    def check_available(cls) -> str | None:
+        # Detect, don't import: dispatching a NumPy call must not import dask.
+        if importlib.util.find_spec("dask") is None:
+            return "dask is not installed"
+        return None
+
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        for name in ("query", "key", "value"):
+            chunks = getattr(getattr(inputs, name), "chunks", ())
+            if any(math.isnan(size) for axis in chunks for size in axis):
+                reasons.append(f"{name} has unknown chunk sizes (call compute_chunk_sizes())")
+        return reasons
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        from ._graph import blockwise_attention
+
+        out, lse = blockwise_attention(inputs)
+        return out, lse, None

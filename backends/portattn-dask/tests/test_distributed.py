@@ -1,0 +1,63 @@
+"""Key cases on a two-process ``dask.distributed.LocalCluster`` (loopback only)."""
+
+from __future__ import annotations
+
+import pytest
+from portattn_dask import DaskBlockwiseKernel
+
+from portattn._inputs import describe
+from portattn.testing import assert_close, conformance_cases, oracle
+
+distributed = pytest.importorskip("distributed")
+
+TIMEOUT = "60s"
+SECONDS = 60
+KEY_CASES = {"basic", "causal_bottom_right_cross", "causal_top_left_long_queries",
+             "window_both_sides", "window_and_lengths", "dense", "bias_full",
+             "grouped_query_causal", "softcap", "no_keys"}
+#: Two chunks per axis or so: every kind of block, few tasks (each costs milliseconds).
+CHUNKS = (1, 2, 17, None)
+CASES = [c for c in conformance_cases(DaskBlockwiseKernel)
+         if c.name in KEY_CASES and c.dtype == "float32"]
+
+
+@pytest.fixture(scope="module")
+def client():
+    import dask
+
+    config = {"distributed.comm.timeouts.connect": TIMEOUT,
+              "distributed.comm.timeouts.tcp": TIMEOUT}
+    with dask.config.set(config), distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+            dashboard_address=None, worker_dashboard_address=None,
+            memory_limit="1GiB") as cluster, distributed.Client(
+            cluster, timeout=TIMEOUT, set_as_default=False) as client:
+        client.wait_for_workers(2, timeout=SECONDS)
+        yield client
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_key_case_on_cluster(case, client, make_chunked):
+    args, kwargs, np_args, np_kwargs = case.build(make_chunked("cluster", CHUNKS))
+    out, lse, _ = DaskBlockwiseKernel().run(describe(*args, **kwargs))
+    got_out, got_lse = (f.result(timeout=SECONDS) for f in client.compute([out, lse]))
+    want_out, want_lse, _ = oracle(*np_args, **np_kwargs)
+    assert_close(got_out, want_out, case.dtype, "out")
+    assert_close(got_lse, want_lse, case.dtype, "lse")
+
+
+def test_blocks_run_on_both_workers(client):
+    import dask.array as da
+
+    import portattn
+
+    # inputs made on the workers, one batch element per block: nothing pins the work
+    rng = da.random.default_rng(0)
+    q, k, v = (rng.standard_normal((8, 2, 16, 8), chunks=(1, 2, 16, 8)) for _ in range(3))
+    out = client.persist(portattn.attention(q, k, v, kernel="dask_blockwise"))
+    for block in distributed.futures_of(out):
+        block.result(timeout=SECONDS)
+    holders = {w for ws in client.who_has(out).values() for w in ws}
+    assert len(holders) == 2
+    want = oracle(*(f.result(timeout=SECONDS) for f in client.compute([q, k, v])))[0]
+    assert_close(client.compute(out).result(timeout=SECONDS), want, "float64")
