@@ -1,0 +1,51 @@
+"""The ``numpy_fast`` kernel: declarations, and the call that runs it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from portattn.kernel import Kernel
+
+if TYPE_CHECKING:
+    from portattn import AttentionInputs
+
+__all__ = ["NumpyFastKernel"]
+
+
+class NumpyFastKernel(Kernel):
+    """Tiled, threaded attention for NumPy float32/float64 arrays on the CPU.
+
+    BLAS does the two products of each tile; the softmax runs in place on a score
+    tile sized for the L2 cache; a thread pool works through (batch, head, query
+    tile) units. Thread count: :func:`portattn_numpy.set_num_threads`, else the
+    ``PORTATTN_NUMPY_THREADS`` environment variable, else the CPUs available.
+    """
+
+    name = "numpy_fast"
+    namespaces = frozenset({"numpy"})
+    devices = frozenset({"cpu"})
+    dtypes = frozenset({"float32", "float64"})
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    bias = softcap = gqa = value_head_dim = empty = True
+    returns_lse = True
+    priority = 50
+
+    @classmethod
+    def check_available(cls) -> str | None:
+        try:
+            import numpy  # noqa: F401
+            import threadpoolctl  # noqa: F401
+        except ImportError as e:
+            return f"{e.name} is not installed"
+        return None
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        from ._engine import work
+        from ._plan import build
+        from ._threads import get_num_threads, run_parallel
+
+        threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
+        problem, units = build(inputs, threads)
+        if units:
+            run_parallel(lambda queue: work(problem, queue), units, threads)
+        return problem.out, problem.lse, None

@@ -1,0 +1,120 @@
+"""Cutting one call into work units: tile sizes, mask structure, skipped tiles.
+
+A unit is one query tile of one head with the key range it can reach. The structured
+mask decides that range before any arithmetic: causal and sliding-window masks through
+``key_range``, key and query lengths by reading the (small) length arrays. Units with
+nothing to attend are never created; their rows keep output 0 and lse ``-inf``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._problem import Problem, Unit
+
+if TYPE_CHECKING:
+    from portattn import AttentionInputs
+
+__all__ = ["block_sizes", "build", "tile_bytes"]
+
+#: Try the unshifted exponential first (see ``_engine``); tests turn it off to check
+#: the careful way alone.
+TRY_FAST = True
+
+_POSITIONAL = frozenset({"causal", "sliding_window"})
+MIN_BLOCK_Q = 16
+MAX_BLOCK_Q = 512
+MAX_BLOCK_K = 1024
+MIN_UNITS_PER_THREAD = 4
+
+
+@functools.cache
+def tile_bytes() -> int:
+    """Bytes of one score tile: half the per-core L2 cache (1 MiB when unknown)."""
+    try:
+        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        l2 = 0
+    return min(4 << 20, max(256 << 10, l2 // 2)) if l2 > 0 else 1 << 20
+
+
+def block_sizes(q_len: int, kv_len: int, itemsize: int, *, heads: int = 1,
+                threads: int = 1) -> tuple[int, int]:
+    """Query and key block lengths whose score tile fills :func:`tile_bytes`.
+
+    Keys come in blocks of at most :data:`MAX_BLOCK_K` (longer blocks measured no
+    faster, shorter ones add per-block overhead); queries fill the rest, and shrink when
+    there would be too few units to keep every thread busy.
+    """
+    elements = tile_bytes() // itemsize
+    block_k = min(max(kv_len, 1), MAX_BLOCK_K)
+    block_q = min(MAX_BLOCK_Q, max(MIN_BLOCK_Q, elements // block_k))
+    want_tiles = math.ceil(MIN_UNITS_PER_THREAD * threads / max(heads, 1))
+    if want_tiles > 1:
+        block_q = min(block_q, max(MIN_BLOCK_Q, math.ceil(q_len / want_tiles)))
+    return max(1, min(block_q, q_len)), block_k
+
+
+def _blas_ready(a: Any) -> Any:
+    """``a`` itself when BLAS can read its matrices in place, else a C-ordered copy."""
+    a = np.asarray(a)
+    size = a.itemsize
+    rows_ok = a.ndim < 2 or (a.strides[-2] % size == 0 and a.strides[-2] >= a.shape[-1] * size)
+    if a.strides[-1] != size or not rows_ok:
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _lengths(parts: list[Any], kind: str) -> Any:
+    """Per-batch valid lengths, the smallest over every part of that kind."""
+    arrays = [np.asarray(p.lengths) for p in parts if p.kind == kind]
+    return functools.reduce(np.minimum, arrays) if arrays else None
+
+
+def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit]]:
+    """The problem the workers share and the units, costliest first."""
+    query = np.asarray(inputs.query)  # only ever copied, tile by tile
+    key, value = _blas_ready(inputs.key), _blas_ready(inputs.value)
+    lq, lk, hq = inputs.q_len, inputs.kv_len, inputs.num_heads
+    parts = list(inputs.mask.parts) if inputs.mask is not None else []
+    positional_parts = [p for p in parts if p.kind in _POSITIONAL]
+    positional = functools.reduce(operator.and_, positional_parts) if positional_parts else None
+    block_q, block_k = block_sizes(
+        lq, lk, query.itemsize, heads=math.prod(inputs.batch_shape) * hq, threads=threads)
+    lead = (*inputs.batch_shape, hq)
+    base2 = inputs.bias is None  # a bias would need its own pass to change base
+    to_base = math.log2(math.e) if base2 else 1.0
+    problem = Problem(
+        query=query, key=key, value=value,
+        out=np.zeros((*lead, lq, inputs.value_head_dim), query.dtype),
+        lse=np.full((*lead, lq), -np.inf, query.dtype) if inputs.return_lse else None,
+        factor=inputs.scale * (1.0 / inputs.softcap if inputs.softcap else to_base),
+        softcap=None if inputs.softcap is None else inputs.softcap * to_base,
+        base2=base2,
+        bias=None if inputs.bias is None else np.asarray(inputs.bias),
+        positional=positional,
+        dense=tuple(np.asarray(p.allowed) for p in parts if p.kind == "dense"),
+        q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
+        fast=TRY_FAST,
+    )
+    key_len = _lengths(parts, "key_lengths")
+    query_len = _lengths(parts, "query_lengths")
+    units: list[Unit] = []
+    for b in np.ndindex(*inputs.batch_shape):
+        rows = lq if query_len is None else int(query_len[b])
+        keys = lk if key_len is None else int(key_len[b])
+        for q0 in range(0, rows, block_q):
+            q1 = min(rows, q0 + block_q)
+            lo, hi = (0, lk) if positional is None else positional.key_range(q0, q1, lq, lk)
+            hi = min(hi, keys)
+            if hi > lo:
+                units += [(b, h, q0, q1, lo, hi) for h in range(hq)]
+    if positional is not None or key_len is not None or query_len is not None:
+        units.sort(key=lambda u: (u[3] - u[2]) * (u[5] - u[4]), reverse=True)
+    return problem, units

@@ -1,0 +1,48 @@
+"""One call as the workers see it: NumPy arrays, shapes, tile sizes, shared caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from portattn.masks import Mask
+
+__all__ = ["Problem", "Unit"]
+
+Unit = tuple[tuple[int, ...], int, int, int, int, int]
+"""``(batch index, head, q0, q1, lo, hi)``: query rows ``q0:q1`` against keys ``lo:hi``."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the workers share for one call."""
+
+    query: Any
+    key: Any
+    value: Any
+    out: Any
+    """``(*batch, Hq, Lq, Dv)``, zeros: rows no unit touches keep output 0."""
+    lse: Any
+    """``(*batch, Hq, Lq)`` filled with ``-inf``, or None when not asked for."""
+    factor: float
+    """Multiplies the queries: the scale, divided by the softcap when there is one,
+    times ``log2(e)`` in base 2 without a softcap."""
+    softcap: float | None
+    """Multiplies ``tanh`` of the scores (times ``log2(e)`` in base 2)."""
+    base2: bool
+    bias: Any
+    positional: Mask | None
+    """The causal and sliding-window parts of the mask, combined."""
+    dense: tuple[Any, ...]
+    """Full-rank boolean arrays (True = attend) of the dense parts of the mask."""
+    q_len: int
+    kv_len: int
+    group: int
+    block_q: int
+    block_k: int
+    fast: bool = True
+    shared: dict[tuple[int, int, int, int], Any] = field(default_factory=dict)
+    """What depends on a tile's position only, not on its batch element or head (key
+    blocks, positional mask tiles), cached for the call. Filled by whichever worker
+    needs an entry first; a duplicate computation is harmless."""

@@ -1,0 +1,89 @@
+"""What the conformance kit does not reach: range fallbacks, layouts, threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from portattn import attention, masks
+from portattn.testing import assert_close, oracle
+
+DTYPES = ["float32", "float64"]
+
+
+def _qkv(rng, dtype, shape_q=(2, 4, 37, 16), shape_k=(2, 2, 53, 16), dv=16):
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal((*shape_k[:-1], dv)).astype(dtype)
+    return q, k, v
+
+
+def _check(dtype, q, k, v, **kwargs):
+    out, lse = attention(q, k, v, return_lse=True, kernel="numpy_fast", **kwargs)
+    wide = {n: (a.astype(np.float64) if n == "bias" else a) for n, a in kwargs.items()}
+    want_out, want_lse, _ = oracle(*(a.astype(np.float64) for a in (q, k, v)),
+                                   return_lse=True, **wide)
+    assert out.dtype == lse.dtype == np.dtype(dtype)
+    assert_close(out, want_out, dtype, "out")
+    assert_close(lse, want_lse, dtype, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scores_past_exp_range(dtype, path, tiny_tiles):
+    # exp(scores) overflows: the fast way must notice and redo the tile carefully
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(rng, dtype)
+    _check(dtype, q, k, v, scale=400.0, mask=masks.causal())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scores_far_below_zero(dtype, path, tiny_tiles):
+    # every exp(score) underflows unless the row maximum is subtracted; the offset is
+    # as small as does that, so float32 rounding of the sum stays within tolerance
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng, dtype)
+    offset = -120.0 if dtype == "float32" else -800.0
+    bias = (offset + rng.standard_normal((37, 53))).astype(dtype)
+    _check(dtype, q, k, v, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_with_no_keys_stay_zero(dtype, path, tiny_tiles):
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, dtype)
+    allowed = rng.random((2, 4, 37, 53)) < 0.3
+    allowed[:, :, 5:9] = False
+    out, lse = _check(dtype, q, k, v, mask=masks.dense(allowed))
+    assert not out[:, :, 5:9].any()
+    assert np.isneginf(lse[:, :, 5:9]).all()
+
+
+def test_strided_inputs():
+    rng = np.random.default_rng(4)
+    # (batch, length, heads, dim) memory viewed as (batch, heads, length, dim)
+    q = rng.standard_normal((2, 37, 4, 16)).astype(np.float32).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((2, 53, 2, 16)).astype(np.float32).transpose(0, 2, 1, 3)
+    v = np.asfortranarray(rng.standard_normal((2, 2, 53, 16)).astype(np.float32))
+    _check("float32", q, k, v, mask=masks.causal())
+    _check("float32", q, k[..., ::2, :], v[..., ::2, :])
+
+
+def test_threads_do_not_change_the_result(threads, tiny_tiles):
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, "float32")
+    mask = masks.sliding_window(7, 3) & masks.key_lengths(np.array([50, 21]))
+    threads(1)
+    one = attention(q, k, v, mask=mask, return_lse=True, kernel="numpy_fast")
+    threads(4)
+    four = attention(q, k, v, mask=mask, return_lse=True, kernel="numpy_fast")
+    for a, b in zip(one, four, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_long_keys_use_several_blocks(tiles):
+    # default tile sizes: 3000 keys do not fit one key block
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, "float32", (1, 1, 40, 32), (1, 1, 3000, 32), dv=8)
+    _check("float32", q, k, v, mask=masks.causal())
+    assert len({(k0, k1) for *_, k0, k1 in tiles}) > 1

@@ -1,0 +1,122 @@
+"""Thread count: code setting, environment variable, machine default, bad values."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from portattn_numpy import THREADS_ENV, get_num_threads, set_num_threads
+
+from portattn import attention
+
+
+def _machine() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def test_default_follows_the_machine(monkeypatch, threads):
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert get_num_threads() == _machine()
+
+
+def test_environment_variable(monkeypatch, threads):
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert get_num_threads() == 3
+
+
+def test_code_setting_wins_over_environment(monkeypatch, threads):
+    monkeypatch.setenv(THREADS_ENV, "3")
+    threads(5)
+    assert get_num_threads() == 5
+    threads(None)
+    assert get_num_threads() == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_bad_environment_value_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv(THREADS_ENV, value)
+    q = np.ones((1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match=f"{THREADS_ENV} must be a positive integer; got "
+                                         f"{THREADS_ENV}='{value}'"):
+        attention(q, q, q, kernel="numpy_fast")
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.0, True, "x"])
+def test_bad_code_setting_is_a_clear_error(value):
+    with pytest.raises(ValueError, match="count must be a positive integer"):
+        set_num_threads(value)
+    assert get_num_threads() >= 1  # the bad value was not kept
+
+
+def _thread_ids(monkeypatch) -> set[int]:
+    from portattn_numpy import _engine
+
+    seen: set[int] = set()
+    monkeypatch.setattr(_engine, "on_tile", lambda *_: seen.add(threading.get_ident()))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 300, 16)).astype(np.float32)
+    attention(q, q, q, kernel="numpy_fast")
+    return seen
+
+
+def test_one_thread_runs_in_the_caller(monkeypatch, threads):
+    threads(1)
+    assert _thread_ids(monkeypatch) == {threading.get_ident()}
+
+
+def test_work_stays_within_the_thread_count(monkeypatch, threads):
+    threads(3)
+    assert 1 <= len(_thread_ids(monkeypatch)) <= 3
+
+
+def test_blas_is_held_to_one_thread_inside(monkeypatch, threads):
+    from portattn_numpy import _engine, _threads
+    from threadpoolctl import threadpool_info
+
+    # the BLAS libraries loaded when the kernel first ran (NumPy's among them)
+    q = np.ones((1, 4, 64, 8), np.float32)
+    attention(q, q, q, kernel="numpy_fast")
+    blas = _threads._blas_controller().select(user_api="blas")
+    paths = {c.filepath for c in blas.lib_controllers}
+
+    def blas_threads() -> list[int]:
+        return [i["num_threads"] for i in threadpool_info() if i["filepath"] in paths]
+
+    seen: list[int] = []
+    monkeypatch.setattr(_engine, "on_tile", lambda *_: seen or seen.extend(blas_threads()))
+    threads(2)
+    before = blas_threads()
+    attention(q, q, q, kernel="numpy_fast")
+    assert seen
+    assert set(seen) == {1}
+    assert blas_threads() == before  # and given back afterwards
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_its_own_pool(threads):
+    import time
+    import warnings
+
+    threads(2)
+    q = np.ones((1, 4, 64, 8), np.float32)
+    attention(q, q, q, kernel="numpy_fast")  # the parent's pool threads exist now
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            attention(q, q, q, kernel="numpy_fast")
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid, "the child hung in attention after fork"
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -1,0 +1,121 @@
+"""numpy_fast against torch's fused CPU attention and the textbook NumPy code.
+
+Shapes (1, 8, N, 64) float32 for N = 512, 2048, 8192, with and without a causal mask,
+plus the peak memory (tracemalloc) of numpy_fast at (1, 1, 16384, 64). Every
+benchmark records GFLOP/s; numpy_fast's also record, in ``extra_info`` and in lines
+written to the terminal, its time over torch's, over the textbook code's, and causal
+over non-causal. Run::
+
+    pytest bench/test_numpy_fast.py -p no:cacheprovider
+
+Both libraries use every core by default (``PORTATTN_NUMPY_THREADS`` and
+``torch.set_num_threads`` change that). Needs ``portattn-numpy`` installed; the torch
+baseline is skipped without torch.
+"""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portattn
+from portattn import masks
+
+pytest.importorskip("portattn_numpy")
+
+SIZES = (512, 2048, 8192)
+HEADS, HEAD_DIM = 8, 64
+ROUNDS = {512: 20, 2048: 5, 8192: 3}
+IMPLS = ("torch_sdpa", "textbook", "numpy_fast")  # numpy_fast last: its ratios need both
+_best: dict[tuple[str, int, bool], float] = {}
+
+
+def _inputs(n: int, heads: int = HEADS) -> tuple[Any, Any, Any]:
+    rng = np.random.default_rng(n)
+    shape = (1, heads, n, HEAD_DIM)
+    return tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
+
+
+def _textbook(q: Any, k: Any, v: Any, causal: bool) -> Any:
+    """softmax(q k^T / sqrt(d)) v, one head at a time (all 8 at N=8192 would need 8 GB)."""
+    out = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype)
+    n = q.shape[-2]
+    hide = np.triu(np.ones((n, n), bool), 1) if causal else None
+    for h in range(q.shape[1]):
+        s = q[0, h] @ k[0, h].T / math.sqrt(q.shape[-1])
+        if hide is not None:
+            s[hide] = -np.inf
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[0, h] = (p / p.sum(axis=-1, keepdims=True)) @ v[0, h]
+    return out
+
+
+def _call(impl: str, q: Any, k: Any, v: Any, causal: bool) -> Any:
+    if impl == "numpy_fast":
+        mask = masks.causal() if causal else None
+        return lambda: portattn.attention(q, k, v, mask=mask, kernel="numpy_fast")
+    if impl == "textbook":
+        return lambda: _textbook(q, k, v, causal)
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return lambda: sdpa(tq, tk, tv, is_causal=causal)
+
+
+def _say(capsys: pytest.CaptureFixture[str], line: str) -> None:
+    with capsys.disabled():  # shown even when the run captures output
+        print(line)
+
+
+@pytest.mark.parametrize(("n", "causal", "impl"), [
+    pytest.param(n, causal, impl, id=f"{n}-{'causal' if causal else 'full'}-{impl}")
+    for n in SIZES for causal in (False, True) for impl in IMPLS])
+def test_attention(n: int, causal: bool, impl: str, benchmark: Any,
+                   capsys: pytest.CaptureFixture[str]) -> None:
+    q, k, v = _inputs(n)
+    call = _call(impl, q, k, v, causal)
+    flops = 4 * HEADS * n * n * HEAD_DIM / (2 if causal else 1)
+    benchmark.group = f"(1, {HEADS}, {n}, {HEAD_DIM}) float32 {'causal' if causal else 'full'}"
+    benchmark.extra_info.update(impl=impl, n=n, causal=causal, flops=flops)
+    out = benchmark.pedantic(call, rounds=ROUNDS[n], warmup_rounds=1, iterations=1)
+    assert tuple(out.shape) == (1, HEADS, n, HEAD_DIM)
+    stats = getattr(benchmark.stats, "stats", None)  # None with --benchmark-disable
+    if stats is None:
+        return
+    best = _best[impl, n, causal] = stats.min
+    benchmark.extra_info["gflops"] = flops / best / 1e9
+    if impl != "numpy_fast":
+        return
+    ratios = {f"over_{other}": best / _best[other, n, causal]
+              for other in IMPLS[:-1] if (other, n, causal) in _best}
+    if causal and (impl, n, False) in _best:
+        ratios["causal_over_full"] = best / _best[impl, n, False]
+    benchmark.extra_info.update(ratios)
+    listed = "  ".join(f"{name}={value:.2f}" for name, value in ratios.items())
+    _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'}: "
+                  f"{best * 1e3:.1f} ms, {flops / best / 1e9:.0f} GFLOP/s  {listed}")
+
+
+def test_peak_memory(benchmark: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Peak memory allocated by one call at (1, 1, 16384, 64), inputs excluded."""
+    q, k, v = _inputs(16384, heads=1)
+    portattn.attention(q, k, v, kernel="numpy_fast")  # pools and caches warm
+
+    def measured() -> int:
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            portattn.attention(q, k, v, kernel="numpy_fast")
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    peak = benchmark.pedantic(measured, rounds=1, iterations=1)
+    benchmark.group = "peak memory (1, 1, 16384, 64) float32"
+    benchmark.extra_info.update(peak_memory_bytes=peak, peak_memory_mib=peak / 2**20)
+    _say(capsys, f"\nnumpy_fast peak memory at (1, 1, 16384, 64): {peak / 2**20:.1f} MiB "
+                 "(the output alone is 4.0 MiB)")
