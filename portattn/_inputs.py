@@ -190,13 +190,15 @@ def _device(a: Any) -> Any:
 
 
 def _common_device(arrays: dict[str, Any]) -> Any:
+    # A traced array has no device, and a traced function may close over concrete
+    # arrays (jax.grad of the query alone): compare only the devices that are known.
     devices = {n: _device(a) for n, a in arrays.items()}
-    first = devices["query"]
-    if any(d != first for d in devices.values()):
+    known = [d for d in devices.values() if d is not None]
+    if any(d != known[0] for d in known):
         listed = ", ".join(f"{n}.device={d}" for n, d in devices.items())
         msg = f"query, key and value must be on one device; got {listed}"
         raise ValueError(msg)
-    return first  # None for traced arrays: ``device=None`` works in every library
+    return known[0] if known else None  # None: ``device=None`` works in every library
 
 
 def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:

@@ -95,19 +95,20 @@ class _Positional(Mask):
     shift: int = 0
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        qpos = xp.arange(q0, q1, device=device)[:, None] + self._offset(lq, lk)
+        qpos = xp.arange(q0, q1, device=device)[:, None] + self.offset(lq, lk)
         kpos = xp.arange(k0, k1, device=device)[None, :]
         return self._allowed(xp, qpos, kpos)
 
     def _base(self, lq: int, lk: int) -> int:
         return lk - lq
 
-    def _offset(self, lq: int, lk: int) -> int:
+    def offset(self, lq: int, lk: int) -> int:
+        """Absolute position of query 0 (key ``j`` sits at ``j``) for these lengths."""
         return self._base(lq, lk) + self.shift
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         # global position of local query i: (q0 + i) + offset; of local key j: k0 + j.
-        shift = self._offset(lq, lk) + q0 - k0 - self._base(q1 - q0, k1 - k0)
+        shift = self.offset(lq, lk) + q0 - k0 - self._base(q1 - q0, k1 - k0)
         return self._shifted(shift)
 
     def _shifted(self, shift: int) -> Mask:
@@ -137,10 +138,10 @@ class _Causal(_Positional):
         return _Causal(self.alignment, shift)
 
     def key_range(self, q0, q1, lq, lk):
-        return 0, max(0, min(lk, q1 + self._offset(lq, lk)))
+        return 0, max(0, min(lk, q1 + self.offset(lq, lk)))
 
     def covers(self, q0, q1, k0, k1, lq, lk):
-        return k1 - 1 <= q0 + self._offset(lq, lk)
+        return k1 - 1 <= q0 + self.offset(lq, lk)
 
     def _allowed(self, xp, qpos, kpos):
         return kpos <= qpos
@@ -180,14 +181,14 @@ class _SlidingWindow(_Positional):
 
     def key_range(self, q0, q1, lq, lk):
         left, right = self._bounds()
-        off = self._offset(lq, lk)
+        off = self.offset(lq, lk)
         lo = 0 if left == math.inf else max(0, q0 + off - left)
         hi = lk if right == math.inf else min(lk, q1 - 1 + off + right + 1)
         return int(min(lo, lk)), int(max(hi, 0))
 
     def covers(self, q0, q1, k0, k1, lq, lk):
         left, right = self._bounds()
-        off = self._offset(lq, lk)
+        off = self.offset(lq, lk)
         return k0 >= q1 - 1 + off - left and k1 - 1 <= q0 + off + right
 
     def _allowed(self, xp, qpos, kpos):

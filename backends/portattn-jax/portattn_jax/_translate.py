@@ -1,0 +1,123 @@
+"""portattn's structured masks in the terms of ``jax.nn.dot_product_attention``.
+
+JAX places query ``i`` at position ``i`` (top-left) and describes positional masks as
+one band: query ``i`` sees keys ``i - left <= j <= i + right`` (``local_window_size``;
+``is_causal`` is the band with ``right = 0``). Every causal or sliding-window part of a
+portattn mask is such a band once its alignment offset is folded in, and bands
+intersect into a band, so any combination of them becomes one ``(left, right)`` pair.
+Lengths and dense masks map to their JAX arguments one to one.
+
+Everything here is static (Python ints) or a plain pass-through of the mask's arrays
+(several of one kind are combined later, inside the compiled call): folding a mask
+allocates nothing, so ``not_supported_reasons`` may call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from portattn import AttentionInputs
+    from portattn.masks import Mask
+
+__all__ = ["Band", "MaskSpec", "fold_mask"]
+
+
+@dataclass(frozen=True)
+class Band:
+    """Keys ``i - left <= j <= i + right`` for query ``i`` (top-left); None = unbounded."""
+
+    left: int | None
+    right: int | None
+
+    def __and__(self, other: Band) -> Band:
+        return Band(_tighter(self.left, other.left), _tighter(self.right, other.right))
+
+    def normalized(self, lq: int, lk: int) -> Band | None:
+        """The same band with bounds that exclude nothing dropped; None if it is all keys."""
+        left = None if self.left is not None and self.left >= lq - 1 else self.left
+        right = None if self.right is not None and self.right >= lk - 1 else self.right
+        return None if left is None and right is None else Band(left, right)
+
+    def window(self, lq: int, lk: int) -> tuple[int, int]:
+        """``local_window_size`` for JAX: unbounded sides become a bound that excludes
+        nothing."""
+        wide = lq + lk
+        return (wide if self.left is None else self.left,
+                wide if self.right is None else self.right)
+
+    def rows_with_keys(self, lq: int, lk: int) -> tuple[int, int]:
+        """Half-open range of the queries that have at least one key in the band.
+
+        Row ``i`` keeps ``max(0, i - left) <= min(lk - 1, i + right)``, which is
+        ``-right <= i <= lk - 1 + left`` when ``left + right >= 0`` and no row otherwise.
+        """
+        left = lq if self.left is None else self.left
+        right = lk if self.right is None else self.right
+        if left + right < 0 or lk == 0:
+            return 0, 0
+        start, stop = max(0, -right), min(lq, lk + left)
+        return (start, stop) if start < stop else (0, 0)
+
+
+def _tighter(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+@dataclass(frozen=True, eq=False)
+class MaskSpec:
+    """A portattn mask as JAX's arguments (arrays still in portattn's batch layout)."""
+
+    band: Band | None = None
+    key_lengths: tuple[Any, ...] = ()
+    """``(*batch)`` integer arrays; a key must lie below each."""
+    query_lengths: tuple[Any, ...] = ()
+    dense: tuple[Any, ...] = ()
+    """Full rank ``(*batch|1, H|1, Lq|1, Lk|1)`` boolean arrays; a pair must be in all."""
+
+    def all_rows_have_keys(self, lq: int, lk: int) -> bool:
+        """True when no query row can be left without keys, known without reading data."""
+        if self.key_lengths or self.query_lengths or self.dense:
+            return False
+        if self.band is None:
+            return lk > 0
+        return self.band.rows_with_keys(lq, lk) == (0, lq)
+
+
+def fold_mask(inputs: AttentionInputs) -> MaskSpec:
+    """Fold every part of ``inputs.mask`` into one :class:`MaskSpec`."""
+    mask: Mask | None = inputs.mask
+    if mask is None:
+        return MaskSpec()
+    lq, lk = inputs.q_len, inputs.kv_len
+    band: Band | None = None
+    arrays: dict[str, list[Any]] = {"key_lengths": [], "query_lengths": [], "dense": []}
+    for part in mask.parts:
+        kind = part.kind
+        if kind in ("causal", "sliding_window"):
+            part_band = _band_of(part, lq, lk)
+            band = part_band if band is None else band & part_band
+        elif kind in ("key_lengths", "query_lengths"):
+            arrays[kind].append(part.lengths)
+        elif kind == "dense":
+            arrays[kind].append(part.allowed)
+        else:  # a new kind the kernel does not declare: dispatch never sends it here
+            msg = f"mask kind {kind!r} has no JAX translation"
+            raise NotImplementedError(msg)
+    if band is not None:
+        band = band.normalized(lq, lk)
+    return MaskSpec(band, *(tuple(arrays[k]) for k in ("key_lengths", "query_lengths", "dense")))
+
+
+def _band_of(part: Mask, lq: int, lk: int) -> Band:
+    # The part's query offset (its alignment plus any shift from restrict()) moves the
+    # band: query i at absolute position i + offset sees j <= i + offset for causal.
+    offset = part.offset(lq, lk)
+    if part.kind == "causal":
+        return Band(None, offset)
+    left, right = part.left, part.right
+    return Band(None if left is None else left - offset,
+                None if right is None else right + offset)
