@@ -34,7 +34,8 @@ def namespace_name(xp: Any) -> str:
 
 def dtype_name(dtype: Any) -> str:
     """``float32`` for numpy, torch, jax and array-api-strict dtypes alike."""
-    return str(dtype).rsplit(".", 1)[-1]
+    name = getattr(dtype, "name", None)  # NumPy dtypes: also byte-swapped ones (">f4")
+    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
 
 
 def device_kind(dev: Any) -> str:

@@ -39,6 +39,13 @@ class NumpyFastKernel(Kernel):
             return f"{e.name} is not installed"
         return None
 
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        if not getattr(inputs.query.dtype, "isnative", True):
+            reasons.append(f"byte order {inputs.query.dtype.str} is not native")
+        return reasons
+
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._engine import work
         from ._plan import build

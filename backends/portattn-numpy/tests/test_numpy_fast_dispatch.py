@@ -46,3 +46,11 @@ def test_attention_runs_it():
     with portattn.disable_kernels("numpy_fast"):
         want = portattn.attention(q, k, v, mask=masks.causal())
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_byte_swapped_arrays_fall_back_to_a_portable_kernel():
+    q = np.ones((1, 1, 4, 8), dtype=">f4")
+    plan = portattn.explain(q, q, q)
+    assert plan.kernel.name != "numpy_fast"
+    assert "byte order >f4 is not native" in str(plan)
+    assert portattn.attention(q, q, q).dtype == np.dtype(">f4")
