@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ._registry import KNOWN_PLUGINS, KernelEntry, kernel_entries
 from .errors import KernelNotUsableError, NoKernelError, UnknownKernelError
+from .kernel import ANY
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -103,12 +104,23 @@ def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
                    f"{inputs.block()}\nbecause:\n" + "\n".join(f"    {w}" for w in why))
             raise KernelNotUsableError(msg)
     else:
-        entry = next((e for e in entries if not reasons(e, inputs)), None)
+        entry = next((e for e in entries if _targets(e, inputs) and not reasons(e, inputs)),
+                     None)
         if entry is None:
             raise NoKernelError(_nothing_fits(entries, inputs))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("attention: %s@%s", entry.name, entry.version)
     return entry
+
+
+def _targets(entry: KernelEntry, inputs: AttentionInputs) -> bool:
+    """Cheap pre-filter on the declared namespaces and devices: most kernels target
+    another library, and asking them for every reason would cost each call."""
+    kernel = entry.kernel
+    if kernel is None:
+        return False
+    return ((kernel.namespaces == ANY or inputs.namespace in kernel.namespaces)
+            and (kernel.devices == ANY or inputs.device in kernel.devices))
 
 
 def _forced_name(kernel: str | None) -> str | None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
@@ -32,10 +31,17 @@ def namespace_name(xp: Any) -> str:
     return {"dask.array": "dask", "jax.numpy": "jax"}.get(name, name.split(".")[0])
 
 
+_dtype_names: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """``float32`` for numpy, torch, jax and array-api-strict dtypes alike."""
-    name = getattr(dtype, "name", None)  # NumPy dtypes: also byte-swapped ones (">f4")
-    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = getattr(dtype, "name", None)  # NumPy dtypes: also byte-swapped ones (">f4")
+        name = name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
+        _dtype_names[dtype] = name
+    return name
 
 
 def device_kind(dev: Any) -> str:
@@ -62,9 +68,12 @@ def _needs_grad(arrays: tuple[Any, ...]) -> bool:
     return tracer is not None and any(isinstance(a, tracer) for a in arrays)
 
 
-@dataclass(frozen=True, eq=False)
-class AttentionInputs:
-    """Everything a kernel needs to know about one call (validated)."""
+class AttentionInputs(NamedTuple):
+    """Everything a kernel needs to know about one call (validated, immutable).
+
+    A named tuple rather than a frozen dataclass: it is built on every call, and
+    dispatch overhead matters for short sequences.
+    """
 
     query: Any
     key: Any
@@ -89,7 +98,7 @@ class AttentionInputs:
     head_dim: int
     value_head_dim: int
     requires_grad: bool
-    mask_kinds: frozenset[str] = field(default=frozenset())
+    mask_kinds: frozenset[str] = frozenset()
 
     @property
     def compute_dtype(self) -> Any:
@@ -173,9 +182,18 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     )
 
 
+_namespaces: dict[tuple[type, ...], Any] = {}
+
+
 def _common_namespace(arrays: dict[str, Any]) -> Any:
+    # The namespace follows from the array types; remember it (dispatch runs per call).
+    types = tuple(type(a) for a in arrays.values())
+    xp = _namespaces.get(types)
+    if xp is not None:
+        return xp
     try:
-        return array_namespace(*arrays.values())
+        xp = _namespaces[types] = array_namespace(*arrays.values())
+        return xp
     except TypeError as e:
         kinds = ", ".join(f"{n}={type(a).__module__}.{type(a).__name__}"
                           for n, a in arrays.items())
@@ -195,7 +213,7 @@ def _common_device(arrays: dict[str, Any]) -> Any:
     # arrays (jax.grad of the query alone): compare only the devices that are known.
     devices = {n: _device(a) for n, a in arrays.items()}
     known = [d for d in devices.values() if d is not None]
-    if any(d != known[0] for d in known):
+    if any(d != known[0] for d in known[1:]):
         listed = ", ".join(f"{n}.device={d}" for n, d in devices.items())
         msg = f"query, key and value must be on one device; got {listed}"
         raise ValueError(msg)
@@ -218,10 +236,23 @@ def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:
         raise ValueError(msg)
 
 
+_floating: dict[Any, bool] = {}
+
+
+def _is_floating(xp: Any, dtype: Any) -> bool:
+    result = _floating.get(dtype)
+    if result is None:
+        result = _floating[dtype] = bool(xp.isdtype(dtype, "real floating"))
+    return result
+
+
 def _check_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
+    query, key, value = arrays.values()
+    if query.dtype == key.dtype == value.dtype and _is_floating(xp, query.dtype):
+        return
     names = {n: dtype_name(a.dtype) for n, a in arrays.items()}
     for n, a in arrays.items():
-        if not xp.isdtype(a.dtype, "real floating"):
+        if not _is_floating(xp, a.dtype):
             msg = f"{n} must have a real floating dtype; got {n}.dtype={names[n]}"
             raise TypeError(msg)
     if len(set(names.values())) > 1:
