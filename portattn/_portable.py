@@ -10,8 +10,22 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from .kernel import ANY, Kernel
+from .masks import KINDS
+
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
+
+
+class PortableKernel(Kernel):
+    """What both portable kernels support: every library, device, dtype and mask."""
+
+    namespaces = ANY
+    devices = ANY
+    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
+    masks = frozenset(KINDS)
+    bias = softcap = gqa = value_head_dim = empty = True
+    returns_lse = grad = True
 
 
 def group_queries(xp: Any, x: Any, num_kv_heads: int) -> Any:

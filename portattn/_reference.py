@@ -4,23 +4,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._portable import empty_result, finish, group_kv, group_queries, safe_max, scores, ungroup
-from .kernel import ANY, Kernel
+from ._portable import (
+    PortableKernel,
+    empty_result,
+    finish,
+    group_kv,
+    group_queries,
+    safe_max,
+    scores,
+    ungroup,
+)
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
 
-class ReferenceKernel(Kernel):
+class ReferenceKernel(PortableKernel):
     """O(L^2) memory; the only portable kernel that returns the softmax weights."""
 
     name = "reference"
-    namespaces = ANY
-    devices = ANY
-    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
-    bias = softcap = gqa = value_head_dim = empty = True
-    returns_lse = returns_weights = grad = True
+    returns_weights = True
     priority = 0
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:

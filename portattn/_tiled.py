@@ -11,8 +11,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._portable import empty_result, finish, group_kv, group_queries, scores, ungroup
-from .kernel import ANY, Kernel
+from ._portable import (
+    PortableKernel,
+    empty_result,
+    finish,
+    group_kv,
+    group_queries,
+    scores,
+    ungroup,
+)
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -24,16 +31,10 @@ MIN_BLOCK_Q = 16
 MAX_BLOCK_K = 256
 
 
-class TiledKernel(Kernel):
+class TiledKernel(PortableKernel):
     """O(L * block) memory flash-style kernel; the default for everything it supports."""
 
     name = "tiled"
-    namespaces = ANY
-    devices = ANY
-    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
-    bias = softcap = gqa = value_head_dim = empty = True
-    returns_lse = grad = True
     priority = 10
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
