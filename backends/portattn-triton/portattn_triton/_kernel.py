@@ -1,0 +1,122 @@
+"""The ``triton_flash`` kernel: capabilities and the bridge from portattn's inputs.
+
+Torch tensors go to the Triton kernel as they are; CuPy and JAX arrays cross over
+through DLPack (zero copy) and the results come back as the caller's array type.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from portattn.kernel import Kernel
+
+if TYPE_CHECKING:
+    from portattn._inputs import AttentionInputs
+
+__all__ = ["TritonFlashKernel"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+#: Read once, at import: Triton's decorators read the variable when the kernel module
+#: is imported, so a later change would not take effect anyway.
+INTERPRET = _interpreting()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+class TritonFlashKernel(Kernel):
+    """Exact flash attention fused in one Triton kernel (forward only)."""
+
+    name = "triton_flash"
+    namespaces = frozenset({"torch", "cupy", "jax"})
+    devices = frozenset({"cuda", "cpu"}) if INTERPRET else frozenset({"cuda"})
+    dtypes = frozenset({"float16", "bfloat16", "float32"})
+    head_dim = (16, 256)
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths"})
+    softcap = gqa = value_head_dim = empty = True
+    returns_lse = True
+    priority = 200
+
+    @classmethod
+    def check_available(cls) -> str | None:
+        for module in ("torch", "triton"):
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        return None
+
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        if inputs.device == "cpu" and inputs.dtype == "bfloat16":
+            reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
+                           "is inexact)")
+        if inputs.device == "cuda" and "torch" in sys.modules:
+            index = getattr(inputs.device_obj, "index", None)
+            if isinstance(index, int):
+                major, minor = _capability(index)
+                if major < 8:
+                    reasons.append(f"compute capability {major}.{minor} < 8.0")
+        return reasons
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        from ._launch import flash_forward
+
+        to_torch = _to_torch(inputs.namespace)
+        options = _mask_options(inputs, to_torch)
+        out, lse = flash_forward(
+            to_torch(inputs.query), to_torch(inputs.key), to_torch(inputs.value),
+            scale=inputs.scale, softcap=inputs.softcap, **options)
+        if inputs.namespace != "torch":
+            out = inputs.xp.from_dlpack(out)
+            lse = inputs.xp.from_dlpack(lse) if inputs.return_lse else None
+        return out, lse if inputs.return_lse else None, None
+
+
+def _to_torch(namespace: str) -> Any:
+    if namespace == "torch":
+        return lambda x: x
+    import torch
+
+    return torch.from_dlpack
+
+
+def _mask_options(inputs: AttentionInputs, to_torch: Any) -> dict[str, Any]:
+    """The launcher's mask arguments for ``inputs.mask`` (parts combined with ``&``)."""
+    options: dict[str, Any] = {}
+    if inputs.mask is None:
+        return options
+    lower: int | None = None
+    upper: int | None = None
+    for part in inputs.mask:
+        # Query i sits at position i + offset (alignment plus any shift from restrict()).
+        shift = getattr(part, "shift", 0)
+        if part.kind == "causal":
+            offset = shift + (inputs.kv_len - inputs.q_len
+                              if part.alignment == "bottom_right" else 0)
+            upper = offset if upper is None else min(upper, offset)
+        elif part.kind == "sliding_window":
+            offset = shift + inputs.kv_len - inputs.q_len
+            if part.left is not None:
+                low = offset - part.left
+                lower = low if lower is None else max(lower, low)
+            if part.right is not None:
+                high = offset + part.right
+                upper = high if upper is None else min(upper, high)
+        elif part.kind in ("key_lengths", "query_lengths"):
+            name = part.kind
+            lengths = to_torch(part.lengths)
+            options[name] = lengths if name not in options else options[name].minimum(lengths)
+    options["band_offsets"] = (lower, upper)
+    return options

@@ -1,0 +1,135 @@
+"""Launching the Triton kernel on torch tensors.
+
+:func:`flash_forward` is the direct entry point (no dispatch, no validation beyond
+shapes): it flattens the leading batch dims, turns the positional masks into a band on
+``j - i``, picks block sizes for the device (or takes ``config``) and launches one
+program per (batch x head, query block).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from ._configs import Config, block_dim, is_even, pick_config
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["band", "flash_forward"]
+
+_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+Band = tuple[int | None, int | None]
+
+
+def band(q_len: int, kv_len: int, causal: str | None = None,
+         window: tuple[int | None, int | None] | None = None,
+         within: Band = (None, None)) -> Band:
+    """``(lower, upper)`` such that query ``i`` may attend key ``j`` iff
+    ``lower <= j - i <= upper`` (None: unbounded on that side), intersected with
+    ``within``."""
+    shift = kv_len - q_len  # bottom-right alignment
+    lower, upper = within
+    if causal is not None:
+        if causal not in _ALIGNMENTS:
+            msg = f"causal must be None, 'bottom_right' or 'top_left'; got causal={causal!r}"
+            raise ValueError(msg)
+        high = shift if causal == "bottom_right" else 0
+        upper = high if upper is None else min(upper, high)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lower = shift - left if lower is None else max(lower, shift - left)
+        if right is not None:
+            upper = shift + right if upper is None else min(upper, shift + right)
+    return lower, upper
+
+
+def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                  scale: float | None = None, softcap: float | None = None,
+                  causal: str | None = None,
+                  window: tuple[int | None, int | None] | None = None,
+                  band_offsets: Band = (None, None),
+                  key_lengths: torch.Tensor | None = None,
+                  query_lengths: torch.Tensor | None = None,
+                  config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention forward on torch tensors; returns ``(out, lse)``.
+
+    ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``, ``value (..., Hkv, Lk, Dv)``
+    with ``Hq % Hkv == 0``. ``causal`` is an alignment name, ``window`` a
+    ``(left, right)`` pair (bottom-right aligned, inclusive), ``band_offsets`` a
+    ``(lower, upper)`` band on ``j - i`` (see :func:`band`), ``key_lengths`` /
+    ``query_lengths`` integer tensors of the batch shape.
+    ``lse`` is float32. ``config`` fixes the block sizes instead of the table's.
+    """
+    import torch
+
+    *batch, hq, lq, d = query.shape
+    hkv, lk, dv = key.shape[-3], key.shape[-2], value.shape[-1]
+    if key.shape[-1] != d or value.shape[-2] != lk or hq % hkv:
+        msg = (f"incompatible shapes: query.shape={tuple(query.shape)}, "
+               f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
+        raise ValueError(msg)
+    z = math.prod(batch)
+    dev = query.device
+    if z == 0 or hq == 0 or lq == 0 or lk == 0:  # nothing to attend: 0 and -inf
+        return (torch.zeros((*batch, hq, lq, dv), dtype=query.dtype, device=dev),
+                torch.full((*batch, hq, lq), -math.inf, dtype=torch.float32, device=dev))
+    out = torch.empty((*batch, hq, lq, dv), dtype=query.dtype, device=dev)
+    lse = torch.empty((*batch, hq, lq), dtype=torch.float32, device=dev)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    lower, upper = band(lq, lk, causal, window, band_offsets)
+    if config is None:
+        capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        config = pick_config(capability, query.element_size(), d, dv)
+
+    q = query.reshape(z, hq, lq, d)
+    k = key.reshape(z, hkv, lk, d)
+    v = value.reshape(z, hkv, lk, dv)
+    o = out.view(z, hq, lq, dv)
+    kl = _lengths(key_lengths, z)
+    ql = _lengths(query_lengths, z)
+    dummy = q  # stands in for absent optional tensors; never read
+    # float32: three TF32 products per product (about float32 accuracy on tensor cores)
+    # unless torch is told that plain TF32 will do.
+    precision = "tf32"
+    if query.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        precision = "tf32x3"
+
+    from ._triton_kernel import flash_forward_kernel
+
+    grid = (z * hq, math.ceil(lq / config.block_m))
+    with _on_device(dev):
+        flash_forward_kernel[grid](
+            q, k, v, o, lse, dummy if kl is None else kl, dummy if ql is None else ql,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            hq, hq // hkv, lq, lk, d, dv,
+            scale, 1.0 if softcap is None else float(softcap),
+            0 if lower is None else lower, 0 if upper is None else upper,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_dim(d),
+            BLOCK_DV=block_dim(dv), EVEN_D=is_even(d, dv),
+            HAS_LOWER=lower is not None, HAS_UPPER=upper is not None,
+            HAS_KEY_LENGTHS=kl is not None, HAS_QUERY_LENGTHS=ql is not None,
+            SOFTCAP=softcap is not None,
+            REVERSE=upper is not None and lower is None, INPUT_PRECISION=precision,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out, lse
+
+
+def _lengths(x: Any, z: int) -> Any:
+    if x is None:
+        return None
+    import torch
+
+    return x.reshape(z).to(torch.int32)
+
+
+def _on_device(dev: Any) -> Any:
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()

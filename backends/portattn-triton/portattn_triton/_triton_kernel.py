@@ -1,0 +1,184 @@
+"""The fused flash-attention forward kernel, written in Triton.
+
+One program computes one block of ``BLOCK_M`` queries of one (batch, head) pair. It
+walks the key blocks with an online softmax in base 2 (running max ``m``, running sum
+``l``, rescaled accumulator), so memory stays O(L) and scores never leave registers.
+
+Every positional mask is reduced on the host to a band on ``j - i`` (key minus query
+index): ``lower_off <= j - i <= upper_off``, plus per-batch key and query lengths.
+From the band the kernel derives, per query block, which key blocks can hold any
+allowed pair (the loop bounds: fully masked tiles are never visited) and which hold
+only allowed pairs (visited without building a mask or bounds-checking the loads).
+
+Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before that to run
+the kernel on CPU tensors through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["flash_forward_kernel"]
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
+            stride_kn, stride_kd, stride_vn, stride_vd, kv_len, kv_valid, head_dim,
+            value_head_dim, sm_scale, softcap, lower_off, upper_off,
+            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+            HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr):
+    """Fold key blocks ``[lo, hi)`` into the running state. ``MASKED`` tiles may hold
+    disallowed pairs or keys past the end; the others are fully inside the band."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if MASKED:
+            in_k = cols < kv_len
+            if EVEN_D:
+                k = tl.load(k_ptrs, mask=in_k[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
+                            other=0.0)
+                v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
+                            other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
+
+        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+        if SOFTCAP:
+            # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
+            x = qk * (sm_scale / softcap)
+            s = (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)) * (softcap * LOG2E)
+        else:
+            s = qk * (sm_scale * LOG2E)
+        if MASKED:
+            keep = cols[None, :] < kv_valid
+            if HAS_LOWER:
+                keep &= (cols[None, :] - offs_m[:, None]) >= lower_off
+            if HAS_UPPER:
+                keep &= (cols[None, :] - offs_m[:, None]) <= upper_off
+            s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing allowed so far keeps m = -inf; shift by 0 instead so
+        # exp2 sees -inf - 0 (= 0) rather than -inf - -inf (= nan).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_forward_kernel(
+        Q, K, V, Out, Lse, KeyLengths, QueryLengths,
+        stride_qz, stride_qh, stride_qm, stride_qd,
+        stride_kz, stride_kh, stride_kn, stride_kd,
+        stride_vz, stride_vh, stride_vn, stride_vd,
+        stride_oz, stride_oh, stride_om, stride_od,
+        num_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
+        sm_scale, softcap, lower_off, upper_off,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+        HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+        HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr):
+    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``."""
+    pid_zh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    off_z = (pid_zh // num_heads).to(tl.int64)
+    off_h = (pid_zh % num_heads).to(tl.int64)
+    off_kvh = off_h // group_size  # grouped-query: K/V head shared by the group
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    kv_valid = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
+    q_valid = q_len
+    if HAS_QUERY_LENGTHS:
+        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+
+    # Key range any row of the block may reach, and the range every row reaches.
+    m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
+    k_lo = 0
+    k_hi = kv_valid
+    full_lo = 0
+    full_hi = kv_valid
+    if HAS_LOWER:
+        k_lo = tl.maximum(m0 + lower_off, 0)
+        full_lo = tl.maximum(m_last + lower_off, 0)
+    if HAS_UPPER:
+        k_hi = tl.minimum(k_hi, m_last + upper_off + 1)
+        full_hi = tl.minimum(full_hi, m0 + upper_off + 1)
+    k_hi = tl.maximum(k_hi, k_lo)
+    k_hi = tl.where(m_last < m0, k_lo, k_hi)  # the whole block is query padding
+    t_lo = (k_lo // BLOCK_N) * BLOCK_N
+    t_hi = tl.cdiv(k_hi, BLOCK_N) * BLOCK_N
+    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, t_lo), t_hi)
+    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, u_lo), t_hi)
+
+    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
+              + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
+                    other=0.0)
+    K += off_z * stride_kz + off_kvh * stride_kh
+    V += off_z * stride_vz + off_kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
+        if part == 0:
+            lo, hi = t_lo, u_lo
+        elif part == 1:
+            lo, hi = u_lo, u_hi
+        else:
+            lo, hi = u_hi, t_hi
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
+            stride_kn, stride_kd, stride_vn, stride_vd, kv_len, kv_valid, head_dim,
+            value_head_dim, sm_scale, softcap, lower_off, upper_off,
+            part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
+
+    # Rows with no allowed key (or query padding): output 0, lse -inf.
+    has_mass = (l_i > 0.0) & (offs_m < q_valid)
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out = tl.where(has_mass[:, None], out, 0.0)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(has_mass, (m_fin + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
+
+    in_q = offs_m < q_len
+    tl.store(Lse + pid_zh.to(tl.int64) * q_len + offs_m, lse, mask=in_q)
+    o_ptrs = (Out + off_z * stride_oz + off_h * stride_oh
+              + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    if EVEN_D:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=in_q[:, None])
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+                 mask=in_q[:, None] & (offs_dv[None, :] < value_head_dim))

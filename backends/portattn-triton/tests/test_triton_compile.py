@@ -1,0 +1,61 @@
+"""Ahead-of-time compilation for sm_80 and sm_90, without a GPU.
+
+Every block configuration the launcher can pick, for float16, bfloat16 and float32, in
+the variants of ``triton_compile_configs.variants`` (the plain path, every feature at
+once), must compile, fit the generation's shared memory and use no local memory for
+spills. The compiler runs in subprocesses (one per generation, in parallel) because
+this test process has ``TRITON_INTERPRET=1`` set. ``PORTATTN_TRITON_COMPILE_DTYPES``
+(e.g. ``bfloat16``) narrows the dtypes. Slow: minutes on a small machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from portattn_triton._configs import BLOCK_DIMS
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parent))
+from triton_compile_configs import variants  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("triton_compile_configs.py")
+ARCHS = (80, 90)
+DTYPES = tuple(os.environ.get("PORTATTN_TRITON_COMPILE_DTYPES",
+                              "float16,bfloat16,float32").split(","))
+CASES = [(arch, dtype, dim, variant) for arch in ARCHS for dtype in DTYPES
+         for dim in BLOCK_DIMS for variant in variants(arch, dtype, dim)]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(arch), "--dtypes",
+                               ",".join(DTYPES)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+             for arch in ARCHS]
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate()
+        assert proc.returncode == 0, f"compile script failed:\n{err[-4000:]}"
+        for line in out.splitlines():
+            r = json.loads(line)
+            results[r["arch"], r["dtype"], r["dim"], r["variant"]] = r
+    return results
+
+
+@pytest.mark.parametrize(("arch", "dtype", "dim", "variant"), CASES,
+                         ids=[f"sm_{a}-{t}-d{d}-{v}" for a, t, d, v in CASES])
+def test_compiles_fits_and_does_not_spill(compiled, arch, dtype, dim, variant):
+    r = compiled[arch, dtype, dim, variant]
+    where = f"sm_{arch} {dtype} head_dim {dim} {variant} {r['config']}"
+    assert "error" not in r, f"{where}: {r['error']}"
+    assert r["shared"] <= r["shared_limit"], (
+        f"{where}: {r['shared']} bytes of shared memory > {r['shared_limit']}")
+    assert r["spilled"] is not None, f"{where}: no ptxas report:\n{r['ptxas']}"
+    assert r["spilled"] == 0, f"{where}: {r['spilled']} bytes spilled:\n{r['ptxas']}"

@@ -1,0 +1,140 @@
+"""Compile the kernel ahead of time for a GPU generation, without a GPU.
+
+Run as a script (``python triton_compile_configs.py 90 --dtypes float16``), in a process where
+``TRITON_INTERPRET`` is unset: it compiles every block configuration the launcher can
+pick for that generation, for each dtype and kernel variant, and prints one JSON line
+per compilation: shared memory, registers and spilled bytes (from ptxas's report).
+The tests run it in a subprocess because the interpreter tests share their process
+with ``TRITON_INTERPRET=1``, which Triton reads at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+
+#: Kernel variants: the plain path (the deepest software pipeline, so the most shared
+#: memory) and every feature at once (the most registers: band masks, lengths,
+#: softcap), with head dims that are powers of two ("all_even") and not ("all").
+_FEATURES = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
+             "HAS_QUERY_LENGTHS": True, "SOFTCAP": True, "REVERSE": True}
+VARIANTS = {
+    "plain": {},
+    "all_even": _FEATURES,
+    "all": {**_FEATURES, "EVEN_D": False},
+}
+DTYPES = {"float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
+#: Shared memory a block may use, bytes (A100 and H100/H200 opt-in maxima).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+_INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
+
+
+def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
+    """Argument types and divisibility hints as the launcher's calls produce them:
+    16-byte aligned pointers, unit inner strides (specialised to 1), other strides
+    multiples of 16."""
+    elem = DTYPES[dtype][0]
+    types = {"Q": f"*{elem}", "K": f"*{elem}", "V": f"*{elem}", "Out": f"*{elem}",
+             "Lse": "*fp32", "KeyLengths": "*i32", "QueryLengths": "*i32"}
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("sm_scale", "softcap"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def launcher_config(arch: int, dtype: str, dim: int, variant: str):
+    """The configuration the launcher picks for this variant (an uneven head dim is
+    one below the padded size)."""
+    from portattn_triton._configs import pick_config
+
+    head_dim = dim if VARIANTS[variant].get("EVEN_D", True) else dim - 8
+    return pick_config((arch // 10, arch % 10), DTYPES[dtype][1], head_dim, head_dim)
+
+
+def variants(arch: int, dtype: str, dim: int) -> list[str]:
+    """Variants worth compiling: "all_even" only where the head dim changes the config
+    (otherwise "all", with its extra masks, is the harder case for the same config)."""
+    names = ["plain", "all"]
+    if launcher_config(arch, dtype, dim, "all") != launcher_config(arch, dtype, dim, "plain"):
+        names.append("all_even")
+    return names
+
+
+def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
+                **flags: object) -> dict:
+    import triton
+    from portattn_triton._triton_kernel import flash_forward_kernel as fn
+    from triton.backends.compiler import GPUTarget
+
+    if config is None:
+        config = launcher_config(arch, dtype, dim, variant)
+    constants = {
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": dim,
+        "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
+        "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "SOFTCAP": False,
+        "REVERSE": False,
+        "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
+        **VARIANTS[variant],
+        **flags,
+    }
+    constants.update(dict.fromkeys(_INNER_STRIDES, 1))
+    signature, attrs = _signature(fn, dtype, constants)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants,
+                                    attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    log = io.StringIO()
+    result = {"arch": arch, "dtype": dtype, "dim": dim, "variant": variant,
+              "config": str(config), "shared_limit": SHARED_LIMIT[arch]}
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=target, options=options)
+    except Exception as e:  # reported to the test, which fails with the message
+        result["error"] = f"{type(e).__name__}: {e}"[:4000]
+        return result
+    report = log.getvalue()
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    result.update(shared=compiled.metadata.shared, spilled=max(spills, default=None),
+                  registers=max(registers, default=None), ptxas=report[-2000:])
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("archs", nargs="*", type=int, default=sorted(SHARED_LIMIT))
+    parser.add_argument("--dtypes", default="float16,bfloat16,float32",
+                        help="comma-separated, of float16, bfloat16, float32")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="portattn-triton-aot-")
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v report: registers, spills
+    from portattn_triton._configs import BLOCK_DIMS
+
+    for arch in args.archs:
+        for dtype in args.dtypes.split(","):
+            for dim in BLOCK_DIMS:
+                for variant in variants(arch, dtype, dim):
+                    print(json.dumps(compile_one(arch, dtype, dim, variant)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
