@@ -53,6 +53,10 @@ def reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
         return [entry.status or "unavailable"]
     if entry.name in _disabled.get():
         return ["disabled by portattn.disable_kernels()"]
+    if not _targets(entry, inputs):
+        # Availability may import the kernel's library: only ask kernels that target
+        # the call's library and device (whose library is then already imported).
+        return entry.kernel.not_supported_reasons(inputs)
     why = entry.kernel.available()
     if why is not None:
         return [f"unavailable: {why}"]

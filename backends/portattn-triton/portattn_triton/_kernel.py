@@ -54,7 +54,11 @@ class TritonFlashKernel(Kernel):
         for module in ("torch", "triton"):
             if importlib.util.find_spec(module) is None:
                 return f"{module} is not installed"
-        return None
+        if INTERPRET:
+            return None
+        import torch
+
+        return None if torch.cuda.is_available() else "no CUDA device"
 
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
