@@ -31,16 +31,19 @@ def namespace_name(xp: Any) -> str:
     return {"dask.array": "dask", "jax.numpy": "jax"}.get(name, name.split(".")[0])
 
 
-_dtype_names: dict[Any, str] = {}
+# Caches keyed by (type, dtype): a lookup compares keys of equal hash, and
+# array-api-strict warns when its dtypes are compared with NumPy's.
+_dtype_names: dict[tuple[type, Any], str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
     """``float32`` for numpy, torch, jax and array-api-strict dtypes alike."""
-    name = _dtype_names.get(dtype)
+    key = (type(dtype), dtype)
+    name = _dtype_names.get(key)
     if name is None:
         name = getattr(dtype, "name", None)  # NumPy dtypes: also byte-swapped ones (">f4")
         name = name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
-        _dtype_names[dtype] = name
+        _dtype_names[key] = name
     return name
 
 
@@ -208,7 +211,20 @@ def _device(a: Any) -> Any:
         return None
 
 
+def _same_device(a: Any, query: Any) -> bool:
+    """Cheap check through the standard ``.device`` attribute; False when unsure."""
+    if a is query:
+        return True
+    try:
+        return type(a) is type(query) and bool(a.device == query.device)
+    except Exception:  # no .device attribute (dask), or a tracer
+        return False
+
+
 def _common_device(arrays: dict[str, Any]) -> Any:
+    query, key, value = arrays.values()
+    if _same_device(key, query) and _same_device(value, query):
+        return _device(query)  # the common case: one device lookup instead of three
     # A traced array has no device, and a traced function may close over concrete
     # arrays (jax.grad of the query alone): compare only the devices that are known.
     devices = {n: _device(a) for n, a in arrays.items()}
@@ -236,13 +252,14 @@ def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:
         raise ValueError(msg)
 
 
-_floating: dict[Any, bool] = {}
+_floating: dict[tuple[type, Any], bool] = {}
 
 
 def _is_floating(xp: Any, dtype: Any) -> bool:
-    result = _floating.get(dtype)
+    key = (type(dtype), dtype)
+    result = _floating.get(key)
     if result is None:
-        result = _floating[dtype] = bool(xp.isdtype(dtype, "real floating"))
+        result = _floating[key] = bool(xp.isdtype(dtype, "real floating"))
     return result
 
 

@@ -1,0 +1,15 @@
+"""PyTorch's ``scaled_dot_product_attention`` as portattn kernels.
+
+- ``torch_sdpa``: torch tensors on any device, with autograd and dropout.
+- ``torch_sdpa_dlpack``: NumPy (CPU), CuPy and JAX arrays borrowed into torch through
+  DLPack without copies; the result comes back in the caller's library.
+
+Importing this package does not import torch; the kernels do when they run.
+"""
+
+from __future__ import annotations
+
+from ._dlpack_kernel import TorchSDPADLPackKernel
+from ._sdpa_kernel import TorchSDPAKernel
+
+__all__ = ["TorchSDPADLPackKernel", "TorchSDPAKernel"]

@@ -1,0 +1,105 @@
+"""The ``torch_sdpa_dlpack`` kernel: other libraries' arrays through torch's kernels.
+
+NumPy arrays (CPU) and CuPy or JAX arrays are viewed as torch tensors through DLPack
+(no copy: torch reads the caller's memory), run through ``torch_sdpa``, and the result
+is viewed back as the caller's array type, again without a copy. Its priority sits
+below the libraries' own kernels and above the portable ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING, Any
+
+from portattn import masks
+from portattn.kernel import Kernel
+
+from ._availability import torch_unavailable
+from ._sdpa_kernel import TorchSDPAKernel, sdpa_attention
+
+if TYPE_CHECKING:
+    from portattn import AttentionInputs
+    from portattn.masks import Mask
+
+
+class TorchSDPADLPackKernel(Kernel):
+    """torch's fused attention on NumPy, CuPy or JAX arrays borrowed through DLPack."""
+
+    name = "torch_sdpa_dlpack"
+    namespaces = frozenset({"numpy", "cupy", "jax"})
+    devices = frozenset({"cpu", "cuda"})
+    dtypes = TorchSDPAKernel.dtypes
+    masks = TorchSDPAKernel.masks
+    bias = gqa = value_head_dim = empty = True
+    # Neither torch's autograd nor its RNG belongs to the caller's library.
+    dropout = grad = False
+    priority = 20
+
+    @classmethod
+    def check_available(cls) -> str | None:
+        return torch_unavailable()
+
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        tracer = getattr(sys.modules.get("jax.core"), "Tracer", None)
+        if tracer is not None and isinstance(inputs.query, tracer):
+            reasons.append("traced jax arrays (jit, grad, vmap) cannot be borrowed")
+        if not getattr(inputs.query.dtype, "isnative", True):
+            reasons.append(f"byte order {inputs.query.dtype.str} cannot cross DLPack")
+        return reasons
+
+    def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        out = sdpa_attention(borrow_inputs(inputs))
+        return give_back(out, inputs.xp), None, None
+
+
+def borrow(x: Any) -> Any:
+    """``x`` as a torch tensor sharing its memory.
+
+    Arrays with negative strides (reversed views) are copied first: DLPack cannot
+    describe them and torch aborts the process on them instead of raising.
+    """
+    import torch
+
+    if any(s < 0 for s in getattr(x, "strides", ())):
+        x = x.copy()
+    return torch.from_dlpack(x)
+
+
+def give_back(out: Any, xp: Any) -> Any:
+    """The torch result ``out`` as an array of ``xp``, sharing its memory."""
+    return xp.from_dlpack(out)
+
+
+def borrow_mask(mask: Mask | None) -> Mask | None:
+    """``mask`` with its arrays (dense mask, lengths) borrowed into torch."""
+    if mask is None:
+        return None
+    parts = []
+    for part in mask.parts:
+        if part.kind == "dense":
+            part = masks.dense(borrow(part.allowed))
+        elif part.kind in ("key_lengths", "query_lengths"):
+            part = getattr(masks, part.kind)(borrow(part.lengths))
+        parts.append(part)
+    return functools.reduce(lambda a, b: a & b, parts)
+
+
+def borrow_inputs(inputs: AttentionInputs) -> AttentionInputs:
+    """The same call described on torch tensors that view the caller's arrays."""
+    query = borrow(inputs.query)
+    return inputs._replace(
+        query=query, key=borrow(inputs.key), value=borrow(inputs.value),
+        mask=borrow_mask(inputs.mask),
+        bias=None if inputs.bias is None else borrow(inputs.bias),
+        xp=_torch_namespace(), namespace="torch", device_obj=query.device)
+
+
+@functools.cache
+def _torch_namespace() -> Any:
+    import torch
+    from array_api_compat import array_namespace
+
+    return array_namespace(torch.empty(0))

@@ -1,0 +1,104 @@
+"""portattn's semantics expressed as ``torch.nn.functional.scaled_dot_product_attention``.
+
+SDPA takes one mask (boolean or additive float) or ``is_causal`` (top-left), never
+both, so the cheapest exact form is chosen per call:
+
+- no mask and no bias: nothing, so SDPA may pick its fastest kernel;
+- a single top-left causal mask (or bottom-right with ``Lq == Lk``): ``is_causal``;
+- a single bottom-right causal mask with ``Lq < Lk`` on an accelerator: torch's
+  lower-right causal bias, which its fused kernels apply without a mask tensor;
+- anything else: one boolean mask (float when there is a bias) built on the device,
+  broadcast rather than expanded to ``(..., Hq, Lq, Lk)``.
+
+Rows that the mask leaves no key are given every key instead (so no SDPA backend
+sees a row of ``-inf``, which some turn into NaN in the output or the gradient) and
+zeroed afterwards: ``keep`` says which rows are real.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from portattn import AttentionInputs
+    from portattn.masks import Mask
+
+
+@dataclass(frozen=True)
+class SDPAMask:
+    """The mask arguments of one SDPA call."""
+
+    attn_mask: Any = None
+    is_causal: bool = False
+    keep: Any = None
+    """Boolean ``(..., Lq, 1)``, False on fully masked rows; None when there are none."""
+
+
+def relevant_parts(mask: Mask | None) -> list[Mask]:
+    """The parts of ``mask`` that restrict anything, unbounded windows dropped."""
+    if mask is None:
+        return []
+    return [p for p in mask.parts
+            if not (p.kind == "sliding_window" and p.left is None and p.right is None)]
+
+
+def _is_causal(part: Mask) -> bool:
+    # sliding_window(None, 0) is bottom-right causal under another name.
+    return part.kind == "causal" or (
+        part.kind == "sliding_window" and part.left is None and part.right == 0)
+
+
+def _alignment(part: Mask) -> str:
+    return part.alignment if part.kind == "causal" else "bottom_right"
+
+
+def sdpa_mask(inputs: AttentionInputs) -> SDPAMask:
+    """SDPA's ``attn_mask``/``is_causal`` for ``inputs`` (requires ``Lq, Lk > 0``)."""
+    parts = relevant_parts(inputs.mask)
+    lq, lk = inputs.q_len, inputs.kv_len
+    if inputs.bias is None and not parts:
+        return SDPAMask()
+    if inputs.bias is None and len(parts) == 1 and _is_causal(parts[0]):
+        if _alignment(parts[0]) == "top_left" or lq == lk:
+            # Top-left causal leaves every row at least key 0: no empty rows.
+            return SDPAMask(is_causal=True)
+        if lq < lk and inputs.device != "cpu" and inputs.num_heads == inputs.num_kv_heads:
+            # Lq < Lk leaves no row empty. torch applies this bias inside its fused CUDA
+            # kernels (on CPU it would only build the same boolean mask we build below);
+            # its fused path ignores enable_gqa, hence equal head counts only.
+            from torch.nn.attention.bias import causal_lower_right
+
+            return SDPAMask(attn_mask=causal_lower_right(lq, lk))
+    return _dense_mask(inputs, parts)
+
+
+def _dense_mask(inputs: AttentionInputs, parts: list[Mask]) -> SDPAMask:
+    import torch
+
+    lq, lk = inputs.q_len, inputs.kv_len
+    allowed = None
+    for part in parts:
+        tile = part.tile(inputs.xp, 0, lq, 0, lk, lq, lk, inputs.device_obj)
+        allowed = tile if allowed is None else allowed & tile
+    if inputs.bias is None:
+        keep = allowed.any(dim=-1, keepdim=True)
+        return SDPAMask(attn_mask=allowed | ~keep, keep=keep)
+    # SDPA adds a float mask in the query's dtype; masked pairs become -inf in it.
+    bias = inputs.bias.to(inputs.query.dtype)
+    if allowed is not None:
+        bias = torch.where(allowed, bias, -math.inf)
+    keep = (bias != -math.inf).any(dim=-1, keepdim=True)
+    return SDPAMask(attn_mask=torch.where(keep, bias, 0.0), keep=keep)
+
+
+def as_4d(x: Any, batch_shape: tuple[int, ...]) -> Any:
+    """``(*batch, a, b, c) -> (prod(batch) or 1, a, b, c)``: SDPA's fused kernels take
+    exactly one batch dim. 2-D masks broadcast as they are."""
+    if x.ndim == 2 or len(batch_shape) == 1:
+        return x
+    lead, tail = tuple(x.shape[:-3]), tuple(x.shape[-3:])
+    if all(n == 1 for n in lead):
+        return x.reshape(1, *tail)
+    return x.expand(*batch_shape, *tail).reshape(math.prod(batch_shape), *tail)
