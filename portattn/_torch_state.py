@@ -65,8 +65,6 @@ def params_from_torch(state_dict: Mapping[str, Any], num_heads: int) -> dict[str
 
 def params_to_torch(layer: MultiHeadAttention) -> dict[str, Any]:
     """The state dict of the equivalent ``nn.MultiheadAttention`` (torch tensors)."""
-    import torch
-
     embed = layer.num_heads * layer.head_dim
     problems = []
     if layer.num_kv_heads != layer.num_heads:
@@ -81,6 +79,8 @@ def params_to_torch(layer: MultiHeadAttention) -> dict[str, Any]:
     if problems:
         msg = "nn.MultiheadAttention cannot hold this layer: " + "; ".join(problems)
         raise ValueError(msg)
+    import torch
+
     xp, p = layer.xp, layer.params
     w = {n: _t(xp, p[n]) for n in ("w_q", "w_k", "w_v", "w_o")}
     sd: dict[str, Any] = {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from portattn_dask import DaskBlockwiseKernel
@@ -166,7 +164,7 @@ def test_unknown_chunk_sizes_are_a_reason():
     _, (dq, dk, dv) = arrays((2, 2, 6, 8), (2, 2, 6, 8), 1, 1)
     ragged = dq[dq[:, 0, 0, 0] > -100]  # boolean indexing: chunk sizes unknown
     inputs = portattn.explain(dq, dk, dv).inputs
-    reasons = DaskBlockwiseKernel.not_supported_reasons(replace(inputs, query=ragged))
+    reasons = DaskBlockwiseKernel.not_supported_reasons(inputs._replace(query=ragged))
     assert any("query has unknown chunk sizes" in r for r in reasons)
 
 
