@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -143,9 +144,10 @@ def test_debug_log_names_kernel_and_version(only_builtins, caplog):
     assert "attention: tiled@0.1.0" in caplog.text
 
 
-def run_python(code):
+def run_python(code, **env):
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                            capture_output=True, text=True, timeout=120, check=False)
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env={**os.environ, **env})
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -161,12 +163,23 @@ def test_import_portattn_imports_no_array_library():
     assert out.strip() == "[]"
 
 
+def test_numpy_dispatch_imports_no_other_library():
+    out = run_python(f"""
+        import sys, numpy as np, portattn
+        q = np.ones((1, 2, 4, 8), dtype=np.float32)
+        print(portattn.explain(q, q, q, mask=portattn.masks.causal()))
+        print(sorted(m for m in {HEAVY!r} if m in sys.modules and m != "numpy"))
+    """)
+    assert out.strip().splitlines()[-1] == "[]"
+
+
 def test_numpy_call_imports_no_other_library():
+    # torch_sdpa_dlpack (portattn-torch) exists to run NumPy calls through torch; with
+    # it out of the way, NumPy calls run on NumPy alone.
     out = run_python(f"""
         import sys, numpy as np, portattn
         q = np.ones((1, 2, 4, 8), dtype=np.float32)
         portattn.attention(q, q, q, mask=portattn.masks.causal())
-        portattn.explain(q, q, q)
         print(sorted(m for m in {HEAVY!r} if m in sys.modules and m != "numpy"))
-    """)
+    """, PORTATTN_DISABLE_KERNELS="torch_sdpa_dlpack")
     assert out.strip() == "[]"
