@@ -12,6 +12,7 @@ are printed at the end of the session.
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
@@ -31,7 +32,7 @@ def arrays(shape, seed=0):
 
 
 def textbook(q, k, v):
-    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])  # a Python float keeps float32
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     return (p / p.sum(axis=-1, keepdims=True)) @ v
 

@@ -24,11 +24,17 @@ __all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespac
 _HALF = ("float16", "bfloat16")
 
 
+_namespace_names: dict[Any, str] = {}
+
+
 def namespace_name(xp: Any) -> str:
     """Short library name of an array namespace: numpy, torch, jax, cupy, dask, ..."""
-    name = xp.__name__
-    name = name.removeprefix("array_api_compat.")
-    return {"dask.array": "dask", "jax.numpy": "jax"}.get(name, name.split(".")[0])
+    name = _namespace_names.get(xp)
+    if name is None:
+        full = xp.__name__.removeprefix("array_api_compat.")
+        name = {"dask.array": "dask", "jax.numpy": "jax"}.get(full, full.split(".")[0])
+        _namespace_names[xp] = name
+    return name
 
 
 # Caches keyed by (type, dtype): a lookup compares keys of equal hash, and
@@ -47,8 +53,19 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+_device_kinds: dict[tuple[type, Any], str] = {}
+
+
 def device_kind(dev: Any) -> str:
     """Normalised device kind: ``cpu``, ``cuda``, ..."""
+    key = (type(dev), dev)
+    kind = _device_kinds.get(key)
+    if kind is None:
+        kind = _device_kinds[key] = _device_kind(dev)
+    return kind
+
+
+def _device_kind(dev: Any) -> str:
     kind = getattr(dev, "type", None)  # torch.device
     if isinstance(kind, str):
         return kind
@@ -279,7 +296,11 @@ def _check_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
 
 
 def _check_shapes(query: Any, key: Any, value: Any) -> tuple:
-    q, k, v = (tuple(a.shape) for a in (query, key, value))
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if (len(q) >= 3 and len(q) == len(k) == len(v) and q[:-3] == k[:-3] == v[:-3]
+            and q[-1] == k[-1] and k[-3:-1] == v[-3:-1] and k[-3] and not q[-3] % k[-3]):
+        return q[:-3], q[-3], k[-3], q[-2], k[-2], q[-1], v[-1]
+    # Something is off: find it and say what.
     for name, shape in (("query", q), ("key", k), ("value", v)):
         if len(shape) < 3:
             msg = (f"{name} must have shape (..., heads, length, head_dim) with at least 3 "
