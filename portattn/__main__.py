@@ -7,35 +7,60 @@ import sys
 
 from . import __version__
 
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
+          "causal": "causal", "sliding_window": "window", "key_lengths": "klen",
+          "query_lengths": "qlen", "dense": "dense"}
+_FLAGS = ("bias", "softcap", "gqa", "value_head_dim", "empty", "returns_lse",
+          "returns_weights", "dropout", "grad", "deterministic")
+_FLAG_TITLES = ("bias", "cap", "gqa", "dv", "empty", "lse", "wts", "drop", "grad", "det")
+
+
+def _listed(values: object, order: tuple[str, ...] = ()) -> str:
+    if isinstance(values, str):
+        return values
+    ranked = sorted(values, key=lambda v: (order.index(v) if v in order else len(order), v))
+    return ",".join(_SHORT.get(v, v) for v in ranked) or "-"
+
 
 def info() -> int:
-    """Print every installed kernel: provenance, priority, availability, capabilities."""
+    """Print every installed kernel: provenance, priority, availability, and a table
+    of what each declares it supports."""
     from ._registry import kernels
 
     entries = kernels()
-    print(f"portattn {__version__}: {len(entries)} kernels, in dispatch order")
+    print(f"portattn {__version__}: {len(entries)} kernels, in dispatch order\n")
+    rows = [("kernel", "distribution", "priority", "status")]
     for entry in entries:
         kernel = entry.kernel
         if kernel is None:
-            state = entry.status
-        else:
-            why = kernel.available()
-            state = "available" if why is None else f"unavailable: {why}"
-        priority = "-" if kernel is None else kernel.priority
-        print(f"\n{entry.name}  ({entry.provenance}, priority {priority}): {state}")
-        if kernel is None:
+            rows.append((entry.name, entry.provenance, "-", entry.status or ""))
             continue
-        for cap, value in kernel.capabilities().items():
-            if cap == "priority":
-                continue
-            if isinstance(value, (frozenset, set)):
-                value = ", ".join(sorted(value)) or "-"
-            elif isinstance(value, tuple):
-                value = f"{value[0]}..{'' if value[1] is None else value[1]}"
-            elif isinstance(value, bool):
-                value = "yes" if value else "no"
-            print(f"    {cap:<16}{value}")
+        why = kernel.available()
+        rows.append((entry.name, entry.provenance, str(kernel.priority),
+                     "available" if why is None else f"unavailable: {why}"))
+    _table(rows)
+    dtypes = ("float16", "bfloat16", "float32", "float64")
+    masks = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense")
+    caps = [("kernel", "namespaces", "devices", "dtypes", "head_dim", "masks", *_FLAG_TITLES)]
+    for entry in entries:
+        k = entry.kernel
+        if k is None:
+            continue
+        low, high = k.head_dim
+        caps.append((entry.name, _listed(k.namespaces), _listed(k.devices),
+                     _listed(k.dtypes, dtypes), f"{low}-{'' if high is None else high}",
+                     _listed(k.masks, masks),
+                     *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
+    print("\ndeclared capabilities (cap = softcap, dv = value head dim != head dim, "
+          "wts = weights, det = deterministic):")
+    _table(caps)
     return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def demo() -> int:
