@@ -108,13 +108,25 @@ def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
                    f"{inputs.block()}\nbecause:\n" + "\n".join(f"    {w}" for w in why))
             raise KernelNotUsableError(msg)
     else:
-        entry = next((e for e in entries if _targets(e, inputs) and not reasons(e, inputs)),
-                     None)
+        entry = next((e for e in _targeting(entries, inputs) if not reasons(e, inputs)), None)
         if entry is None:
             raise NoKernelError(_nothing_fits(entries, inputs))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("attention: %s@%s", entry.name, entry.version)
     return entry
+
+
+_targeting_cache: dict[tuple[int, str, str], tuple[list[KernelEntry], list[KernelEntry]]] = {}
+
+
+def _targeting(entries: list[KernelEntry], inputs: AttentionInputs) -> list[KernelEntry]:
+    """The entries that target the call's library and device, in order (remembered per
+    registry snapshot, library and device)."""
+    key = (id(entries), inputs.namespace, inputs.device)
+    cached = _targeting_cache.get(key)
+    if cached is None or cached[0] is not entries:
+        cached = _targeting_cache[key] = (entries, [e for e in entries if _targets(e, inputs)])
+    return cached[1]
 
 
 def _targets(entry: KernelEntry, inputs: AttentionInputs) -> bool:

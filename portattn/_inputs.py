@@ -154,10 +154,6 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              dropout_p: float = 0.0) -> AttentionInputs:
     """Validate one call's arguments and describe it."""
     arrays = {"query": query, "key": key, "value": value}
-    for name, a in arrays.items():
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            msg = f"{name} must be an array; got {type(a).__name__}"
-            raise TypeError(msg)
     xp = _common_namespace(arrays)
     dev = _common_device(arrays)
     _check_dtypes(xp, arrays)
@@ -211,6 +207,10 @@ def _common_namespace(arrays: dict[str, Any]) -> Any:
     xp = _namespaces.get(types)
     if xp is not None:
         return xp
+    for name, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            msg = f"{name} must be an array; got {type(a).__name__}"
+            raise TypeError(msg)
     try:
         xp = _namespaces[types] = array_namespace(*arrays.values())
         return xp
