@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from .kernel import ANY, Kernel
-from .masks import KINDS
+from .masks import KINDS, slice_tile
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -67,8 +67,6 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
     if inputs.softcap is not None:
         s = xp.tanh(s / inputs.softcap) * inputs.softcap
     if inputs.bias is not None:
-        from .masks import slice_tile
-
         b = slice_tile(inputs.bias, q0, q1, k0, k1)
         s = s + group_tile(xp, xp.astype(b, s.dtype), inputs.num_kv_heads)
     mask = inputs.mask
