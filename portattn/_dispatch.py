@@ -51,12 +51,19 @@ def reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
     """Why ``entry`` cannot run ``inputs``; empty when it can."""
     if entry.kernel is None:
         return [entry.status or "unavailable"]
+    if _targets(entry, inputs):
+        return _targeted_reasons(entry, inputs)
+    # Availability may import the kernel's library: only kernels that target the call's
+    # library and device (whose library is then already imported) are asked for it.
     if entry.name in _disabled.get():
         return ["disabled by portattn.disable_kernels()"]
-    if not _targets(entry, inputs):
-        # Availability may import the kernel's library: only ask kernels that target
-        # the call's library and device (whose library is then already imported).
-        return entry.kernel.not_supported_reasons(inputs)
+    return entry.kernel.not_supported_reasons(inputs)
+
+
+def _targeted_reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
+    """:func:`reasons` for a loaded kernel known to target the call's library/device."""
+    if entry.name in _disabled.get():
+        return ["disabled by portattn.disable_kernels()"]
     why = entry.kernel.available()
     if why is not None:
         return [f"unavailable: {why}"]
@@ -108,7 +115,8 @@ def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
                    f"{inputs.block()}\nbecause:\n" + "\n".join(f"    {w}" for w in why))
             raise KernelNotUsableError(msg)
     else:
-        entry = next((e for e in _targeting(entries, inputs) if not reasons(e, inputs)), None)
+        entry = next((e for e in _targeting(entries, inputs)
+                      if not _targeted_reasons(e, inputs)), None)
         if entry is None:
             raise NoKernelError(_nothing_fits(entries, inputs))
     if logger.isEnabledFor(logging.DEBUG):

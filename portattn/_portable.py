@@ -78,7 +78,11 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
 
 def safe_max(xp: Any, s: Any) -> Any:
     """Row maximum, with ``-inf`` rows (fully masked) replaced by 0 so ``s - m`` is finite."""
-    m = xp.max(s, axis=-1, keepdims=True)
+    return finite_or_zero(xp, xp.max(s, axis=-1, keepdims=True))
+
+
+def finite_or_zero(xp: Any, m: Any) -> Any:
+    """``m`` with ``-inf`` (a row with nothing allowed yet) replaced by 0."""
     return xp.where(m == -math.inf, xp.zeros_like(m), m)
 
 

@@ -15,6 +15,7 @@ from ._portable import (
     PortableKernel,
     empty_result,
     finish,
+    finite_or_zero,
     group_kv,
     group_queries,
     scores,
@@ -85,7 +86,7 @@ def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, q0: int, q1: i
         s = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1)
         m_tile = xp.max(s, axis=-1, keepdims=True)
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
-        m_safe = xp.where(m_new == -math.inf, xp.zeros_like(m_new), m_new)
+        m_safe = finite_or_zero(xp, m_new)
         p = xp.exp(s - m_safe)
         pv = xp.matmul(p, v[..., k0:k1, :])
         row_sum = xp.sum(p, axis=-1, keepdims=True)

@@ -16,8 +16,6 @@ SHAPE_Q, SHAPE_KV = (2, 8, 256, 64), (2, 2, 256, 64)
 
 
 def _convert(name: str, module: Any, array: Any) -> Any:
-    if name == "torch":
-        return module.asarray(array)
     if name == "dask.array":
         return module.from_array(array, chunks=(1, -1, -1, -1))
     return module.asarray(array)

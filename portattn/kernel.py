@@ -1,7 +1,10 @@
 """The base class every attention kernel derives from.
 
 A kernel declares what it supports as plain class data; the base class turns that
-data into rejection reasons, one short fact each. Plugins extend
+data into rejection reasons, one short fact each. ``namespaces`` and ``devices`` are
+authoritative: dispatch skips a kernel that does not declare the call's library and
+device without asking it anything else (and without checking its availability, which
+may import its library). Plugins extend
 :meth:`Kernel.not_supported_reasons` for constraints the data cannot express, and
 override :meth:`Kernel.check_available` to say why they cannot run at all here.
 
