@@ -3,9 +3,12 @@
 Shapes (1, 8, N, 64) float32 for N = 64 (where per-call overhead shows) and 2048
 (where it should vanish): ``F.scaled_dot_product_attention`` called directly, the same
 through ``portattn.attention`` (dispatching to ``torch_sdpa``), and dispatch alone
-(validating the call and choosing the kernel, no attention). portattn's benchmark
-records its time over the direct call in ``extra_info`` and prints it; the target is
-at most 1.15 at N = 64. Run::
+(validating the call and choosing the kernel, no attention; first call and repeated
+call). The time of one tiny SDPA call drifts by a third within a minute on a shared
+machine, so the ratio is not taken from two separate benchmarks: portattn's benchmark
+also times both calls in alternation (``ROUNDS`` rounds of ``NUMBER`` calls each) and
+records min(portattn) / min(direct) and the median of the per-round ratios in
+``extra_info``, and prints them; the target is at most 1.15 at N = 64. Run::
 
     pytest bench/test_torch_overhead.py -p no:cacheprovider
 
@@ -13,6 +16,9 @@ Needs torch and ``portattn-torch``.
 """
 
 from __future__ import annotations
+
+import statistics
+import timeit
 
 import pytest
 
@@ -24,8 +30,7 @@ pytest.importorskip("portattn_torch")
 SIZES = (64, 2048)
 HEADS, HEAD_DIM = 8, 64
 TARGET = {64: 1.15}
-IMPLS = ("direct", "portattn")  # direct first: portattn's ratio needs it
-_best: dict[tuple[str, int], float] = {}
+ALTERNATIONS = {64: (300, 10), 2048: (10, 1)}  # (rounds, calls per round)
 
 
 def _inputs(n: int) -> tuple:
@@ -37,38 +42,56 @@ def _rounds(n: int) -> dict:
     return {"rounds": 200, "iterations": 10} if n <= 256 else {"rounds": 10, "iterations": 1}
 
 
-@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N={n}")
-@pytest.mark.parametrize("impl", IMPLS)
-def test_overhead(benchmark, impl, n):
+def _calls(n: int) -> dict:
     q, k, v = _inputs(n)
-    if impl == "direct":
-        def call():
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    else:
-        assert portattn.explain(q, k, v).kernel.name == "torch_sdpa"
+    assert portattn.explain(q, k, v).kernel.name == "torch_sdpa"
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return {"direct": lambda: sdpa(q, k, v), "portattn": lambda: portattn.attention(q, k, v)}
 
-        def call():
-            return portattn.attention(q, k, v)
-    torch.testing.assert_close(call(), torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+def _alternating(direct, ours, rounds: int, number: int) -> tuple[float, float]:
+    """min(ours) / min(direct) and the median per-round ratio, timed in turns."""
+    times: dict = {direct: [], ours: []}
+    for _ in range(rounds):
+        for call in times:
+            times[call].append(timeit.timeit(call, number=number))
+    per_round = [b / a for a, b in zip(times[direct], times[ours], strict=True)]
+    return min(times[ours]) / min(times[direct]), statistics.median(per_round)
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N={n}")
+@pytest.mark.parametrize("impl", ["direct", "portattn"])
+def test_overhead(benchmark, impl, n):
+    calls = _calls(n)
+    call = calls[impl]
+    torch.testing.assert_close(call(), calls["direct"]())
     benchmark.group = f"torch overhead N={n}"
     benchmark.extra_info.update(shape=(1, HEADS, n, HEAD_DIM), dtype="float32")
     benchmark.pedantic(call, warmup_rounds=3, **_rounds(n))
-    _best[impl, n] = benchmark.stats.stats.min
-    if impl == "portattn" and ("direct", n) in _best:
-        ratio = _best[impl, n] / _best["direct", n]
-        benchmark.extra_info["time_over_direct"] = ratio
+    if impl == "portattn":
+        best, median = _alternating(calls["direct"], call, *ALTERNATIONS[n])
+        benchmark.extra_info.update(time_over_direct=best, median_time_over_direct=median)
         target = TARGET.get(n)
         note = f" (target <= {target})" if target else ""
-        print(f"\nportattn.attention / F.scaled_dot_product_attention at N={n}: "
-              f"{ratio:.3f}x{note}")
+        print(f"\nportattn.attention / F.scaled_dot_product_attention at N={n}, in turns: "
+              f"{best:.3f}x by minimum, {median:.3f}x median per round{note}")
 
 
-def test_dispatch_only(benchmark):
-    """Validation and kernel choice alone: the part of the overhead portattn owns."""
+@pytest.mark.parametrize("repeated", [False, True], ids=["first", "repeated"])
+def test_dispatch_only(benchmark, repeated):
+    """Validation and kernel choice alone, the part of the overhead portattn owns: for
+    a new call signature, and for a repeated one (remembered)."""
+    from portattn._call_cache import described_and_chosen
     from portattn._dispatch import choose
     from portattn._inputs import describe
 
     q, k, v = _inputs(64)
     benchmark.group = "torch overhead N=64"
-    benchmark.pedantic(lambda: choose(describe(q, k, v)), warmup_rounds=3, rounds=200,
-                       iterations=10)
+    if repeated:
+        def dispatch():
+            return described_and_chosen(q, k, v, None, None, None, None, False, False, 0.0,
+                                        None)
+    else:
+        def dispatch():
+            return choose(describe(q, k, v))
+    benchmark.pedantic(dispatch, warmup_rounds=3, rounds=200, iterations=10)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import masks
-from ._dispatch import Plan, choose, plan
+from ._call_cache import described_and_chosen
+from ._dispatch import Plan, plan
 from ._inputs import describe
 
 if TYPE_CHECKING:
@@ -42,10 +43,9 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     Returns:
         ``out``, or a tuple ``(out, lse, weights)`` holding only the requested parts.
     """
-    inputs = describe(query, key, value, mask=mask, bias=bias, scale=scale, softcap=softcap,
-                      return_lse=return_lse, return_weights=return_weights,
-                      dropout_p=dropout_p)
-    out, lse, weights = choose(inputs, kernel).kernel.run(inputs)
+    inputs, entry = described_and_chosen(query, key, value, mask, bias, scale, softcap,
+                                         return_lse, return_weights, dropout_p, kernel)
+    out, lse, weights = entry.kernel.run(inputs)
     if not (return_lse or return_weights):
         return out
     extras = ((lse,) if return_lse else ()) + ((weights,) if return_weights else ())

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._registry import KNOWN_PLUGINS, KernelEntry, kernel_entries
+from ._registry import KNOWN_PLUGINS, KernelEntry, forced_by_environment, kernel_entries
 from .errors import KernelNotUsableError, NoKernelError, UnknownKernelError
 from .kernel import ANY
 
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "choose", "disable_kernels", "plan", "use_kernel"]
 
-FORCE_ENV = "PORTATTN_KERNEL"
 logger = logging.getLogger("portattn")
 
 _forced: ContextVar[str | None] = ContextVar("portattn_forced_kernel", default=None)
@@ -45,6 +43,11 @@ def disable_kernels(*names: str) -> Iterator[None]:
         yield
     finally:
         _disabled.reset(token)
+
+
+def current_overrides() -> tuple[str | None, frozenset[str]]:
+    """The kernel forced and the kernels disabled by the context managers, now."""
+    return _forced.get(), _disabled.get()
 
 
 def reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
@@ -148,7 +151,7 @@ def _targets(entry: KernelEntry, inputs: AttentionInputs) -> bool:
 
 
 def _forced_name(kernel: str | None) -> str | None:
-    return kernel or _forced.get() or os.environ.get(FORCE_ENV) or None
+    return kernel or _forced.get() or forced_by_environment()
 
 
 def _lookup(entries: list[KernelEntry], name: str) -> KernelEntry:

@@ -19,7 +19,8 @@ from . import masks as _masks
 if TYPE_CHECKING:
     from .masks import Mask
 
-__all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespace_name"]
+__all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespace_name",
+           "needs_grad"]
 
 _HALF = ("float16", "bfloat16")
 
@@ -79,7 +80,8 @@ def _device_kind(dev: Any) -> str:
     return text
 
 
-def _needs_grad(arrays: tuple[Any, ...]) -> bool:
+def needs_grad(arrays: tuple[Any, ...]) -> bool:
+    """Whether autograd will want gradients through ``arrays`` (None entries allowed)."""
     # Duck-typed: a torch tensor that requires grad, or a JAX tracer (jit/grad/vmap).
     if any(getattr(a, "requires_grad", False) is True for a in arrays):
         return "torch" in sys.modules and sys.modules["torch"].is_grad_enabled()
@@ -193,7 +195,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         dtype=dtype_name(query.dtype),
         batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
         head_dim=d, value_head_dim=dv,
-        requires_grad=_needs_grad((query, key, value, bias)),
+        requires_grad=needs_grad((query, key, value, bias)),
         mask_kinds=mask.kinds if mask is not None else frozenset(),
     )
 

@@ -2,8 +2,10 @@
 
 A short pipeline of small functions: collect -> drop disabled -> load -> validate ->
 resolve duplicates -> order. Loading is lazy (first dispatch or ``kernels()``) and
-cached; ``refresh_kernels()`` starts over. A plugin that fails never breaks a call: it
-becomes a warning and an entry whose ``status`` says why.
+cached; ``refresh_kernels()`` starts over. The environment variables are read with
+the entry points (once, not per call) and again by ``refresh_kernels()``. A plugin
+that fails never breaks a call: it becomes a warning and an entry whose ``status``
+says why.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = ["GROUP", "KernelEntry", "kernels", "refresh_kernels"]
 GROUP = "portattn.kernels"
 CORE = "portattn"
 DISABLE_ENV = "PORTATTN_DISABLE_KERNELS"
+FORCE_ENV = "PORTATTN_KERNEL"
 
 #: Kernels provided by portattn's own plugin distributions, for install hints.
 KNOWN_PLUGINS = {
@@ -156,16 +159,25 @@ def discover(eps: Iterable[EntryPoint] | None = None,
     return order(resolve_duplicates([*builtins, *loaded, *dropped]))
 
 
-_cache: dict[str, list[KernelEntry]] = {}
+_discovered: tuple[list[KernelEntry], str | None] | None = None
+"""The installed kernels and the kernel forced by the environment, read together."""
+
+
+def _discover_once() -> tuple[list[KernelEntry], str | None]:
+    global _discovered
+    if _discovered is None:
+        _discovered = (discover(), os.environ.get(FORCE_ENV) or None)
+    return _discovered
 
 
 def kernel_entries() -> list[KernelEntry]:
-    """Installed kernels in dispatch order (cached; keyed by the disable variable)."""
-    key = os.environ.get(DISABLE_ENV, "")
-    entries = _cache.get(key)
-    if entries is None:
-        entries = _cache[key] = discover(disabled=disabled_names(key))
-    return entries
+    """Installed kernels in dispatch order (cached)."""
+    return (_discovered or _discover_once())[0]
+
+
+def forced_by_environment() -> str | None:
+    """The kernel named by ``PORTATTN_KERNEL`` when the kernels were discovered."""
+    return (_discovered or _discover_once())[1]
 
 
 def kernels() -> list[KernelEntry]:
@@ -174,10 +186,10 @@ def kernels() -> list[KernelEntry]:
 
 
 def refresh_kernels() -> list[KernelEntry]:
-    """Forget what was discovered and read the entry points again."""
-    for entries in _cache.values():
-        for entry in entries:
-            if entry.kernel is not None and "_availability" in type(entry.kernel).__dict__:
-                del type(entry.kernel)._availability  # check availability again too
-    _cache.clear()
+    """Forget what was discovered; read the entry points and the environment again."""
+    global _discovered
+    for entry in _discovered[0] if _discovered else ():
+        if entry.kernel is not None and "_availability" in type(entry.kernel).__dict__:
+            del type(entry.kernel)._availability  # check availability again too
+    _discovered = None
     return kernels()

@@ -83,7 +83,12 @@ class Kernel:
 
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
-        """Why this kernel cannot run ``inputs`` (empty when it can). Never allocates."""
+        """Why this kernel cannot run ``inputs`` (empty when it can). Never allocates.
+
+        The answer must follow from the description alone (library, device, dtype,
+        shapes, mask structure, options), never from array values or memory layout:
+        dispatch remembers it for calls that repeat that description.
+        """
         reasons: list[str] = []
         if cls.namespaces != ANY and inputs.namespace not in cls.namespaces:
             reasons.append(f"namespace={inputs.namespace} (supported: {_listed(cls.namespaces)})")

@@ -352,6 +352,12 @@ class _Intersection(Mask):
     def __repr__(self) -> str:
         return " & ".join(repr(p) for p in self._parts)
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Intersection) and other.parts == self._parts
+
+    def __hash__(self) -> int:
+        return hash(self._parts)
+
 
 def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> Any:
     """Check ``array`` broadcasts to ``target``; prepend 1s to reach its rank."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import portattn
-from portattn import _dispatch, _registry, masks
+from portattn import _registry, masks
 from portattn.errors import KernelNotUsableError, NoKernelError, UnknownKernelError
 
 rng = np.random.default_rng(0)
@@ -23,14 +23,14 @@ Q, K, V = (rng.standard_normal((1, 2, 8, 16)).astype(np.float32) for _ in range(
 def only_builtins(monkeypatch):
     """Dispatch sees the built-in kernels only (installed plugins would change choices)."""
     entries = _registry.order(_registry.builtin_entries())
-    monkeypatch.setattr(_dispatch, "kernel_entries", lambda: entries)
+    monkeypatch.setattr(_registry, "_discovered", (entries, None))
     return entries
 
 
 def add_kernel(monkeypatch, cls, entries):
     entry = _registry.KernelEntry(cls.name, cls(), "portattn-test", "0.0")
     ordered = _registry.order([*entries, entry])
-    monkeypatch.setattr(_dispatch, "kernel_entries", lambda: ordered)
+    monkeypatch.setattr(_registry, "_discovered", (ordered, None))
     return entry
 
 
@@ -44,6 +44,8 @@ def test_forcing_by_argument_env_and_context(only_builtins, monkeypatch):
     with portattn.use_kernel("reference"):
         assert portattn.explain(Q, K, V).kernel.name == "reference"
     monkeypatch.setenv("PORTATTN_KERNEL", "reference")
+    assert portattn.explain(Q, K, V).kernel.name == "tiled"  # read once, with the kernels
+    monkeypatch.setattr(_registry, "_discovered", None)  # as refresh_kernels() does
     assert portattn.explain(Q, K, V).kernel.name == "reference"
 
 

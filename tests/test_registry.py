@@ -83,7 +83,7 @@ def test_discovery_is_cached_and_refreshable(monkeypatch):
     calls = []
     real = registry.discover
     monkeypatch.setattr(registry, "discover", lambda **kw: calls.append(1) or real(**kw))
-    registry._cache.clear()
+    monkeypatch.setattr(registry, "_discovered", None)
     registry.kernels()
     registry.kernels()
     assert len(calls) == 1
@@ -91,12 +91,14 @@ def test_discovery_is_cached_and_refreshable(monkeypatch):
     assert len(calls) == 2
 
 
-def test_disable_env_changes_the_cached_view(monkeypatch):
+def test_disable_env_is_read_on_discovery_and_refresh(monkeypatch):
+    monkeypatch.setattr(registry, "_discovered", None)  # restored after the test
     monkeypatch.setenv(registry.DISABLE_ENV, "tiled")
     tiled = next(e for e in registry.kernels() if e.name == "tiled")
     assert tiled.kernel is None
     monkeypatch.delenv(registry.DISABLE_ENV)
-    assert next(e for e in registry.kernels() if e.name == "tiled").kernel is not None
+    assert next(e for e in registry.kernels() if e.name == "tiled").kernel is None
+    assert next(e for e in registry.refresh_kernels() if e.name == "tiled").kernel is not None
 
 
 def test_availability_is_cached_per_class():

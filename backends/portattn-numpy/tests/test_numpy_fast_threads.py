@@ -104,6 +104,7 @@ def test_a_forked_child_gets_its_own_pool(threads):
     attention(q, q, q, kernel="numpy_fast")  # the parent's pool threads exist now
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)  # JAX, if imported
         pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
