@@ -4,7 +4,8 @@
 - causal vs non-causal time with ``tiled`` (target <= 0.7).
 - peak traced memory of ``tiled`` at (1, 1, 16384, 64) float32 (target <= 64 MiB).
 - dispatch overhead at (1, 8, 64, 64): what ``attention()`` adds to the chosen kernel's
-  ``run`` (validation and choice; target <= 15 us).
+  ``run`` (validation and choice; target <= 15 us), for a first call and for a call
+  that repeats an earlier one's signature (remembered).
 
 Run: ``pytest -c pyproject.toml bench/test_core.py --benchmark-group-by=group``. Ratios
 are printed at the end of the session.
@@ -20,6 +21,7 @@ import pytest
 
 import portattn
 from portattn import masks
+from portattn._call_cache import described_and_chosen
 from portattn._dispatch import choose
 from portattn._inputs import describe
 
@@ -80,7 +82,7 @@ def test_tiled_peak_memory():
 
 
 @pytest.mark.benchmark(group="dispatch-overhead")
-@pytest.mark.parametrize("path", ["dispatch", "kernel_run", "attention"])
+@pytest.mark.parametrize("path", ["dispatch", "repeated_dispatch", "kernel_run", "attention"])
 def test_dispatch_overhead(benchmark, path):
     # attention() = describe() + choose() + kernel.run(); the first two are the
     # overhead, timed on their own because the kernel's own time varies more than it.
@@ -88,9 +90,12 @@ def test_dispatch_overhead(benchmark, path):
     inputs = describe(q, k, v)
     kernel = choose(inputs).kernel
     fn = {"dispatch": lambda: choose(describe(q, k, v)),
+          "repeated_dispatch": lambda: described_and_chosen(
+              q, k, v, None, None, None, None, False, False, 0.0, None),
           "kernel_run": lambda: kernel.run(inputs),
           "attention": lambda: portattn.attention(q, k, v)}[path]
     benchmark.pedantic(fn, rounds=200, iterations=20, warmup_rounds=5)
-    label = "dispatch overhead (describe + choose) us (target <= 15)" if path == "dispatch" \
-        else f"{path} ({kernel.name}) median us"
+    label = {"dispatch": "dispatch overhead (describe + choose) us (target <= 15)",
+             "repeated_dispatch": "dispatch overhead, repeated call us (target <= 15)",
+             }.get(path, f"{path} ({kernel.name}) median us")
     FIGURES[label] = benchmark.stats.stats.median * 1e6
