@@ -1,26 +1,30 @@
-"""Options and fixtures for the sweep benchmark in ``test_sweep.py``.
+"""Fixtures for the benchmarks: ``in_turns`` (a ratio against a peer, timed in
+alternation) and the sweep's options (``test_sweep.py``).
 
 The sweep is configured with the same options as ``portattn bench``, passed in
 ``PORTATTN_BENCH_ARGS`` (e.g. ``"--sizes 512,1024 --backends numpy,torch"``);
-``--quick`` (or ``PORTATTN_BENCH_QUICK=1``) keeps it small. Everything here is used
-only by tests that ask for a ``sweep_*`` fixture.
+``--quick`` (or ``PORTATTN_BENCH_QUICK=1``) keeps it small. The sweep's fixtures
+are used only by tests that ask for a ``sweep_*`` fixture.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-from typing import TYPE_CHECKING
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from portattn._bench.cases import SweepConfig
     from portattn._bench.sweep import History, Inputs
 
 ARGS_ENV = "PORTATTN_BENCH_ARGS"
+SETTLE = 0.05
 QUICK_ENV = "PORTATTN_BENCH_QUICK"
 
 
@@ -75,3 +79,35 @@ def sweep_inputs() -> Iterator[Inputs]:
     inputs = Inputs()
     yield inputs
     inputs.clear()
+
+
+@pytest.fixture
+def in_turns(benchmark: Any) -> Callable[..., tuple[float, float]]:
+    """``in_turns(ours, peer, rounds)`` benchmarks ``ours`` with ``peer`` run and timed
+    just before each round, and returns min(ours) / min(peer) and the median of the
+    per-round ratios.
+
+    On a shared machine the speed drifts by tens of percent within a minute; timing two
+    functions in separate benchmarks folds that drift into their ratio, timing them in
+    turns cancels most of it. Each call is followed by a pause of ``SETTLE`` seconds:
+    torch's OpenMP threads keep spinning on the cores for a while after a call, and
+    would slow down whatever runs next.
+    """
+    def measure(ours: Callable[[], Any], peer: Callable[[], Any],
+                rounds: int) -> tuple[float, float]:
+        peer_times: list[float] = []
+
+        def run_peer() -> None:
+            start = time.perf_counter()
+            peer()
+            peer_times.append(time.perf_counter() - start)
+            time.sleep(SETTLE)
+
+        benchmark.pedantic(ours, setup=run_peer, teardown=lambda: time.sleep(SETTLE),
+                           rounds=rounds, warmup_rounds=1)
+        ours_times = list(benchmark.stats.stats.data)
+        peer_times = peer_times[-rounds:]  # the warm-up round's is not paired
+        per_round = [a / b for a, b in zip(ours_times, peer_times, strict=True)]
+        return min(ours_times) / min(peer_times), statistics.median(per_round)
+
+    return measure

@@ -4,7 +4,9 @@ Shapes (1, 8, N, 64) float32 for N = 512, 2048, 8192, with and without a causal 
 plus the peak memory (tracemalloc) of numpy_fast at (1, 1, 16384, 64). Every
 benchmark records GFLOP/s; numpy_fast's also record, in ``extra_info`` and in lines
 written to the terminal, its time over torch's, over the textbook code's, and causal
-over non-causal. Run::
+over non-causal, each from separate benchmarks. ``test_ratio_in_turns`` measures the
+ratios to report (over torch, causal over full) again with the two calls timed in
+alternation, which cancels most of a shared machine's drift. Run::
 
     pytest bench/test_numpy_fast.py -p no:cacheprovider
 
@@ -98,6 +100,30 @@ def test_attention(n: int, causal: bool, impl: str, benchmark: Any,
     listed = "  ".join(f"{name}={value:.2f}" for name, value in ratios.items())
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'}: "
                   f"{best * 1e3:.1f} ms, {flops / best / 1e9:.0f} GFLOP/s  {listed}")
+
+
+TURNS = {512: 30, 2048: 10, 8192: 3}
+PEERS = {
+    "over_torch_sdpa": lambda q, k, v, causal: _call("torch_sdpa", q, k, v, causal),
+    "causal_over_full": lambda q, k, v, causal: _call("numpy_fast", q, k, v, False),
+}
+
+
+@pytest.mark.parametrize(("n", "causal", "ratio"), [
+    pytest.param(n, causal, ratio, id=f"{n}-{'causal' if causal else 'full'}-{ratio}")
+    for n in SIZES for causal in (False, True) for ratio in PEERS
+    if causal or ratio != "causal_over_full"])
+def test_ratio_in_turns(n: int, causal: bool, ratio: str, in_turns: Any, benchmark: Any,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy_fast over a peer, the two timed in alternation (the figures to report)."""
+    q, k, v = _inputs(n)
+    ours = _call("numpy_fast", q, k, v, causal)
+    benchmark.group = f"in turns: numpy_fast {ratio}"
+    best, median = in_turns(ours, PEERS[ratio](q, k, v, causal), TURNS[n])
+    benchmark.extra_info.update(n=n, causal=causal, ratio=ratio, by_minimum=best,
+                                median_per_round=median)
+    _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'} {ratio}, in turns: "
+                 f"{best:.3f} by minimum, {median:.3f} median per round")
 
 
 def test_peak_memory(benchmark: Any, capsys: pytest.CaptureFixture[str]) -> None:

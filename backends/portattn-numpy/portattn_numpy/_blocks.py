@@ -34,16 +34,24 @@ Block = tuple[int, int, int, int, list[Any]]
 True = attend)."""
 
 
+#: Blocks of units without a dense mask, which depend on positions only: shared by
+#: the heads, batch elements and threads of a call, and by later calls of that shape.
+_positional_blocks: dict[tuple, list[Block]] = {}
+MAX_REMEMBERED = 4096
+
+
 def blocks(p: Problem, b: tuple[int, ...], h: int, q0: int, q1: int, lo: int,
            hi: int) -> list[Block]:
     """The blocks of one unit, in key order; empty ones dropped."""
-    if not p.dense:  # then they depend on the position only: share them
-        key = (q0, q1, lo, hi)
-        found = p.shared.get(key)
+    if not p.dense:
+        key = (p.positional, p.q_len, p.kv_len, p.block_k, q0, q1, lo, hi)
+        found = _positional_blocks.get(key)
         if found is None:
-            found = p.shared[key] = [
-                (k0, k1, r0, r1, _positional_tiles(p, q0 + r0, q0 + r1, k0, k1))
-                for k0, k1, r0, r1 in _spans(p, q0, q1, lo, hi)]
+            found = [(k0, k1, r0, r1, _positional_tiles(p, q0 + r0, q0 + r1, k0, k1))
+                     for k0, k1, r0, r1 in _spans(p, q0, q1, lo, hi)]
+            if len(_positional_blocks) >= MAX_REMEMBERED:
+                _positional_blocks.clear()
+            _positional_blocks[key] = found  # a duplicate from another thread is harmless
         return found
     dense = [head_view(m, b, h) for m in p.dense]
     found = []

@@ -94,12 +94,15 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
     n = q1 - q0
     q, acc, part = s.q[:n], s.acc[:n], s.acc_part[:n]
     sums, part_sums, m, m_new, alpha = (row[:n] for row in s.rows)
-    acc[:] = 0
-    sums[:] = 0
+    # A first block that covers every row (the usual case) writes the sums directly.
+    first_covers_all = blocks[0][2:4] == (0, n)
+    if not first_covers_all:
+        acc[:] = 0
+        sums[:] = 0
     m[:] = -np.inf
     bias = None if p.bias is None else head_view(p.bias, b, h)
     exp = np.exp2 if p.base2 else np.exp
-    for k0, k1, r0, r1, tiles in blocks:
+    for i, (k0, k1, r0, r1, tiles) in enumerate(blocks):
         if on_tile is not None:
             on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, rows = k1 - k0, slice(r0, r1)
@@ -117,6 +120,10 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
         if not careful:
             # masked after exp: ufunc exp slows down several-fold on -inf lanes
             _hide(scores, tiles, 0.0)
+        if i == 0 and first_covers_all:
+            np.matmul(scores.T, v[k0:k1], out=acc)
+            np.matmul(s.ones[:width], scores, out=sums)
+            continue
         np.matmul(scores.T, v[k0:k1], out=part[rows])
         acc[rows] += part[rows]
         np.matmul(s.ones[:width], scores, out=part_sums[rows])

@@ -48,11 +48,12 @@ class NumpyFastKernel(Kernel):
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._engine import work
-        from ._plan import build
+        from ._plan import build, useful_threads
         from ._threads import get_num_threads, run_parallel
 
         threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
         problem, units = build(inputs, threads)
         if units:
-            run_parallel(lambda queue: work(problem, queue), units, threads)
+            run_parallel(lambda queue: work(problem, queue), units,
+                         useful_threads(units, threads))
         return problem.out, problem.lse, None

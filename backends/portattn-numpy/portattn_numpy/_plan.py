@@ -21,7 +21,7 @@ from ._problem import Problem, Unit
 if TYPE_CHECKING:
     from portattn import AttentionInputs
 
-__all__ = ["block_sizes", "build", "tile_bytes"]
+__all__ = ["block_sizes", "build", "tile_bytes", "useful_threads"]
 
 #: Try the unshifted exponential first (see ``_engine``); tests turn it off to check
 #: the careful way alone.
@@ -32,6 +32,9 @@ MIN_BLOCK_Q = 16
 MAX_BLOCK_Q = 512
 MAX_BLOCK_K = 1024
 MIN_UNITS_PER_THREAD = 4
+#: Score entries a thread must get before handing it work pays: below this (about
+#: half a millisecond of work) the thread's start and the GIL cost more than it saves.
+MIN_SCORES_PER_THREAD = 1 << 18
 
 
 @functools.cache
@@ -59,6 +62,12 @@ def block_sizes(q_len: int, kv_len: int, itemsize: int, *, heads: int = 1,
     if want_tiles > 1:
         block_q = min(block_q, max(MIN_BLOCK_Q, math.ceil(q_len / want_tiles)))
     return max(1, min(block_q, q_len)), block_k
+
+
+def useful_threads(units: list[Unit], threads: int) -> int:
+    """How many of ``threads`` the units can keep busy."""
+    scores = sum((q1 - q0) * (hi - lo) for _, _, q0, q1, lo, hi in units)
+    return max(1, min(threads, scores // MIN_SCORES_PER_THREAD))
 
 
 def _blas_ready(a: Any) -> Any:

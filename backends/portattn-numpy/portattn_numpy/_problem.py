@@ -1,8 +1,8 @@
-"""One call as the workers see it: NumPy arrays, shapes, tile sizes, shared caches."""
+"""One call as the workers see it: NumPy arrays, shapes, tile sizes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,7 +42,3 @@ class Problem:
     block_q: int
     block_k: int
     fast: bool = True
-    shared: dict[tuple[int, int, int, int], Any] = field(default_factory=dict)
-    """What depends on a tile's position only, not on its batch element or head (key
-    blocks, positional mask tiles), cached for the call. Filled by whichever worker
-    needs an entry first; a duplicate computation is harmless."""

@@ -61,6 +61,17 @@ def _thread_ids(monkeypatch) -> set[int]:
     return seen
 
 
+def test_small_calls_stay_in_the_caller(monkeypatch, threads):
+    from portattn_numpy import _engine
+
+    threads(4)
+    seen: set[int] = set()
+    monkeypatch.setattr(_engine, "on_tile", lambda *_: seen.add(threading.get_ident()))
+    q = np.ones((1, 8, 64, 16), np.float32)  # 8 units, far too little work to share
+    attention(q, q, q, kernel="numpy_fast")
+    assert seen == {threading.get_ident()}
+
+
 def test_one_thread_runs_in_the_caller(monkeypatch, threads):
     threads(1)
     assert _thread_ids(monkeypatch) == {threading.get_ident()}
@@ -100,7 +111,7 @@ def test_a_forked_child_gets_its_own_pool(threads):
     import warnings
 
     threads(2)
-    q = np.ones((1, 4, 64, 8), np.float32)
+    q = np.ones((1, 4, 512, 8), np.float32)  # enough work for two threads
     attention(q, q, q, kernel="numpy_fast")  # the parent's pool threads exist now
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
