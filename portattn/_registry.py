@@ -67,8 +67,8 @@ def collect(group: str = GROUP) -> list[EntryPoint]:
     return list(entry_points(group=group))
 
 
-def disabled_names(value: str | None = None) -> frozenset[str]:
-    value = os.environ.get(DISABLE_ENV, "") if value is None else value
+def disabled_names() -> frozenset[str]:
+    value = os.environ.get(DISABLE_ENV, "")
     return frozenset(n.strip() for n in value.split(",") if n.strip())
 
 
