@@ -6,11 +6,11 @@ through ``portattn.attention`` (dispatching to ``torch_sdpa``), and dispatch alo
 (validating the call and choosing the kernel, no attention; first call and repeated
 call). The time of one tiny SDPA call drifts by a third within a minute on a shared
 machine, so the ratio is not taken from two separate benchmarks: portattn's benchmark
-also times both calls in alternation (``ROUNDS`` rounds of ``NUMBER`` calls each) and
+also times both calls in alternation (``ALTERNATIONS``: rounds, calls per round) and
 records min(portattn) / min(direct) and the median of the per-round ratios in
 ``extra_info``, and prints them; the target is at most 1.15 at N = 64. Run::
 
-    pytest bench/test_torch_overhead.py -p no:cacheprovider
+    pytest -c pyproject.toml bench/test_torch_overhead.py -p no:cacheprovider
 
 Needs torch and ``portattn-torch``.
 """
