@@ -94,7 +94,8 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
     n = q1 - q0
     q, acc, part = s.q[:n], s.acc[:n], s.acc_part[:n]
     sums, part_sums, m, m_new, alpha = (row[:n] for row in s.rows)
-    # A first block that covers every row (the usual case) writes the sums directly.
+    # A first block that covers every row (the usual case) writes acc and sums instead
+    # of adding to zeros; the careful way's rescaling of them before it is overwritten.
     first_covers_all = blocks[0][2:4] == (0, n)
     if not first_covers_all:
         acc[:] = 0
