@@ -1,10 +1,9 @@
 """The arithmetic of one work unit: one query tile of one head against its keys.
 
 Each key block costs two BLAS products and a few in-place ufunc passes over a score
-tile that stays in the core's cache. The tile is kept transposed, keys by queries
-(``k @ q.T`` runs faster than ``q @ k.T`` in OpenBLAS for these thin shapes), and
-without a bias the scores are kept in base 2 (``log2(e)`` folded into the queries),
-because ``exp2`` costs less than ``exp``. Two ways through a unit:
+tile that stays in the core's cache (``_scores``). Without a bias the scores are kept
+in base 2 (``log2(e)`` folded into the queries), because ``exp2`` costs less than
+``exp``. Two ways through a unit:
 
 * fast: ``p = exp(s)`` with no max subtracted. ``exp`` has the same relative accuracy
   over its whole normal range, so this is as accurate as subtracting the max as long
@@ -16,36 +15,31 @@ because ``exp2`` costs less than ``exp``. Two ways through a unit:
 Row sums come from a matrix-vector product with ones, several times faster than
 ``sum(axis=0)``. Masked entries are zeroed after ``exp`` (the careful way sets them to
 ``-inf`` before its max). Which blocks a unit computes, and which entries are masked,
-is decided in ``_blocks``.
+is decided in ``_blocks``. Under a causal-shaped mask units run along the diagonal
+instead (``_diagonal``), the fast way; a unit it cannot trust is redone here, in tiles,
+the careful way.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from portattn.masks import slice_tile
 
+from . import _diagonal, _scores
 from ._blocks import blocks as unit_blocks
 from ._blocks import head_view
+from ._scores import hide, scores, trustworthy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
     from ._blocks import Block
     from ._problem import Problem, Unit
 
 __all__ = ["work"]
-
-#: Called as ``on_tile(batch_index, head, q0, q1, k0, k1)`` for every score tile
-#: computed (instrumentation: lets tests see which tiles were skipped).
-on_tile: Callable[..., Any] | None = None
-
-#: Smallest row sum (relative to the number of keys) the fast way trusts: above it
-#: each row's largest term is a normal float with room to spare.
-_TINY = {np.dtype(np.float32): 2.0**-100, np.dtype(np.float64): 2.0**-900}
 
 
 class _Scratch:
@@ -64,13 +58,20 @@ class _Scratch:
 def work(p: Problem, units: Iterable[Unit]) -> None:
     """Compute every unit taken from ``units`` (one worker thread)."""
     with np.errstate(all="ignore"):  # overflow is detected by value, masked rows by design
-        scratch = _Scratch(p)
+        if p.diagonal is None:
+            scratch = _Scratch(p)
+            for unit in units:
+                _attend(p, scratch, *unit)
+            return
+        along, tiles = _diagonal.Scratch(p), None
         for unit in units:
-            _attend(p, scratch, *unit)
+            if not (p.fast and _diagonal.attend(p, along, *unit)):
+                tiles = tiles or _Scratch(p)
+                _redo_carefully(p, tiles, *unit)
 
 
 def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
-            lo: int, hi: int) -> None:
+            lo: int, hi: int, *, try_fast: bool = True) -> None:
     n = q1 - q0
     blocks = unit_blocks(p, b, h, q0, q1, lo, hi)
     if not blocks:
@@ -79,14 +80,25 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
     shift = None
-    if p.fast:
+    fast = try_fast and p.fast
+    if fast:
         _accumulate(p, s, k, v, b, h, q0, q1, blocks, careful=False)
-    if not p.fast or not _trustworthy(s, n, hi - lo):
+    if not fast or not trustworthy(s.rows[0, :n], s.acc[:n], hi - lo):
         _accumulate(p, s, k, v, b, h, q0, q1, blocks, careful=True)
         shift = s.rows[2, :n]
         if p.base2:
             shift *= np.log(2.0)
     _finish(p, s, b, h, q0, q1, shift)
+
+
+def _redo_carefully(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
+                    lo: int, hi: int) -> None:
+    """A unit along the diagonal, computed again in query tiles, the careful way."""
+    for t0 in range(q0, q1, p.block_q):
+        t1 = min(q1, t0 + p.block_q)
+        first, last = p.positional.key_range(t0, t1, p.q_len, p.kv_len)
+        if last > first:
+            _attend(p, s, b, h, t0, t1, first, last, try_fast=False)
 
 
 def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: int,
@@ -103,40 +115,37 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
     m[:] = -np.inf
     bias = None if p.bias is None else head_view(p.bias, b, h)
     exp = np.exp2 if p.base2 else np.exp
-    for i, (k0, k1, r0, r1, tiles) in enumerate(blocks):
-        if on_tile is not None:
-            on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+    for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
+        if _scores.on_tile is not None:
+            _scores.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, rows = k1 - k0, slice(r0, r1)
-        scores = s.scores[:width * (r1 - r0)].reshape(width, r1 - r0)  # keys by queries
-        np.matmul(k[k0:k1], q[rows].T, out=scores)
-        if p.softcap is not None:
-            np.tanh(scores, out=scores)
-            np.multiply(scores, p.softcap, out=scores)
+        tile = s.scores[:width * (r1 - r0)].reshape(width, r1 - r0)
+        scores(p, k[k0:k1], q[rows].T, tile)
         if bias is not None:
-            np.add(scores, slice_tile(bias, q0 + r0, q0 + r1, k0, k1).T, out=scores)
+            np.add(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1).T, out=tile)
         if careful:
-            _hide(scores, tiles, -np.inf)
-            _shift(scores, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows], exp)
-        exp(scores, out=scores)
+            hide(tile, masks, -np.inf)
+            _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows], exp)
+        exp(tile, out=tile)
         if not careful:
             # masked after exp: ufunc exp slows down several-fold on -inf lanes
-            _hide(scores, tiles, 0.0)
+            hide(tile, masks, 0.0)
         if i == 0 and first_covers_all:
-            np.matmul(scores.T, v[k0:k1], out=acc)
-            np.matmul(s.ones[:width], scores, out=sums)
+            np.matmul(tile.T, v[k0:k1], out=acc)
+            np.matmul(s.ones[:width], tile, out=sums)
             continue
-        np.matmul(scores.T, v[k0:k1], out=part[rows])
+        np.matmul(tile.T, v[k0:k1], out=part[rows])
         acc[rows] += part[rows]
-        np.matmul(s.ones[:width], scores, out=part_sums[rows])
+        np.matmul(s.ones[:width], tile, out=part_sums[rows])
         sums[rows] += part_sums[rows]
     if careful:
         m[:] = _finite(m)
 
 
-def _shift(scores: Any, acc: Any, sums: Any, m: Any, m_new: Any, alpha: Any,
+def _shift(tile: Any, acc: Any, sums: Any, m: Any, m_new: Any, alpha: Any,
            exp: Any) -> None:
     """The online softmax step: raise the running max, rescale, subtract it."""
-    np.max(scores, axis=0, out=m_new)
+    np.max(tile, axis=0, out=m_new)
     np.maximum(m, m_new, out=m_new)
     # rows with nothing summed yet (m = -inf) get alpha 0, never exp(+large) * 0
     np.subtract(m, _finite(m_new), out=alpha)
@@ -144,32 +153,12 @@ def _shift(scores: Any, acc: Any, sums: Any, m: Any, m_new: Any, alpha: Any,
     acc *= alpha[:, None]
     sums *= alpha
     m[:] = m_new
-    np.subtract(scores, _finite(m), out=scores)
-
-
-def _hide(scores: Any, tiles: list[Any], value: float) -> None:
-    """Set the masked entries of a (keys by queries) tile to ``value``."""
-    for tile in tiles:
-        if isinstance(tile, tuple):  # positional: (key offset, row offset, hidden)
-            k0, r0, hidden = tile
-            k1, r1 = k0 + hidden.shape[0], r0 + hidden.shape[1]
-            np.copyto(scores[k0:k1, r0:r1], value, where=hidden)
-        else:  # dense: allowed, queries by keys
-            np.copyto(scores, value, where=np.logical_not(tile.T))
+    np.subtract(tile, _finite(m), out=tile)
 
 
 def _finite(m: Any) -> Any:
     """Row maxima with ``-inf`` (rows with nothing allowed so far) read as 0."""
     return np.where(np.isneginf(m), 0, m)
-
-
-def _trustworthy(s: _Scratch, n: int, keys: int) -> bool:
-    """Did the fast way stay in range: no overflow, no row lost to underflow?"""
-    sums = s.rows[0, :n]
-    # one NaN or inf anywhere makes a total non-finite (a total that overflows on its
-    # own only costs a needless careful pass)
-    return bool(sums.min() >= _TINY[sums.dtype] * keys
-                and math.isfinite(sums.sum()) and math.isfinite(s.acc[:n].sum()))
 
 
 def _finish(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,

@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _diagonal
 from ._problem import Problem, Unit
 
 if TYPE_CHECKING:
     from portattn import AttentionInputs
 
-__all__ = ["block_sizes", "build", "tile_bytes", "useful_threads"]
+    from ._diagonal import Diagonal
+
+__all__ = ["block_sizes", "build", "diagonal_rows", "tile_bytes", "useful_threads"]
 
 #: Try the unshifted exponential first (see ``_engine``); tests turn it off to check
 #: the careful way alone.
@@ -70,6 +73,26 @@ def useful_threads(units: list[Unit], threads: int) -> int:
     return max(1, min(threads, scores // MIN_SCORES_PER_THREAD))
 
 
+def diagonal_rows(q_len: int, diagonal: Diagonal, *, heads: int = 1, threads: int = 1) -> int:
+    """Rows per unit along the diagonal: as many squares as one tile holds (they are
+    computed in one stacked product), fewer when the threads need more units."""
+    squares = diagonal.squares
+    want_units = math.ceil(MIN_UNITS_PER_THREAD * threads / max(heads, 1))
+    if want_units > 1:
+        squares = min(squares, max(1, q_len // diagonal.size // want_units))
+    return squares * diagonal.size
+
+
+def _row_ranges(rows: int, step: int, square: int = 1) -> list[tuple[int, int]]:
+    """``rows`` cut into ranges of ``step`` rows, each starting on a whole ``square``;
+    rows past the last whole square join the last range."""
+    whole = rows // square * square
+    ranges = [(q0, min(whole, q0 + step)) for q0 in range(0, whole, step)]
+    if whole < rows:
+        ranges[-1:] = [(ranges[-1][0] if ranges else 0, rows)]
+    return ranges
+
+
 def _blas_ready(a: Any) -> Any:
     """``a`` itself when BLAS can read its matrices in place, else a C-ordered copy."""
     a = np.asarray(a)
@@ -94,8 +117,14 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     parts = list(inputs.mask.parts) if inputs.mask is not None else []
     positional_parts = [p for p in parts if p.kind in _POSITIONAL]
     positional = functools.reduce(operator.and_, positional_parts) if positional_parts else None
-    block_q, block_k = block_sizes(
-        lq, lk, query.itemsize, heads=math.prod(inputs.batch_shape) * hq, threads=threads)
+    heads = math.prod(inputs.batch_shape) * hq
+    block_q, block_k = block_sizes(lq, lk, query.itemsize, heads=heads, threads=threads)
+    key_len = _lengths(parts, "key_lengths")
+    query_len = _lengths(parts, "query_lengths")
+    dense = tuple(np.asarray(p.allowed) for p in parts if p.kind == "dense")
+    diagonal = None
+    if inputs.bias is None and not dense and key_len is None and query_len is None:
+        diagonal = _diagonal.find(positional, lq, lk, query.dtype, tile_bytes() // query.itemsize)
     lead = (*inputs.batch_shape, hq)
     base2 = inputs.bias is None  # a bias would need its own pass to change base
     to_base = math.log2(math.e) if base2 else 1.0
@@ -107,19 +136,19 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         softcap=None if inputs.softcap is None else inputs.softcap * to_base,
         base2=base2,
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
-        positional=positional,
-        dense=tuple(np.asarray(p.allowed) for p in parts if p.kind == "dense"),
+        positional=positional, dense=dense,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
-        fast=TRY_FAST,
+        fast=TRY_FAST, diagonal=diagonal,
     )
-    key_len = _lengths(parts, "key_lengths")
-    query_len = _lengths(parts, "query_lengths")
+    step, square = block_q, 1
+    if diagonal is not None:
+        square = diagonal.size
+        step = diagonal_rows(lq, diagonal, heads=heads, threads=threads)
     units: list[Unit] = []
     for b in np.ndindex(*inputs.batch_shape):
         rows = lq if query_len is None else int(query_len[b])
         keys = lk if key_len is None else int(key_len[b])
-        for q0 in range(0, rows, block_q):
-            q1 = min(rows, q0 + block_q)
+        for q0, q1 in _row_ranges(rows, step, square):
             lo, hi = (0, lk) if positional is None else positional.key_range(q0, q1, lq, lk)
             hi = min(hi, keys)
             if hi > lo:

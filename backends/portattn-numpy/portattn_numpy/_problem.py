@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from portattn.masks import Mask
 
+    from ._diagonal import Diagonal
+
 __all__ = ["Problem", "Unit"]
 
 Unit = tuple[tuple[int, ...], int, int, int, int, int]
@@ -42,3 +44,5 @@ class Problem:
     block_q: int
     block_k: int
     fast: bool = True
+    diagonal: Diagonal | None = None
+    """Set when the units follow the diagonal (``_diagonal``) instead of tiles."""

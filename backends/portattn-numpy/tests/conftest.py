@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from portattn_numpy import _blocks, _engine, _plan, set_num_threads
+from portattn_numpy import _blocks, _plan, _scores, set_num_threads
 
 
 @pytest.fixture
@@ -35,5 +35,5 @@ def threads():
 def tiles(monkeypatch):
     """Every score tile computed, as ``(batch, head, q0, q1, k0, k1)``."""
     seen: list[tuple] = []
-    monkeypatch.setattr(_engine, "on_tile", lambda *tile: seen.append(tile))
+    monkeypatch.setattr(_scores, "on_tile", lambda *tile: seen.append(tile))
     return seen

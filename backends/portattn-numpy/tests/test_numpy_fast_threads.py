@@ -51,10 +51,10 @@ def test_bad_code_setting_is_a_clear_error(value):
 
 
 def _thread_ids(monkeypatch) -> set[int]:
-    from portattn_numpy import _engine
+    from portattn_numpy import _scores
 
     seen: set[int] = set()
-    monkeypatch.setattr(_engine, "on_tile", lambda *_: seen.add(threading.get_ident()))
+    monkeypatch.setattr(_scores, "on_tile", lambda *_: seen.add(threading.get_ident()))
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 4, 300, 16)).astype(np.float32)
     attention(q, q, q, kernel="numpy_fast")
@@ -62,11 +62,11 @@ def _thread_ids(monkeypatch) -> set[int]:
 
 
 def test_small_calls_stay_in_the_caller(monkeypatch, threads):
-    from portattn_numpy import _engine
+    from portattn_numpy import _scores
 
     threads(4)
     seen: set[int] = set()
-    monkeypatch.setattr(_engine, "on_tile", lambda *_: seen.add(threading.get_ident()))
+    monkeypatch.setattr(_scores, "on_tile", lambda *_: seen.add(threading.get_ident()))
     q = np.ones((1, 8, 64, 16), np.float32)  # 8 units, far too little work to share
     attention(q, q, q, kernel="numpy_fast")
     assert seen == {threading.get_ident()}
@@ -83,7 +83,7 @@ def test_work_stays_within_the_thread_count(monkeypatch, threads):
 
 
 def test_blas_is_held_to_one_thread_inside(monkeypatch, threads):
-    from portattn_numpy import _engine, _threads
+    from portattn_numpy import _scores, _threads
     from threadpoolctl import threadpool_info
 
     # the BLAS libraries loaded when the kernel first ran (NumPy's among them)
@@ -96,7 +96,7 @@ def test_blas_is_held_to_one_thread_inside(monkeypatch, threads):
         return [i["num_threads"] for i in threadpool_info() if i["filepath"] in paths]
 
     seen: list[int] = []
-    monkeypatch.setattr(_engine, "on_tile", lambda *_: seen or seen.extend(blas_threads()))
+    monkeypatch.setattr(_scores, "on_tile", lambda *_: seen or seen.extend(blas_threads()))
     threads(2)
     before = blas_threads()
     attention(q, q, q, kernel="numpy_fast")

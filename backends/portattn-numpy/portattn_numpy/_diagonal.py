@@ -1,0 +1,177 @@
+"""Masks shaped like a causal one, computed along the diagonal.
+
+Cut the query rows into squares of ``S`` (:data:`_blocks.SUB_Q`) rows. Under a causal
+mask (any alignment, any shift) each square attends every key before its own ``S``
+by ``S`` diagonal square, and inside that square the same triangle. So a unit of many
+squares is computed as: every diagonal square at once, in one stacked product masked
+by one 0/1 tile, then one plain block per square for the keys before it. Compared with
+tiles that follow the staircase, that is a few NumPy calls per unit instead of several
+per square, and masking by a multiply instead of a scattered copy; with several
+threads every call also costs a round trip of the GIL, so the count matters.
+
+:func:`find` decides from the mask alone whether a call has this shape; the planning
+of each unit is kept across calls, like ``_blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _blocks, _scores
+from ._scores import hide, scores, trustworthy
+
+if TYPE_CHECKING:
+    from portattn.masks import Mask
+
+    from ._blocks import Block
+    from ._problem import Problem
+
+__all__ = ["Diagonal", "Scratch", "UnitPlan", "attend", "find", "plan"]
+
+
+@dataclass(frozen=True)
+class Diagonal:
+    """The shape shared by every square of rows: found once per call."""
+
+    size: int
+    """Rows (and keys) of a square."""
+    squares: int
+    """Squares a unit holds at most: their stacked scores fill one tile."""
+    block_k: int
+    """Keys per block before a square: a block's scores fill one tile."""
+    key_shift: int
+    """The diagonal square of rows ``a:a+size`` holds keys ``a+key_shift:a+key_shift+size``."""
+    keep: Any = field(compare=False, repr=False)
+    """``(size, size)`` 0/1 in the query's dtype, keys by queries: which pairs of a
+    diagonal square are attended (left out of comparisons: the mask decides it)."""
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """What one unit computes, rows counted from the unit's first row."""
+
+    squares: int
+    """Diagonal squares from row 0: rows ``0:squares*size``."""
+    blocks: list[Block]
+    """The keys before each square, and the rows after the last full square."""
+    rows_with_keys: int
+    """Rows from 0 that attend any key; the others keep output 0 and lse ``-inf``."""
+
+
+def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any,
+         tile_elements: int) -> Diagonal | None:
+    """The diagonal shape of ``mask``, or None when some full square does not have it."""
+    size = _blocks.SUB_Q
+    if mask is None or q_len < size:
+        return None
+    shift, keep = None, None
+    for a in (0, q_len // size * size - size):  # first and last square; the mask
+        lo, hi = mask.key_range(a, a + size, q_len, kv_len)  # depends on key - query only
+        if lo != 0 or hi - size < 0 or not mask.covers(a, a + size, 0, hi - size, q_len, kv_len):
+            return None
+        allowed = np.broadcast_to(mask.tile(np, a, a + size, hi - size, hi, q_len, kv_len),
+                                  (size, size))
+        if shift is None:
+            shift, keep = hi - a - size, allowed
+        elif hi - a - size != shift or not np.array_equal(allowed, keep):
+            return None
+    return Diagonal(size, max(1, tile_elements // size**2), max(1, tile_elements // size), shift,
+                    np.ascontiguousarray(keep.T, dtype=dtype))
+
+
+#: Plans of units, by shape: shared by heads, threads and later calls.
+_plans: dict[tuple, UnitPlan] = {}
+MAX_REMEMBERED = 4096
+
+
+def plan(p: Problem, q0: int, q1: int) -> UnitPlan:
+    """The squares and blocks of rows ``q0:q1`` (``q0`` a multiple of the square size)."""
+    key = (p.positional, p.q_len, p.kv_len, p.block_k, p.diagonal, q0, q1)
+    found = _plans.get(key)
+    if found is None:
+        found = _plan(p, q0, q1)
+        if len(_plans) >= MAX_REMEMBERED:
+            _plans.clear()
+        _plans[key] = found
+    return found
+
+
+def _plan(p: Problem, q0: int, q1: int) -> UnitPlan:
+    size, shift, block_k = p.diagonal.size, p.diagonal.key_shift, p.diagonal.block_k
+    squares = (q1 - q0) // size
+    blocks: list[Block] = []
+    for r0 in range(0, squares * size, size):
+        end = q0 + r0 + shift  # the square's own keys start here
+        blocks += [(k0, min(end, k0 + block_k), r0, r0 + size, [])
+                   for k0 in range(0, end, block_k)]
+    tail, rows_with_keys = q0 + squares * size, squares * size
+    if tail < q1:  # rows past the last full square: tiles that follow the mask
+        lo, hi = p.positional.key_range(tail, q1, p.q_len, p.kv_len)
+        if hi > lo:
+            offset = tail - q0
+            blocks += [(k0, k1, r0 + offset, r1 + offset, tiles)
+                       for k0, k1, r0, r1, tiles in _blocks.blocks(p, (), 0, tail, q1, lo, hi)]
+            rows_with_keys = q1 - q0
+    return UnitPlan(squares, blocks, rows_with_keys)
+
+
+class Scratch:
+    """One worker's buffers for units along the diagonal, reused for every unit."""
+
+    def __init__(self, p: Problem) -> None:
+        d, dt = p.diagonal, p.query.dtype
+        rows = (d.squares + 1) * d.size  # a unit's squares and the rows after the last
+        widest = max(d.block_k, p.block_k)
+        self.q = np.empty((rows, p.query.shape[-1]), dt)
+        # the values' columns, then the row sums: one add accumulates both
+        self.acc = np.empty((rows, p.value.shape[-1] + 1), dt)
+        self.part = np.empty((d.size, p.value.shape[-1] + 1), dt)
+        self.scores = np.empty(max(d.squares * d.size**2, d.size * widest), dt)
+        self.ones = np.ones(max(d.size, widest), dt)
+
+
+def attend(p: Problem, s: Scratch, b: tuple[int, ...], h: int, q0: int, q1: int, lo: int,
+           hi: int) -> bool:
+    """One unit the fast way (see ``_engine``); False when it must be redone carefully."""
+    d, unit = p.diagonal, plan(p, q0, q1)
+    n, along, count = q1 - q0, unit.squares * d.size, unit.squares
+    q, acc = s.q[:n], s.acc[:n]
+    np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=q)
+    k = p.key[(*b, h // p.group)]
+    v = p.value[(*b, h // p.group)]
+    exp = np.exp2 if p.base2 else np.exp
+    start = q0 + d.key_shift  # the diagonal squares, stacked: (count, keys, queries)
+    if _scores.on_tile is not None:
+        for r0 in range(0, along, d.size):
+            _scores.on_tile(b, h, q0 + r0, q0 + r0 + d.size, start + r0, start + r0 + d.size)
+    stacked = s.scores[:count * d.size**2].reshape(count, d.size, d.size)
+    scores(p, k[start:start + along].reshape(count, d.size, -1),
+           q[:along].reshape(count, d.size, -1).transpose(0, 2, 1), stacked)
+    exp(stacked, out=stacked)
+    np.multiply(stacked, d.keep, out=stacked)
+    np.matmul(stacked.transpose(0, 2, 1), v[start:start + along].reshape(count, d.size, -1),
+              out=acc[:along, :-1].reshape(count, d.size, -1))
+    np.matmul(s.ones[:d.size], stacked, out=acc[:along, -1].reshape(count, d.size))
+    acc[along:] = 0  # rows past the last square start from nothing
+    for k0, k1, r0, r1, masks in unit.blocks:
+        if _scores.on_tile is not None:
+            _scores.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        width, part = k1 - k0, s.part[:r1 - r0]
+        tile = s.scores[:width * (r1 - r0)].reshape(width, r1 - r0)
+        scores(p, k[k0:k1], q[r0:r1].T, tile)
+        exp(tile, out=tile)
+        hide(tile, masks, 0.0)
+        np.matmul(tile.T, v[k0:k1], out=part[:, :-1])
+        np.matmul(s.ones[:width], tile, out=part[:, -1])
+        acc[r0:r1] += part
+    filled = acc[:unit.rows_with_keys]
+    if not trustworthy(filled[:, -1], filled, hi - lo):
+        return False
+    rows = slice(q0, q0 + unit.rows_with_keys)  # the others keep out 0 and lse -inf
+    np.divide(filled[:, :-1], filled[:, -1:], out=p.out[(*b, h, rows)])
+    if p.lse is not None:
+        np.log(filled[:, -1], out=p.lse[(*b, h, rows)])
+    return True

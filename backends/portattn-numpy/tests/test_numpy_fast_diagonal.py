@@ -1,0 +1,98 @@
+"""Causal-shaped masks computed along the diagonal (``_diagonal``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from portattn_numpy import _diagonal
+
+from portattn import attention, masks
+from portattn.testing import assert_close, oracle
+
+
+@pytest.fixture
+def along(monkeypatch):
+    """Results of every unit computed along the diagonal: True, or False when it had
+    to be redone carefully."""
+    seen: list[bool] = []
+    attend = _diagonal.attend
+
+    def counted(*args):
+        seen.append(attend(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(_diagonal, "attend", counted)
+    return seen
+
+
+def _check(q_shape, k_shape, dv=8, dtype="float32", seed=0, **kwargs):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(q_shape).astype(dtype)
+    k = rng.standard_normal(k_shape).astype(dtype)
+    v = rng.standard_normal((*k_shape[:-1], dv)).astype(dtype)
+    out, lse = attention(q, k, v, return_lse=True, kernel="numpy_fast", **kwargs)
+    want_out, want_lse, _ = oracle(*(a.astype(np.float64) for a in (q, k, v)),
+                                   return_lse=True, **kwargs)
+    assert_close(out, want_out, dtype, "out")
+    assert_close(lse, want_lse, dtype, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("lq", "lk", "mask"), [
+    (64, 64, masks.causal()),
+    (37, 53, masks.causal()),                    # a partial square at the end
+    (37, 53, masks.causal("top_left")),          # keys past the last row's diagonal
+    (30, 30, masks.causal() & masks.sliding_window(None, 0)),
+])
+def test_matches_the_oracle(lq, lk, mask, dtype, along, tiny_tiles):
+    # tiny tiles: squares of 2 rows, 4 squares per unit, blocks of 8 keys
+    _check((2, 4, lq, 16), (2, 2, lk, 16), dtype=dtype, mask=mask)
+    assert along
+    assert all(along)
+
+
+def test_softcap_and_default_sizes(along):
+    # squares of 128 rows: two of them, then 44 rows that follow the mask in tiles
+    _check((1, 2, 300, 32), (1, 2, 300, 32), dv=16, mask=masks.causal(), softcap=5.0)
+    assert along
+    assert all(along)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_out_of_range_units_are_redone_carefully(dtype, along, tiny_tiles):
+    # exp(scores) overflows without the row maximum subtracted
+    _check((2, 4, 37, 16), (2, 2, 53, 16), dv=16, dtype=dtype, seed=1, mask=masks.causal(),
+           scale=400.0)
+    assert along
+    assert not any(along)
+
+
+@pytest.mark.parametrize(("lq", "lk", "mask"), [
+    (64, 64, masks.sliding_window(5, 0)),         # keys start after 0 further down
+    (64, 40, masks.causal()),                      # the first rows see no key
+    (40, 29, masks.causal("top_left")),            # the last rows see every key
+    (64, 64, masks.causal() & masks.key_lengths(np.array([64, 30]))),
+])
+def test_other_shapes_use_tiles(lq, lk, mask, along, tiny_tiles):
+    _check((2, 4, lq, 16), (2, 2, lk, 16), mask=mask)
+    assert not along
+
+
+def test_threads_do_not_change_the_result(threads, tiny_tiles):
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 4, 61, 16)).astype(np.float32) for _ in range(3))
+    threads(1)
+    one = attention(q, k, v, mask=masks.causal(), return_lse=True, kernel="numpy_fast")
+    threads(3)
+    three = attention(q, k, v, mask=masks.causal(), return_lse=True, kernel="numpy_fast")
+    for a, b in zip(one, three, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_find_reads_the_shape_from_the_mask(tiny_tiles):
+    found = _diagonal.find(masks.causal(), 37, 53, np.float32, 16)
+    assert (found.size, found.key_shift) == (2, 16)
+    np.testing.assert_array_equal(found.keep, [[1, 1], [0, 1]])  # keys by queries
+    assert _diagonal.find(masks.causal(), 1, 53, np.float32, 16) is None  # no whole square
+    assert _diagonal.find(None, 37, 53, np.float32, 16) is None
