@@ -1,8 +1,9 @@
 """Masks shaped like a causal one, computed along the diagonal.
 
 Cut the query rows into squares of ``S`` (:data:`_blocks.SUB_Q`) rows. Under a causal
-mask (any alignment, any shift) each square attends every key before its own ``S``
-by ``S`` diagonal square, and inside that square the same triangle. So a unit of many
+mask each whole square attends every key before its own ``S`` by ``S`` diagonal square,
+and inside that square the same triangle (when keys run out before the last square,
+or the first rows see no key, it does not hold, and tiles are used). So a unit of many
 squares is computed as: every diagonal square at once, in one stacked product masked
 by one 0/1 tile, then one plain block per square for the keys before it. Compared with
 tiles that follow the staircase, that is a few NumPy calls per unit instead of several

@@ -1,9 +1,11 @@
 """Cutting one call into work units: tile sizes, mask structure, skipped tiles.
 
-A unit is one query tile of one head with the key range it can reach. The structured
-mask decides that range before any arithmetic: causal and sliding-window masks through
-``key_range``, key and query lengths by reading the (small) length arrays. Units with
-nothing to attend are never created; their rows keep output 0 and lse ``-inf``.
+A unit is one query tile of one head with the key range it can reach, or, under a
+causal-shaped mask, a run of query squares computed along the diagonal (``_diagonal``).
+The structured mask decides that range before any arithmetic: causal and
+sliding-window masks through ``key_range``, key and query lengths by reading the
+(small) length arrays. Units with nothing to attend are never created; their rows keep
+output 0 and lse ``-inf``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
     from ._diagonal import Diagonal
 
-__all__ = ["block_sizes", "build", "diagonal_rows", "tile_bytes", "useful_threads"]
+__all__ = ["block_sizes", "build", "tile_bytes", "useful_threads"]
 
 #: Try the unshifted exponential first (see ``_engine``); tests turn it off to check
 #: the careful way alone.
@@ -73,7 +75,7 @@ def useful_threads(units: list[Unit], threads: int) -> int:
     return max(1, min(threads, scores // MIN_SCORES_PER_THREAD))
 
 
-def diagonal_rows(q_len: int, diagonal: Diagonal, *, heads: int = 1, threads: int = 1) -> int:
+def _diagonal_rows(q_len: int, diagonal: Diagonal, *, heads: int = 1, threads: int = 1) -> int:
     """Rows per unit along the diagonal: as many squares as one tile holds (they are
     computed in one stacked product), fewer when the threads need more units."""
     squares = diagonal.squares
@@ -143,7 +145,7 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     step, square = block_q, 1
     if diagonal is not None:
         square = diagonal.size
-        step = diagonal_rows(lq, diagonal, heads=heads, threads=threads)
+        step = _diagonal_rows(lq, diagonal, heads=heads, threads=threads)
     units: list[Unit] = []
     for b in np.ndindex(*inputs.batch_shape):
         rows = lq if query_len is None else int(query_len[b])
