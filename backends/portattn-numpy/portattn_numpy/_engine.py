@@ -22,15 +22,17 @@ the careful way.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from portattn.masks import slice_tile
 
-from . import _diagonal, _scores
+from . import _diagonal, _scores, _stacked
 from ._blocks import blocks as unit_blocks
 from ._blocks import head_view
+from ._plan import units_for
 from ._scores import hide, scores, trustworthy
 
 if TYPE_CHECKING:
@@ -58,14 +60,18 @@ class _Scratch:
 def work(p: Problem, units: Iterable[Unit]) -> None:
     """Compute every unit taken from ``units`` (one worker thread)."""
     with np.errstate(all="ignore"):  # overflow is detected by value, masked rows by design
-        if p.diagonal is None:
+        if p.diagonal is None and not p.stack:
             scratch = _Scratch(p)
             for unit in units:
                 _attend(p, scratch, *unit)
             return
-        along, tiles = _diagonal.Scratch(p), None
+        if p.stack:
+            fast_way = functools.partial(_stacked.attend, p)
+        else:
+            fast_way = functools.partial(_diagonal.attend, p, _diagonal.Scratch(p))
+        tiles = None
         for unit in units:
-            if not (p.fast and _diagonal.attend(p, along, *unit)):
+            if not (p.fast and fast_way(*unit)):
                 tiles = tiles or _Scratch(p)
                 _redo_carefully(p, tiles, *unit)
 
@@ -93,12 +99,11 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
 
 def _redo_carefully(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
                     lo: int, hi: int) -> None:
-    """A unit along the diagonal, computed again in query tiles, the careful way."""
-    for t0 in range(q0, q1, p.block_q):
-        t1 = min(q1, t0 + p.block_q)
-        first, last = p.positional.key_range(t0, t1, p.q_len, p.kv_len)
-        if last > first:
-            _attend(p, s, b, h, t0, t1, first, last, try_fast=False)
+    """A unit along the diagonal or of stacked heads, again in tiles, the careful way."""
+    heads = range(h, min(p.query.shape[-3], h + p.stack * p.group)) if p.stack else (h,)
+    tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
+    for unit in units_for(p, b, heads, tiles):
+        _attend(p, s, *unit, try_fast=False)
 
 
 def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: int,

@@ -1,7 +1,8 @@
 """Cutting one call into work units: tile sizes, mask structure, skipped tiles.
 
-A unit is one query tile of one head with the key range it can reach, or, under a
-causal-shaped mask, a run of query squares computed along the diagonal (``_diagonal``).
+A unit is one query tile of one head with the key range it can reach; under a
+causal-shaped mask, a run of query squares computed along the diagonal (``_diagonal``);
+for small heads, a run of whole heads (``_stacked``).
 The structured mask decides that range before any arithmetic: causal and
 sliding-window masks through ``key_range``, key and query lengths by reading the
 (small) length arrays. Units with nothing to attend are never created; their rows keep
@@ -18,15 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _diagonal
+from . import _diagonal, _stacked
 from ._problem import Problem, Unit
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from portattn import AttentionInputs
 
     from ._diagonal import Diagonal
 
-__all__ = ["block_sizes", "build", "tile_bytes", "useful_threads"]
+__all__ = ["block_sizes", "build", "tile_bytes", "units_for", "useful_threads"]
 
 #: Try the unshifted exponential first (see ``_engine``); tests turn it off to check
 #: the careful way alone.
@@ -95,6 +98,39 @@ def _row_ranges(rows: int, step: int, square: int = 1) -> list[tuple[int, int]]:
     return ranges
 
 
+def units_for(p: Problem, b: tuple[int, ...], heads: Iterable[int],
+              row_ranges: Iterable[tuple[int, int]]) -> list[Unit]:
+    """Units of ``heads`` of batch element ``b`` over ``row_ranges``, each with the keys
+    its rows can reach; rows past the query length and keys past the key length are
+    left out, and so are units with nothing to attend."""
+    rows = p.q_len if p.query_len is None else int(p.query_len[b])
+    keys = p.kv_len if p.key_len is None else int(p.key_len[b])
+    heads = list(heads)
+    units: list[Unit] = []
+    for q0, q1 in row_ranges:
+        q1 = min(q1, rows)
+        if q1 <= q0:
+            continue
+        lo, hi = (0, p.kv_len) if p.positional is None else p.positional.key_range(
+            q0, q1, p.q_len, p.kv_len)
+        if min(hi, keys) > lo:
+            units += [(b, h, q0, q1, lo, min(hi, keys)) for h in heads]
+    return units
+
+
+def _whole_mask(inputs: AttentionInputs) -> Any:
+    """The mask over the whole problem, full rank (``(*batch|1, H|1, Lq|1, Lk|1)``)."""
+    if inputs.mask is None:
+        return None
+    lq, lk = inputs.q_len, inputs.kv_len
+    allowed = inputs.mask.tile(np, 0, lq, 0, lk, lq, lk)
+    if allowed is None:  # every part covers everything
+        return None
+    allowed = np.asarray(allowed)
+    rank = len(inputs.batch_shape) + 3
+    return allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
+
+
 def _blas_ready(a: Any) -> Any:
     """``a`` itself when BLAS can read its matrices in place, else a C-ordered copy."""
     a = np.asarray(a)
@@ -124,9 +160,12 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     key_len = _lengths(parts, "key_lengths")
     query_len = _lengths(parts, "query_lengths")
     dense = tuple(np.asarray(p.allowed) for p in parts if p.kind == "dense")
+    tile_elements = tile_bytes() // query.itemsize
+    stack = _stacked.heads_per_unit(lq, lk, inputs.group_size, hq // inputs.group_size,
+                                    tile_elements)
     diagonal = None
-    if inputs.bias is None and not dense and key_len is None and query_len is None:
-        diagonal = _diagonal.find(positional, lq, lk, query.dtype, tile_bytes() // query.itemsize)
+    if not stack and inputs.bias is None and not dense and key_len is None and query_len is None:
+        diagonal = _diagonal.find(positional, lq, lk, query.dtype, tile_elements)
     lead = (*inputs.batch_shape, hq)
     base2 = inputs.bias is None  # a bias would need its own pass to change base
     to_base = math.log2(math.e) if base2 else 1.0
@@ -140,21 +179,20 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
         positional=positional, dense=dense,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
-        fast=TRY_FAST, diagonal=diagonal,
+        fast=TRY_FAST, query_len=query_len, key_len=key_len, diagonal=diagonal, stack=stack,
+        allowed=_whole_mask(inputs) if stack else None,
     )
-    step, square = block_q, 1
     if diagonal is not None:
-        square = diagonal.size
         step = _diagonal_rows(lq, diagonal, heads=heads, threads=threads)
+        row_ranges = _row_ranges(lq, step, diagonal.size)
+    else:
+        row_ranges = _row_ranges(lq, block_q)
     units: list[Unit] = []
     for b in np.ndindex(*inputs.batch_shape):
-        rows = lq if query_len is None else int(query_len[b])
-        keys = lk if key_len is None else int(key_len[b])
-        for q0, q1 in _row_ranges(rows, step, square):
-            lo, hi = (0, lk) if positional is None else positional.key_range(q0, q1, lq, lk)
-            hi = min(hi, keys)
-            if hi > lo:
-                units += [(b, h, q0, q1, lo, hi) for h in range(hq)]
+        if stack:
+            units += [(b, h, 0, lq, 0, lk) for h in range(0, hq, stack * inputs.group_size)]
+        else:
+            units += units_for(problem, b, range(hq), row_ranges)
     if positional is not None or key_len is not None or query_len is not None:
         units.sort(key=lambda u: (u[3] - u[2]) * (u[5] - u[4]), reverse=True)
     return problem, units

@@ -44,5 +44,13 @@ class Problem:
     block_q: int
     block_k: int
     fast: bool = True
+    query_len: Any = None
+    """Per-batch query lengths (the smallest of the mask's), or None."""
+    key_len: Any = None
+    """Per-batch key lengths (the smallest of the mask's), or None."""
     diagonal: Diagonal | None = None
     """Set when the units follow the diagonal (``_diagonal``) instead of tiles."""
+    stack: int = 0
+    """Key/value heads per unit when small heads are stacked (``_stacked``), else 0."""
+    allowed: Any = None
+    """For stacked units: the whole mask as one full-rank boolean array, or None."""

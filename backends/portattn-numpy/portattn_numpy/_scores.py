@@ -28,9 +28,10 @@ on_tile: Callable[..., Any] | None = None
 _TINY = {np.dtype(np.float32): 2.0**-100, np.dtype(np.float64): 2.0**-900}
 
 
-def scores(p: Problem, keys: Any, queries_t: Any, out: Any) -> Any:
-    """``keys @ queries_t`` into ``out`` (stacked or not), softcapped when asked."""
-    np.matmul(keys, queries_t, out=out)
+def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None) -> Any:
+    """``keys @ queries_t`` into ``out`` (stacked or not; a new array when None),
+    softcapped when asked."""
+    out = np.matmul(keys, queries_t, out=out)
     if p.softcap is not None:
         np.tanh(out, out=out)
         np.multiply(out, p.softcap, out=out)
@@ -48,9 +49,10 @@ def hide(tile: Any, masks: list[Any], value: float) -> None:
             np.copyto(tile, value, where=np.logical_not(mask.T))
 
 
-def trustworthy(sums: Any, acc: Any, keys: int) -> bool:
-    """Did the fast way stay in range: no overflow, no row lost to underflow?"""
+def trustworthy(sums: Any, acc: Any, keys: int, where: Any = True) -> bool:
+    """Did the fast way stay in range: no overflow, no row lost to underflow? Only rows
+    ``where`` allows are held to the smallest sum (the others attend nothing)."""
     # one NaN or inf anywhere makes a total non-finite (a total that overflows on its
     # own only costs a needless careful pass)
-    return bool(sums.min() >= _TINY[sums.dtype] * keys
+    return bool(np.min(sums, initial=np.inf, where=where) >= _TINY[sums.dtype] * keys
                 and math.isfinite(sums.sum()) and math.isfinite(acc.sum()))
