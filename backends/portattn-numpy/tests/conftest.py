@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from portattn_numpy import _blocks, _plan, _scores, set_num_threads
+
+from portattn import attention
+from portattn.testing import assert_close, oracle
 
 
 @pytest.fixture
@@ -37,3 +41,43 @@ def tiles(monkeypatch):
     seen: list[tuple] = []
     monkeypatch.setattr(_scores, "on_tile", lambda *tile: seen.append(tile))
     return seen
+
+
+@pytest.fixture
+def results_of(monkeypatch):
+    """``results_of(module)``: the results of every call of ``module.attend`` from now
+    on (True, or False when the unit was redone the careful way)."""
+
+    def spy(module):
+        seen: list[bool] = []
+        attend = module.attend
+
+        def counted(*args):
+            seen.append(attend(*args))
+            return seen[-1]
+
+        monkeypatch.setattr(module, "attend", counted)
+        return seen
+
+    return spy
+
+
+@pytest.fixture
+def check():
+    """``check(q_shape, k_shape, dv=8, dtype="float32", seed=0, **kwargs)``: numpy_fast
+    on random inputs against the float64 oracle; returns (out, lse)."""
+    return _check
+
+
+def _check(q_shape, k_shape, dv=8, dtype="float32", seed=0, **kwargs):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(q_shape).astype(dtype)
+    k = rng.standard_normal(k_shape).astype(dtype)
+    v = rng.standard_normal((*k_shape[:-1], dv)).astype(dtype)
+    out, lse = attention(q, k, v, return_lse=True, kernel="numpy_fast", **kwargs)
+    wide = {n: (a.astype(np.float64) if n == "bias" else a) for n, a in kwargs.items()}
+    want_out, want_lse, _ = oracle(*(a.astype(np.float64) for a in (q, k, v)),
+                                   return_lse=True, **wide)
+    assert_close(out, want_out, dtype, "out")
+    assert_close(lse, want_lse, dtype, "lse")
+    return out, lse

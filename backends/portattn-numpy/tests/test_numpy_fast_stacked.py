@@ -6,36 +6,12 @@ import numpy as np
 import pytest
 from portattn_numpy import _stacked
 
-from portattn import attention, masks
-from portattn.testing import assert_close, oracle
+from portattn import masks
 
 
 @pytest.fixture
-def stacked(monkeypatch):
-    """Results of every stacked unit: True, or False when it was redone carefully."""
-    seen: list[bool] = []
-    attend = _stacked.attend
-
-    def counted(*args):
-        seen.append(attend(*args))
-        return seen[-1]
-
-    monkeypatch.setattr(_stacked, "attend", counted)
-    return seen
-
-
-def _check(q_shape, k_shape, dv=8, dtype="float32", seed=0, **kwargs):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal(q_shape).astype(dtype)
-    k = rng.standard_normal(k_shape).astype(dtype)
-    v = rng.standard_normal((*k_shape[:-1], dv)).astype(dtype)
-    out, lse = attention(q, k, v, return_lse=True, kernel="numpy_fast", **kwargs)
-    wide = {n: (a.astype(np.float64) if n == "bias" else a) for n, a in kwargs.items()}
-    want_out, want_lse, _ = oracle(*(a.astype(np.float64) for a in (q, k, v)),
-                                   return_lse=True, **wide)
-    assert_close(out, want_out, dtype, "out")
-    assert_close(lse, want_lse, dtype, "lse")
-    return out, lse
+def stacked(results_of):
+    return results_of(_stacked)
 
 
 _MASKS = {
@@ -50,19 +26,19 @@ _MASKS = {
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("mask", list(_MASKS), ids=list(_MASKS))
-def test_matches_the_oracle(mask, dtype, stacked):
+def test_matches_the_oracle(check, mask, dtype, stacked):
     # 4 query heads over 2 key/value heads, Lq != Lk, Dv != D
-    _check((2, 4, 17, 16), (2, 2, 23, 16), dtype=dtype, mask=_MASKS[mask])
+    check((2, 4, 17, 16), (2, 2, 23, 16), dtype=dtype, mask=_MASKS[mask])
     assert stacked
     assert all(stacked)
 
 
-def test_bias_softcap_and_dense_mask(stacked):
+def test_bias_softcap_and_dense_mask(check, stacked):
     rng = np.random.default_rng(1)
     allowed = rng.random((2, 4, 17, 23)) < 0.5
     allowed[:, :, 3] = False  # rows that attend nothing keep 0 and -inf
     bias = rng.standard_normal((4, 1, 23)).astype(np.float32)
-    out, lse = _check((2, 4, 17, 16), (2, 4, 23, 16), mask=masks.dense(allowed), bias=bias,
+    out, lse = check((2, 4, 17, 16), (2, 4, 23, 16), mask=masks.dense(allowed), bias=bias,
                       softcap=3.0)
     assert not out[:, :, 3].any()
     assert np.isneginf(lse[:, :, 3]).all()
@@ -71,16 +47,16 @@ def test_bias_softcap_and_dense_mask(stacked):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_out_of_range_heads_are_redone_carefully(dtype, stacked):
+def test_out_of_range_heads_are_redone_carefully(check, dtype, stacked):
     # exp(scores) overflows without the row maximum subtracted
-    _check((2, 4, 17, 16), (2, 2, 23, 16), dv=16, dtype=dtype, seed=1, mask=masks.causal(),
+    check((2, 4, 17, 16), (2, 2, 23, 16), dv=16, dtype=dtype, seed=1, mask=masks.causal(),
            scale=400.0)
     assert stacked
     assert not any(stacked)
 
 
-def test_large_heads_are_not_stacked(stacked):
-    _check((1, 2, 300, 16), (1, 2, 300, 16), mask=masks.causal())
+def test_large_heads_are_not_stacked(check, stacked):
+    check((1, 2, 300, 16), (1, 2, 300, 16), mask=masks.causal())
     assert not stacked
 
 
