@@ -1,7 +1,8 @@
 """numpy_fast against torch's fused CPU attention and the textbook NumPy code.
 
 Shapes (1, 8, N, 64) float32 for N = 512, 2048, 8192, with and without a causal mask,
-plus the peak memory (tracemalloc) of numpy_fast at (1, 1, 16384, 64). Every
+plus the peak memory (tracemalloc) of numpy_fast at (1, 1, 16384, 64), and small
+heads (many short heads, a decode step) against the portable ``tiled`` kernel. Every
 benchmark records GFLOP/s; numpy_fast's also record, in ``extra_info`` and in lines
 written to the terminal, its time over torch's, over the textbook code's, and causal
 over non-causal, each from separate benchmarks. ``test_ratio_in_turns`` measures the
@@ -124,6 +125,33 @@ def test_ratio_in_turns(n: int, causal: bool, ratio: str, in_turns: Any, benchma
                                 median_per_round=median)
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'} {ratio}, in turns: "
                  f"{best:.3f} by minimum, {median:.3f} median per round")
+
+
+SMALL = {
+    "64 heads of 16x16": ((1, 64, 16, 16), None),
+    "8x16 heads of 32x32, causal": ((8, 16, 32, 32), masks.causal()),
+    "decode, 1 over 4096 keys": ((1, 32, 1, 128), None),
+}
+
+
+@pytest.mark.parametrize("case", list(SMALL), ids=list(SMALL))
+def test_small_heads_in_turns(case: str, in_turns: Any, benchmark: Any,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy_fast over the portable ``tiled`` kernel where the per-call Python counts."""
+    shape, mask = SMALL[case]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(shape, dtype=np.float32)
+    kv_shape = (*shape[:2], 4096 if shape[2] == 1 else shape[2], shape[3])
+    k, v = (rng.standard_normal(kv_shape, dtype=np.float32) for _ in range(2))
+
+    def run(kernel: str) -> Any:
+        return lambda: portattn.attention(q, k, v, mask=mask, kernel=kernel)
+
+    benchmark.group = "in turns: numpy_fast over tiled, small heads"
+    best, median = in_turns(run("numpy_fast"), run("tiled"), 50)
+    benchmark.extra_info.update(case=case, by_minimum=best, median_per_round=median)
+    _say(capsys, f"\nnumpy_fast over tiled, {case}, in turns: {best:.3f} by minimum, "
+                 f"{median:.3f} median per round")
 
 
 def test_peak_memory(benchmark: Any, capsys: pytest.CaptureFixture[str]) -> None:

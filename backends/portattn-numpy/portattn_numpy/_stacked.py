@@ -59,7 +59,7 @@ def attend(p: Problem, b: tuple[int, ...], h0: int, q0: int, q1: int, lo: int,
     q = _heads(p.query, b, h0, kv, p.group) * p.factor  # (kv, group, Lq, D), a copy
     k = p.key[(*b, slice(kv0, kv0 + kv))][:, None]     # (kv, 1, Lk, D)
     v = p.value[(*b, slice(kv0, kv0 + kv))][:, None]
-    tile = scores(p, k, q.swapaxes(-1, -2), None)  # (kv, group, Lk, Lq): keys by queries
+    tile = scores(p, k, q.swapaxes(-1, -2))  # (kv, group, Lk, Lq): keys by queries
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
     (np.exp2 if p.base2 else np.exp)(tile, out=tile)
