@@ -40,6 +40,8 @@ MIN_BLOCK_Q = 16
 MAX_BLOCK_Q = 512
 MAX_BLOCK_K = 1024
 MIN_UNITS_PER_THREAD = 4
+#: Fewest diagonal squares in a unit (see ``_diagonal_rows``).
+MIN_SQUARES = 4
 #: Score entries a thread must get before handing it work pays: below this (about
 #: half a millisecond of work) the thread's start and the GIL cost more than it saves.
 MIN_SCORES_PER_THREAD = 1 << 18
@@ -80,11 +82,16 @@ def useful_threads(units: list[Unit], threads: int) -> int:
 
 def _diagonal_rows(q_len: int, diagonal: Diagonal, *, heads: int = 1, threads: int = 1) -> int:
     """Rows per unit along the diagonal: as many squares as one tile holds (they are
-    computed in one stacked product), fewer when the threads need more units."""
+    computed in one stacked product), fewer when the threads need more units.
+
+    These units are coarse and unequal, so threads get twice as many of them as of
+    tiles, to finish together; but each keeps :data:`MIN_SQUARES` squares, or its few
+    fixed calls would outweigh its work.
+    """
     squares = diagonal.squares
-    want_units = math.ceil(MIN_UNITS_PER_THREAD * threads / max(heads, 1))
+    want_units = math.ceil(2 * MIN_UNITS_PER_THREAD * threads / max(heads, 1))
     if want_units > 1:
-        squares = min(squares, max(1, q_len // diagonal.size // want_units))
+        squares = min(squares, max(MIN_SQUARES, q_len // diagonal.size // want_units))
     return squares * diagonal.size
 
 
