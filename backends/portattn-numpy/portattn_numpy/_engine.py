@@ -15,9 +15,10 @@ in base 2 (``log2(e)`` folded into the queries), because ``exp2`` costs less tha
 Row sums come from a matrix-vector product with ones, several times faster than
 ``sum(axis=0)``. Masked entries are zeroed after ``exp`` (the careful way sets them to
 ``-inf`` before its max). Which blocks a unit computes, and which entries are masked,
-is decided in ``_blocks``. Under a causal-shaped mask units run along the diagonal
-instead (``_diagonal``), the fast way; a unit it cannot trust is redone here, in tiles,
-the careful way.
+is decided in ``_blocks``. Two other kinds of unit try the fast way elsewhere: runs
+along the diagonal under a causal-shaped mask (``_diagonal``) and runs of small whole
+heads (``_stacked``); a unit of either that cannot be trusted is redone here, in
+tiles, the careful way.
 """
 
 from __future__ import annotations
