@@ -127,10 +127,10 @@ def test_ratio_in_turns(n: int, causal: bool, ratio: str, in_turns: Any, benchma
                  f"{best:.3f} by minimum, {median:.3f} median per round")
 
 
-SMALL = {
-    "64 heads of 16x16": ((1, 64, 16, 16), None),
-    "8x16 heads of 32x32, causal": ((8, 16, 32, 32), masks.causal()),
-    "decode, 1 over 4096 keys": ((1, 32, 1, 128), None),
+SMALL = {  # query shapes; a decode step (one query row) meets 4096 keys
+    "64x16x16": ((1, 64, 16, 16), None),
+    "8x16x32x32-causal": ((8, 16, 32, 32), masks.causal()),
+    "decode-4096": ((1, 32, 1, 128), None),
 }
 
 
