@@ -168,8 +168,9 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     query_len = _lengths(parts, "query_lengths")
     dense = tuple(np.asarray(p.allowed) for p in parts if p.kind == "dense")
     tile_elements = tile_bytes() // query.itemsize
+    skips = positional is not None or key_len is not None or query_len is not None
     stack = _stacked.heads_per_unit(lq, lk, inputs.group_size, hq // inputs.group_size,
-                                    tile_elements)
+                                    tile_elements, tiles_skip=skips)
     diagonal = None
     if not stack and inputs.bias is None and not dense and key_len is None and query_len is None:
         diagonal = _diagonal.find(positional, lq, lk, query.dtype, tile_elements)
@@ -200,6 +201,6 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
             units += [(b, h, 0, lq, 0, lk) for h in range(0, hq, stack * inputs.group_size)]
         else:
             units += units_for(problem, b, range(hq), row_ranges)
-    if positional is not None or key_len is not None or query_len is not None:
+    if skips:
         units.sort(key=lambda u: (u[3] - u[2]) * (u[5] - u[4]), reverse=True)
     return problem, units

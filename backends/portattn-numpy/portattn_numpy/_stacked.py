@@ -1,8 +1,8 @@
 """Small heads, many at a time.
 
-When each head's whole problem is small (its scores fill at most 1/:data:`SHARE` of a tile),
-the Python around each NumPy call costs more than its arithmetic, and tiles per head
-would be mostly overhead. A unit is then a run of heads of one batch element,
+When each head's whole problem is small (its scores fill a small share of a tile), the
+Python around each NumPy call costs more than its arithmetic, and tiles per head would
+be mostly overhead. A unit is then a run of heads of one batch element,
 computed whole: all their scores in one stacked product, masked by the mask's own
 tile, then the values in a second stacked product. Grouped-query heads are stacked
 under their shared key/value head (``(kv heads, group, ...)``), so keys and values are
@@ -22,18 +22,22 @@ from ._scores import scores, trustworthy
 if TYPE_CHECKING:
     from ._problem import Problem
 
-__all__ = ["SHARE", "attend", "heads_per_unit"]
+__all__ = ["SHARE", "SHARE_WHEN_TILES_SKIP", "attend", "heads_per_unit"]
 
-#: A head is stacked when its scores fill at most ``1/SHARE`` of a tile.
-SHARE = 16
+#: A head is stacked when its scores fill at most ``1/SHARE`` of a tile...
+SHARE = 4
+#: ...or ``1/SHARE_WHEN_TILES_SKIP`` under a mask whose structure lets tiles skip work
+#: (causal, sliding window, lengths): stacking computes every pair.
+SHARE_WHEN_TILES_SKIP = 16
 
 
-def heads_per_unit(q_len: int, kv_len: int, group: int, kv_heads: int,
-                   tile_elements: int) -> int:
+def heads_per_unit(q_len: int, kv_len: int, group: int, kv_heads: int, tile_elements: int,
+                   *, tiles_skip: bool = False) -> int:
     """Key/value heads per stacked unit (their query heads come along), or 0 when the
     heads are too large to stack."""
     per_head = q_len * kv_len
-    if per_head == 0 or per_head * SHARE > tile_elements:
+    share = SHARE_WHEN_TILES_SKIP if tiles_skip else SHARE
+    if per_head == 0 or per_head * share > tile_elements:
         return 0
     return max(1, min(kv_heads, tile_elements // (per_head * group)))
 

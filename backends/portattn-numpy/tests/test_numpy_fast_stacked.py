@@ -57,14 +57,17 @@ def test_out_of_range_heads_are_redone_carefully(check, dtype, stacked):
 
 def test_large_heads_are_not_stacked(check, stacked):
     check((1, 2, 300, 16), (1, 2, 300, 16), mask=masks.causal())
+    check((1, 2, 600, 16), (1, 2, 600, 16))
     assert not stacked
 
 
 def test_heads_per_unit():
     tile = 1 << 18
     assert _stacked.heads_per_unit(16, 16, 1, 64, tile) == 64  # all fit in one tile
-    assert _stacked.heads_per_unit(64, 64, 1, 64, tile) == 64
     assert _stacked.heads_per_unit(64, 64, 4, 64, tile) == 16  # 4 query heads each
-    assert _stacked.heads_per_unit(128, 128, 1, 64, tile) == 16
-    assert _stacked.heads_per_unit(256, 256, 1, 64, tile) == 0  # too large to stack
+    assert _stacked.heads_per_unit(256, 256, 1, 64, tile) == 4  # a quarter tile each
+    assert _stacked.heads_per_unit(512, 512, 1, 64, tile) == 0  # too large to stack
+    # tiles skip what causal, window and length masks hide: stack only smaller heads
+    assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True) == 16
+    assert _stacked.heads_per_unit(256, 256, 1, 64, tile, tiles_skip=True) == 0
     assert _stacked.heads_per_unit(0, 16, 1, 64, tile) == 0  # nothing to compute
