@@ -11,16 +11,20 @@ masks are read, and blocks they leave empty are dropped.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from portattn.masks import slice_tile
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._problem import Problem
 
-__all__ = ["Block", "blocks", "head_view"]
+__all__ = ["Block", "blocks", "head_view", "remembered"]
+
+T = TypeVar("T")
 
 #: Query rows per step of the staircase a positional mask is followed by.
 SUB_Q = 128
@@ -34,10 +38,25 @@ Block = tuple[int, int, int, int, list[Any]]
 True = attend)."""
 
 
+MAX_REMEMBERED = 4096
+_MISSING = object()
+
+
+def remembered(store: dict[tuple, T], key: tuple, make: Callable[[], T]) -> T:
+    """``store[key]``, made by ``make()`` the first time. Past :data:`MAX_REMEMBERED`
+    entries (shapes that change every call) the store starts over."""
+    found = store.get(key, _MISSING)
+    if found is _MISSING:
+        found = make()
+        if len(store) >= MAX_REMEMBERED:
+            store.clear()
+        store[key] = found  # a duplicate from another thread is harmless
+    return found
+
+
 #: Blocks of units without a dense mask, which depend on positions only: shared by
 #: the heads, batch elements and threads of a call, and by later calls of that shape.
 _positional_blocks: dict[tuple, list[Block]] = {}
-MAX_REMEMBERED = 4096
 
 
 def blocks(p: Problem, b: tuple[int, ...], h: int, q0: int, q1: int, lo: int,
@@ -45,14 +64,9 @@ def blocks(p: Problem, b: tuple[int, ...], h: int, q0: int, q1: int, lo: int,
     """The blocks of one unit, in key order; empty ones dropped."""
     if not p.dense:
         key = (p.positional, p.q_len, p.kv_len, p.block_k, q0, q1, lo, hi)
-        found = _positional_blocks.get(key)
-        if found is None:
-            found = [(k0, k1, r0, r1, _positional_tiles(p, q0 + r0, q0 + r1, k0, k1))
-                     for k0, k1, r0, r1 in _spans(p, q0, q1, lo, hi)]
-            if len(_positional_blocks) >= MAX_REMEMBERED:
-                _positional_blocks.clear()
-            _positional_blocks[key] = found  # a duplicate from another thread is harmless
-        return found
+        return remembered(_positional_blocks, key, lambda: [
+            (k0, k1, r0, r1, _positional_tiles(p, q0 + r0, q0 + r1, k0, k1))
+            for k0, k1, r0, r1 in _spans(p, q0, q1, lo, hi)])
     dense = [head_view(m, b, h) for m in p.dense]
     found = []
     for k0, k1, r0, r1 in _spans(p, q0, q1, lo, hi):

@@ -10,8 +10,8 @@ tiles that follow the staircase, that is a few NumPy calls per unit instead of s
 per square, and masking by a multiply instead of a scattered copy; with several
 threads every call also costs a round trip of the GIL, so the count matters.
 
-:func:`find` decides from the mask alone whether a call has this shape; the planning
-of each unit is kept across calls, like ``_blocks``.
+:func:`find` decides from the mask alone whether a call has this shape; what it finds
+and the plan of each unit are kept across calls of that shape, like ``_blocks``.
 """
 
 from __future__ import annotations
@@ -62,12 +62,23 @@ class UnitPlan:
     """Rows from 0 that attend any key; the others keep output 0 and lse ``-inf``."""
 
 
+#: What :func:`find` found, by mask and shape: later calls of that shape reuse it.
+_shapes: dict[tuple, Diagonal | None] = {}
+
+
 def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any,
          tile_elements: int) -> Diagonal | None:
     """The diagonal shape of ``mask``, or None when some full square does not have it."""
     size = _blocks.SUB_Q
     if mask is None or q_len < size:
         return None
+    key = (mask, q_len, kv_len, np.dtype(dtype), tile_elements, size)
+    return _blocks.remembered(
+        _shapes, key, lambda: _find(mask, q_len, kv_len, dtype, tile_elements, size))
+
+
+def _find(mask: Mask, q_len: int, kv_len: int, dtype: Any, tile_elements: int,
+          size: int) -> Diagonal | None:
     shift, keep = None, None
     for a in (0, q_len // size * size - size):  # first and last square; the mask
         lo, hi = mask.key_range(a, a + size, q_len, kv_len)  # depends on key - query only
@@ -85,19 +96,12 @@ def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any,
 
 #: Plans of units, by shape: shared by heads, threads and later calls.
 _plans: dict[tuple, UnitPlan] = {}
-MAX_REMEMBERED = 4096
 
 
 def plan(p: Problem, q0: int, q1: int) -> UnitPlan:
     """The squares and blocks of rows ``q0:q1`` (``q0`` a multiple of the square size)."""
     key = (p.positional, p.q_len, p.kv_len, p.block_k, p.diagonal, q0, q1)
-    found = _plans.get(key)
-    if found is None:
-        found = _plan(p, q0, q1)
-        if len(_plans) >= MAX_REMEMBERED:
-            _plans.clear()
-        _plans[key] = found
-    return found
+    return _blocks.remembered(_plans, key, lambda: _plan(p, q0, q1))
 
 
 def _plan(p: Problem, q0: int, q1: int) -> UnitPlan:
