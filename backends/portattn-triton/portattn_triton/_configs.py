@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ARCHS", "BLOCK_DIMS", "Config", "block_dim", "is_even", "pick_config"]
+__all__ = ["ARCHS", "BLOCK_DIMS", "BackwardConfig", "Config", "block_dim", "is_even",
+           "pick_backward_config", "pick_config"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,56 @@ def pick_config(capability: tuple[int, int] | None, element_bytes: int, head_dim
 def is_even(head_dim: int, value_head_dim: int) -> bool:
     """Both head dims are their padded size: no masks along the head dim."""
     return block_dim(head_dim) == head_dim and block_dim(value_head_dim) == value_head_dim
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Block sizes of the two backward passes: ``dkdv`` (one program per key block,
+    ``block_n`` keys against ``block_m`` queries at a time) and ``dq`` (one program per
+    query block)."""
+
+    dkdv: Config
+    dq: Config
+
+    def __str__(self) -> str:
+        return f"dkdv-{self.dkdv}_dq-{self.dq}"
+
+
+_C = Config
+# (arch, element bytes, padded head dim) -> backward config. The dK/dV pass keeps two
+# float32 accumulators of block_n rows (and K, V) in registers: tall key blocks, short
+# query blocks; the dQ pass the other way round.
+_BWD_TABLE: dict[tuple[int, int, int], BackwardConfig] = {
+    (90, 2, 16): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
+    (90, 2, 32): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
+    (90, 2, 64): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
+    (90, 2, 128): BackwardConfig(_C(32, 128, 8, 2), _C(128, 32, 8, 2)),
+    (90, 2, 256): BackwardConfig(_C(32, 64, 8, 1), _C(64, 32, 8, 1)),
+    (80, 2, 16): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
+    (80, 2, 32): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
+    (80, 2, 64): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
+    (80, 2, 128): BackwardConfig(_C(32, 128, 8, 2), _C(128, 32, 8, 2)),
+    (80, 2, 256): BackwardConfig(_C(32, 64, 8, 1), _C(64, 32, 8, 1)),
+    (90, 4, 16): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
+    (90, 4, 32): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
+    (90, 4, 64): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
+    (90, 4, 128): BackwardConfig(_C(16, 16, 4, 1), _C(16, 16, 4, 1)),
+    (90, 4, 256): BackwardConfig(_C(16, 16, 8, 1), _C(16, 16, 8, 1)),
+    (80, 4, 16): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
+    (80, 4, 32): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
+    (80, 4, 64): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
+    (80, 4, 128): BackwardConfig(_C(16, 16, 4, 1), _C(16, 16, 4, 1)),
+    (80, 4, 256): BackwardConfig(_C(16, 16, 8, 1), _C(16, 16, 8, 1)),
+}
+_BWD_UNEVEN: dict[tuple[int, int, int], BackwardConfig] = {}
+
+
+def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
+                         head_dim: int, value_head_dim: int) -> BackwardConfig:
+    """The backward block sizes for a device of ``capability`` (None: the interpreter)."""
+    arch = 90 if capability is None or capability[0] >= 9 else 80
+    size = 2 if element_bytes <= 2 else 4
+    key = (arch, size, max(block_dim(head_dim), block_dim(value_head_dim)))
+    if not is_even(head_dim, value_head_dim):
+        return _BWD_UNEVEN.get(key, _BWD_TABLE[key])
+    return _BWD_TABLE[key]

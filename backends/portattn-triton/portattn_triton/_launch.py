@@ -92,11 +92,6 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     kl = _lengths(key_lengths, z)
     ql = _lengths(query_lengths, z)
     dummy = q  # stands in for absent optional tensors; never read
-    # float32: three TF32 products per product (about float32 accuracy on tensor cores)
-    # unless torch is told that plain TF32 will do.
-    precision = "tf32"
-    if query.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        precision = "tf32x3"
 
     from ._triton_kernel import flash_forward_kernel
 
@@ -113,10 +108,21 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
             HAS_LOWER=lower is not None, HAS_UPPER=upper is not None,
             HAS_KEY_LENGTHS=kl is not None, HAS_QUERY_LENGTHS=ql is not None,
             SOFTCAP=softcap is not None,
-            REVERSE=upper is not None and lower is None, INPUT_PRECISION=precision,
+            REVERSE=upper is not None and lower is None,
+            INPUT_PRECISION=_precision(query.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out, lse
+
+
+def _precision(dtype: Any) -> str:
+    """float32: three TF32 products per product (about float32 accuracy on tensor
+    cores) unless torch is told that plain TF32 will do."""
+    import torch
+
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "tf32x3"
+    return "tf32"
 
 
 def _lengths(x: Any, z: int) -> Any:

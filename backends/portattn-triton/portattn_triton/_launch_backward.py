@@ -1,0 +1,108 @@
+"""Launching the backward kernels on torch tensors.
+
+:func:`flash_backward` is the direct entry point, the counterpart of
+:func:`~portattn_triton.flash_forward`: given the inputs, the forward's ``out`` and
+``lse`` and the gradients of both, it returns ``(dq, dk, dv)``. Three launches:
+``Delta`` per query row, then dK/dV per key block, then dQ per query block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ._configs import BackwardConfig, block_dim, is_even, pick_backward_config
+from ._launch import Band, _lengths, _on_device, _precision, band
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["flash_backward"]
+
+#: Rows per program of the Delta pass (memory bound, one small tile).
+_DELTA_ROWS = 64
+
+
+def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor | None,
+                   dlse: torch.Tensor | None = None, *, scale: float | None = None,
+                   softcap: float | None = None, causal: str | None = None,
+                   window: tuple[int | None, int | None] | None = None,
+                   band_offsets: Band = (None, None),
+                   key_lengths: torch.Tensor | None = None,
+                   query_lengths: torch.Tensor | None = None,
+                   config: BackwardConfig | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`flash_forward`'s ``(out, lse)`` for ``query``, ``key`` and
+    ``value``, given ``dout`` and ``dlse`` (None: zero). Mask arguments as for the
+    forward; ``config`` fixes the block sizes instead of the table's. Deterministic:
+    no atomics, the same inputs give bitwise the same gradients."""
+    import torch
+
+    *batch, hq, lq, d = query.shape
+    hkv, lk, dv = key.shape[-3], key.shape[-2], value.shape[-1]
+    z = math.prod(batch)
+    # Every element is written by the kernels (zeros where no query sees a key).
+    empty = z == 0 or hq == 0 or lq == 0 or lk == 0 or (dout is None and dlse is None)
+    new = torch.zeros_like if empty else torch.empty_like
+    dq, dk, dvalue = (new(t, memory_format=torch.contiguous_format)
+                      for t in (query, key, value))
+    if empty:
+        return dq, dk, dvalue
+    dev = query.device
+    if dout is None:
+        dout = torch.zeros_like(out)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    lower, upper = band(lq, lk, causal, window, band_offsets)
+    if config is None:
+        capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        config = pick_backward_config(capability, query.element_size(), d, dv)
+
+    q = query.reshape(z, hq, lq, d)
+    k = key.reshape(z, hkv, lk, d)
+    v = value.reshape(z, hkv, lk, dv)
+    o = out.reshape(z, hq, lq, dv)
+    do = dout.to(query.dtype).reshape(z, hq, lq, dv)
+    lse_rows = lse.reshape(z * hq, lq).float().contiguous()
+    dlse_rows = None if dlse is None else dlse.reshape(z * hq, lq).float().contiguous()
+    delta = torch.empty((z * hq, lq), dtype=torch.float32, device=dev)
+    g_q, g_k, g_v = (g.view(z, n, length, e) for g, n, length, e in
+                     ((dq, hq, lq, d), (dk, hkv, lk, d), (dvalue, hkv, lk, dv)))
+    kl = _lengths(key_lengths, z)
+    ql = _lengths(query_lengths, z)
+    dummy = lse_rows  # stands in for absent optional tensors; never read
+    flags = {
+        "BLOCK_D": block_dim(d), "BLOCK_DV": block_dim(dv), "EVEN_D": is_even(d, dv),
+        "HAS_LOWER": lower is not None, "HAS_UPPER": upper is not None,
+        "HAS_KEY_LENGTHS": kl is not None, "HAS_QUERY_LENGTHS": ql is not None,
+        "SOFTCAP": softcap is not None, "INPUT_PRECISION": _precision(query.dtype),
+    }
+    scalars = (d, dv, scale, 1.0 if softcap is None else float(softcap),
+               0 if lower is None else lower, 0 if upper is None else upper)
+    lengths = (dummy if kl is None else kl, dummy if ql is None else ql)
+
+    from ._triton_backward import delta_kernel, dkdv_kernel
+    from ._triton_dq import dq_kernel
+
+    with _on_device(dev):
+        delta_kernel[(z * hq, math.ceil(lq / _DELTA_ROWS))](
+            o, do, lse_rows, dummy if dlse_rows is None else dlse_rows, delta,
+            *o.stride(), *do.stride(), hq, lq, dv,
+            BLOCK_M=_DELTA_ROWS, BLOCK_DV=block_dim(dv), HAS_DLSE=dlse_rows is not None)
+        c = config.dkdv
+        dkdv_kernel[(z * hkv, math.ceil(lk / c.block_n))](
+            q, k, v, do, lse_rows, delta, g_k, g_v, *lengths,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *g_k.stride(),
+            *g_v.stride(), hkv, hq // hkv, lq, lk, *scalars,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
+            REVERSE=lower is not None and upper is None,
+            num_warps=c.num_warps, num_stages=c.num_stages)
+        c = config.dq
+        dq_kernel[(z * hq, math.ceil(lq / c.block_m))](
+            q, k, v, do, lse_rows, delta, g_q, *lengths,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *g_q.stride(),
+            hq, hq // hkv, lq, lk, *scalars,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
+            REVERSE=upper is not None and lower is None,
+            num_warps=c.num_warps, num_stages=c.num_stages)
+    return dq, dk, dvalue

@@ -1,0 +1,233 @@
+"""The flash-attention backward kernels (FlashAttention-2), written in Triton.
+
+Probabilities are recomputed tile by tile from the saved log-sum-exp, never stored:
+``P = exp(S - lse)``, ``dP = dO V^T``, ``dS = P * (dP - Delta)`` with
+``Delta = rowsum(dO * O) - dlse`` (the ``- dlse`` term carries gradients of the lse
+output), then ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
+
+Three launches, no atomics (so results are bitwise reproducible):
+``delta_kernel`` (one pass over ``O`` and ``dO``), ``dkdv_kernel`` (one program per key
+block of one K/V head; it loops over the query heads of its group, so K/V are never
+repeated and dK/dV come out summed over the group) and ``dq_kernel`` (one program per
+query block). Both main kernels walk only the tiles the band on ``j - i`` and the
+lengths can reach, split into masked edges and a mask-free middle as in the forward.
+Fully masked rows have ``lse = -inf``; it is read as ``+inf`` so their probabilities,
+and hence their gradients, are exactly 0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_kernel import LOG2E
+
+__all__ = ["delta_kernel", "dkdv_kernel"]
+
+NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def delta_kernel(Out, DO, Lse, DLse, Delta,
+                 stride_oz, stride_oh, stride_om, stride_od,
+                 stride_doz, stride_doh, stride_dom, stride_dod,
+                 num_heads, q_len, value_head_dim,
+                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``: ``Delta = rowsum(dO * O) - dlse``,
+    0 on fully masked rows (whatever dO and dlse hold there)."""
+    pid_zh = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    off_z = (pid_zh // num_heads).to(tl.int64)
+    off_h = (pid_zh % num_heads).to(tl.int64)
+    in_q = rows < q_len
+    inside = in_q[:, None] & (offs_dv[None, :] < value_head_dim)
+    o = tl.load(Out + off_z * stride_oz + off_h * stride_oh + rows[:, None] * stride_om
+                + offs_dv[None, :] * stride_od, mask=inside, other=0.0)
+    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + rows[:, None] * stride_dom
+                 + offs_dv[None, :] * stride_dod, mask=inside, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row_ptrs = pid_zh.to(tl.int64) * q_len + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_ptrs, mask=in_q, other=0.0)
+    lse = tl.load(Lse + row_ptrs, mask=in_q, other=NEG_INF)
+    tl.store(Delta + row_ptrs, tl.where(lse == NEG_INF, 0.0, delta), mask=in_q)
+
+
+@triton.jit
+def _scores(qk, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in base 2, as the forward computes them, and ``tanh`` (softcap only)."""
+    if SOFTCAP:
+        x = qk * (sm_scale / softcap)
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+        return t * (softcap * LOG2E), t
+    return qk * (sm_scale * LOG2E), qk
+
+
+@triton.jit
+def _band_keep(rows, cols, kv_valid, lower_off, upper_off, HAS_LOWER: tl.constexpr,
+               HAS_UPPER: tl.constexpr):
+    """Allowed pairs for ``rows`` and ``cols`` broadcast against each other."""
+    keep = cols < kv_valid
+    if HAS_LOWER:
+        keep &= (cols - rows) >= lower_off
+    if HAS_UPPER:
+        keep &= (cols - rows) <= upper_off
+    return keep
+
+
+@triton.jit
+def _row_stats(Lse, Delta, rows, q_len, MASKED: tl.constexpr):
+    """lse in base 2 (+inf where no key is allowed: P = 0 there) and Delta per row."""
+    if MASKED:
+        lse = tl.load(Lse + rows, mask=rows < q_len, other=NEG_INF)
+        delta = tl.load(Delta + rows, mask=rows < q_len, other=0.0)
+    else:
+        lse = tl.load(Lse + rows)
+        delta = tl.load(Delta + rows)
+    lse = tl.where(lse == NEG_INF, float("inf"), lse * LOG2E)
+    return lse, delta
+
+
+@triton.jit
+def _load_tile(ptrs, n_idx, n_len, d_idx, d_len, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a tile indexed by ``n_idx`` (sequence) and ``d_idx`` (head dim), broadcast
+    against each other; bounds are checked only where they can be crossed."""
+    if MASKED:
+        if EVEN_D:
+            return tl.load(ptrs, mask=n_idx < n_len, other=0.0)
+        return tl.load(ptrs, mask=(n_idx < n_len) & (d_idx < d_len), other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_idx < d_len, other=0.0)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q, DO, Lse, Delta, offs_n, offs_d, offs_dv, lo, hi,
+                stride_qm, stride_qd, stride_dom, stride_dod, q_len, kv_valid, head_dim,
+                value_head_dim, sm_scale, softcap, lower_off, upper_off,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
+    """Add query blocks ``[lo, hi)`` of one head to this key block's dK and dV."""
+    offs_m = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        qT = _load_tile(Q + rows[None, :] * stride_qm + offs_d[:, None] * stride_qd,
+                        rows[None, :], q_len, offs_d[:, None], head_dim, MASKED, EVEN_D)
+        do = _load_tile(DO + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                        rows[:, None], q_len, offs_dv[None, :], value_head_dim, MASKED,
+                        EVEN_D)
+        lse, delta = _row_stats(Lse, Delta, rows, q_len, MASKED)
+        sT, tT = _scores(tl.dot(k, qT, input_precision=INPUT_PRECISION), sm_scale, softcap,
+                         SOFTCAP)
+        if MASKED:
+            keep = _band_keep(rows[None, :], offs_n[:, None], kv_valid, lower_off,
+                              upper_off, HAS_LOWER, HAS_UPPER)
+            sT = tl.where(keep, sT, NEG_INF)
+        pT = tl.math.exp2(sT - lse[None, :])
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def dkdv_kernel(
+        Q, K, V, DO, Lse, Delta, DK, DV, KeyLengths, QueryLengths,
+        stride_qz, stride_qh, stride_qm, stride_qd,
+        stride_kz, stride_kh, stride_kn, stride_kd,
+        stride_vz, stride_vh, stride_vn, stride_vd,
+        stride_doz, stride_doh, stride_dom, stride_dod,
+        stride_dkz, stride_dkh, stride_dkn, stride_dkd,
+        stride_dvz, stride_dvh, stride_dvn, stride_dvd,
+        num_kv_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
+        sm_scale, softcap, lower_off, upper_off,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+        HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+        HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr):
+    """Grid ``(Z * num_kv_heads, cdiv(kv_len, BLOCK_N))``; writes ``DK`` and ``DV``."""
+    pid_zh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if REVERSE:  # bands open to the right: the last key blocks see the most queries
+        pid_n = tl.num_programs(1) - 1 - pid_n
+    off_z = (pid_zh // num_kv_heads).to(tl.int64)
+    off_kvh = (pid_zh % num_kv_heads).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    kv_valid = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
+    q_valid = q_len
+    if HAS_QUERY_LENGTHS:
+        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+
+    # Queries that see any key of the block, and those that see every key of it.
+    n_last = tl.minimum(n0 + BLOCK_N, kv_valid) - 1
+    i_lo = 0
+    i_hi = q_valid
+    full_lo = 0
+    full_hi = q_valid
+    if HAS_UPPER:
+        i_lo = tl.maximum(n0 - upper_off, 0)
+        full_lo = tl.maximum(n0 + BLOCK_N - 1 - upper_off, 0)
+    if HAS_LOWER:
+        i_hi = tl.minimum(i_hi, n_last - lower_off + 1)
+        full_hi = tl.minimum(full_hi, n0 - lower_off + 1)
+    i_hi = tl.maximum(i_hi, i_lo)
+    i_hi = tl.where(n_last < n0, i_lo, i_hi)  # the whole block is key padding
+    t_lo = (i_lo // BLOCK_M) * BLOCK_M
+    t_hi = tl.cdiv(i_hi, BLOCK_M) * BLOCK_M
+    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, t_lo), t_hi)
+    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_M) * BLOCK_M, u_lo), t_hi)
+    u_hi = tl.where(n0 + BLOCK_N <= kv_valid, u_hi, u_lo)  # keys past the end: all masked
+
+    in_k = offs_n < kv_len
+    k = _load_tile(K + off_z * stride_kz + off_kvh * stride_kh + offs_n[:, None] * stride_kn
+                   + offs_d[None, :] * stride_kd, offs_n[:, None], kv_len, offs_d[None, :],
+                   head_dim, True, EVEN_D)
+    v = _load_tile(V + off_z * stride_vz + off_kvh * stride_vh + offs_n[:, None] * stride_vn
+                   + offs_dv[None, :] * stride_vd, offs_n[:, None], kv_len, offs_dv[None, :],
+                   value_head_dim, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    for g in range(group_size):  # the query heads sharing this K/V head
+        off_h = off_kvh * group_size + g
+        Qh = Q + off_z * stride_qz + off_h * stride_qh
+        DOh = DO + off_z * stride_doz + off_h * stride_doh
+        row0 = (off_z * num_kv_heads * group_size + off_h) * q_len
+        for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
+            if part == 0:
+                lo, hi = t_lo, u_lo
+            elif part == 1:
+                lo, hi = u_lo, u_hi
+            else:
+                lo, hi = u_hi, t_hi
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, Qh, DOh, Lse + row0, Delta + row0, offs_n, offs_d, offs_dv,
+                lo, hi, stride_qm, stride_qd, stride_dom, stride_dod, q_len, kv_valid,
+                head_dim, value_head_dim, sm_scale, softcap, lower_off, upper_off,
+                part != 1, BLOCK_M, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
+
+    dk_ptrs = (DK + off_z * stride_dkz + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn
+               + offs_d[None, :] * stride_dkd)
+    dv_ptrs = (DV + off_z * stride_dvz + off_kvh * stride_dvh + offs_n[:, None] * stride_dvn
+               + offs_dv[None, :] * stride_dvd)
+    dk = (dk * sm_scale).to(DK.dtype.element_ty)
+    dv = dv.to(DV.dtype.element_ty)
+    if EVEN_D:
+        tl.store(dk_ptrs, dk, mask=in_k[:, None])
+        tl.store(dv_ptrs, dv, mask=in_k[:, None])
+    else:
+        tl.store(dk_ptrs, dk, mask=in_k[:, None] & (offs_d[None, :] < head_dim))
+        tl.store(dv_ptrs, dv, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim))

@@ -1,0 +1,138 @@
+"""The dQ pass of the flash-attention backward, written in Triton.
+
+One program per block of ``BLOCK_M`` queries of one (batch, head) pair, walking the
+same key blocks as the forward (the loop bounds follow the band on ``j - i`` and the
+lengths; masked edges, mask-free middle). Each program owns its rows of dQ, so no
+atomics are needed and the result is deterministic. See ``_triton_backward``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_backward import NEG_INF, _band_keep, _load_tile, _row_stats, _scores
+
+__all__ = ["dq_kernel"]
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, K, V, offs_m, offs_d, offs_dv, lo, hi,
+              stride_kn, stride_kd, stride_vn, stride_vd, kv_len, kv_valid, head_dim,
+              value_head_dim, sm_scale, softcap, lower_off, upper_off,
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+              HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+              INPUT_PRECISION: tl.constexpr):
+    """Add key blocks ``[lo, hi)`` to this query block's dQ."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        kT = _load_tile(K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                        cols[None, :], kv_len, offs_d[:, None], head_dim, MASKED, EVEN_D)
+        vT = _load_tile(V + cols[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                        cols[None, :], kv_len, offs_dv[:, None], value_head_dim, MASKED,
+                        EVEN_D)
+        s, t = _scores(tl.dot(q, kT, input_precision=INPUT_PRECISION), sm_scale, softcap,
+                       SOFTCAP)
+        if MASKED:
+            keep = _band_keep(offs_m[:, None], cols[None, :], kv_valid, lower_off,
+                              upper_off, HAS_LOWER, HAS_UPPER)
+            s = tl.where(keep, s, NEG_INF)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def dq_kernel(
+        Q, K, V, DO, Lse, Delta, DQ, KeyLengths, QueryLengths,
+        stride_qz, stride_qh, stride_qm, stride_qd,
+        stride_kz, stride_kh, stride_kn, stride_kd,
+        stride_vz, stride_vh, stride_vn, stride_vd,
+        stride_doz, stride_doh, stride_dom, stride_dod,
+        stride_dqz, stride_dqh, stride_dqm, stride_dqd,
+        num_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
+        sm_scale, softcap, lower_off, upper_off,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+        HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+        HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr):
+    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``DQ``."""
+    pid_zh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if REVERSE:  # causal-like bands: the last query blocks do the most work
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    off_z = (pid_zh // num_heads).to(tl.int64)
+    off_h = (pid_zh % num_heads).to(tl.int64)
+    off_kvh = off_h // group_size
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    kv_valid = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
+    q_valid = q_len
+    if HAS_QUERY_LENGTHS:
+        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+
+    # The forward's loop bounds: keys any row may reach, and keys every row reaches.
+    m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
+    k_lo = 0
+    k_hi = kv_valid
+    full_lo = 0
+    full_hi = kv_valid
+    if HAS_LOWER:
+        k_lo = tl.maximum(m0 + lower_off, 0)
+        full_lo = tl.maximum(m_last + lower_off, 0)
+    if HAS_UPPER:
+        k_hi = tl.minimum(k_hi, m_last + upper_off + 1)
+        full_hi = tl.minimum(full_hi, m0 + upper_off + 1)
+    k_hi = tl.maximum(k_hi, k_lo)
+    k_hi = tl.where(m_last < m0, k_lo, k_hi)  # the whole block is query padding
+    t_lo = (k_lo // BLOCK_N) * BLOCK_N
+    t_hi = tl.cdiv(k_hi, BLOCK_N) * BLOCK_N
+    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, t_lo), t_hi)
+    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, u_lo), t_hi)
+
+    in_q = offs_m < q_len
+    q = _load_tile(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm
+                   + offs_d[None, :] * stride_qd, offs_m[:, None], q_len, offs_d[None, :],
+                   head_dim, True, EVEN_D)
+    do = _load_tile(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                    + offs_dv[None, :] * stride_dod, offs_m[:, None], q_len,
+                    offs_dv[None, :], value_head_dim, True, EVEN_D)
+    row0 = pid_zh.to(tl.int64) * q_len
+    lse, delta = _row_stats(Lse + row0, Delta + row0, offs_m, q_len, True)
+    K += off_z * stride_kz + off_kvh * stride_kh
+    V += off_z * stride_vz + off_kvh * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
+        if part == 0:
+            lo, hi = t_lo, u_lo
+        elif part == 1:
+            lo, hi = u_lo, u_hi
+        else:
+            lo, hi = u_hi, t_hi
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, K, V, offs_m, offs_d, offs_dv, lo, hi,
+            stride_kn, stride_kd, stride_vn, stride_vd, kv_len, kv_valid, head_dim,
+            value_head_dim, sm_scale, softcap, lower_off, upper_off,
+            part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
+
+    dq_ptrs = (DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm
+               + offs_d[None, :] * stride_dqd)
+    dq = (dq * sm_scale).to(DQ.dtype.element_ty)
+    if EVEN_D:
+        tl.store(dq_ptrs, dq, mask=in_q[:, None])
+    else:
+        tl.store(dq_ptrs, dq, mask=in_q[:, None] & (offs_d[None, :] < head_dim))
