@@ -1,14 +1,18 @@
-"""A fused flash-attention forward kernel in Triton, registered with portattn.
+"""A fused flash-attention kernel in Triton, forward and backward, registered with
+portattn.
 
-Importing this package imports neither torch nor Triton; the kernel module compiles
-on first use. Set ``TRITON_INTERPRET=1`` before the first import to run the kernel on
+Importing this package imports neither torch nor Triton; the kernel modules compile
+on first use. Set ``TRITON_INTERPRET=1`` before the first import to run the kernels on
 CPU torch tensors through Triton's interpreter (slow; for testing).
 """
 
 from __future__ import annotations
 
-from ._configs import Config, pick_config
+from ._autograd import flash_attention
+from ._configs import BackwardConfig, Config, pick_backward_config, pick_config
 from ._kernel import TritonFlashKernel
 from ._launch import flash_forward
+from ._launch_backward import flash_backward
 
-__all__ = ["Config", "TritonFlashKernel", "flash_forward", "pick_config"]
+__all__ = ["BackwardConfig", "Config", "TritonFlashKernel", "flash_attention",
+           "flash_backward", "flash_forward", "pick_backward_config", "pick_config"]

@@ -1,7 +1,9 @@
 """The ``triton_flash`` kernel: capabilities and the bridge from portattn's inputs.
 
-Torch tensors go to the Triton kernel as they are; CuPy and JAX arrays cross over
-through DLPack (zero copy) and the results come back as the caller's array type.
+Torch tensors go to the Triton kernels as they are, through a torch autograd function
+(gradients for query, key and value, of the output and the lse); CuPy and JAX arrays
+cross over through DLPack (zero copy, forward only) and the results come back as the
+caller's array type.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 class TritonFlashKernel(Kernel):
-    """Exact flash attention fused in one Triton kernel (forward only)."""
+    """Exact flash attention fused in Triton kernels, with a FlashAttention-2 backward
+    (deterministic: no atomics) for torch autograd."""
 
     name = "triton_flash"
     namespaces = frozenset({"torch", "cupy", "jax"})
@@ -46,7 +49,7 @@ class TritonFlashKernel(Kernel):
     head_dim = (16, 256)
     masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths"})
     softcap = gqa = value_head_dim = empty = True
-    returns_lse = True
+    returns_lse = grad = True
     priority = 200
 
     @classmethod
@@ -63,6 +66,10 @@ class TritonFlashKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
+        if inputs.requires_grad and inputs.namespace != "torch":
+            # The backward is wired to torch autograd only; JAX/CuPy would need their own.
+            reasons.append(f"gradients on namespace={inputs.namespace} not supported "
+                           "(torch autograd only)")
         if inputs.device == "cpu" and inputs.dtype == "bfloat16":
             reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
                            "is inexact)")
@@ -75,11 +82,11 @@ class TritonFlashKernel(Kernel):
         return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        from ._launch import flash_forward
+        from ._autograd import flash_attention
 
         to_torch = _to_torch(inputs.namespace)
         options = _mask_options(inputs, to_torch)
-        out, lse = flash_forward(
+        out, lse = flash_attention(
             to_torch(inputs.query), to_torch(inputs.key), to_torch(inputs.value),
             scale=inputs.scale, softcap=inputs.softcap, **options)
         if inputs.namespace != "torch":
