@@ -28,6 +28,11 @@ class PortableKernel(Kernel):
     returns_lse = grad = True
 
 
+def cast(xp: Any, x: Any, dtype: Any) -> Any:
+    """``x`` in ``dtype``, without a copy when it already is (``astype`` copies)."""
+    return xp.astype(x, dtype, copy=False)
+
+
 def group_queries(xp: Any, x: Any, num_kv_heads: int) -> Any:
     """``(*b, Hq, L, D) -> (*b, Hkv, G, L, D)``."""
     *batch, hq, length, dim = x.shape
@@ -56,24 +61,29 @@ def group_tile(xp: Any, tile: Any, num_kv_heads: int) -> Any:
     return xp.reshape(tile, (*batch, num_kv_heads, heads // num_kv_heads, tq, tk))
 
 
-def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int,
+           *, keep_tanh: bool = False) -> Any:
     """Scaled, soft-capped, biased and masked scores of one tile (grouped layout).
 
     Masked entries are ``-inf``. ``q`` and ``k`` are grouped, in the compute dtype, and
-    ``q`` is already multiplied by the scale (cheaper than scaling the scores).
+    ``q`` is already multiplied by the scale (cheaper than scaling the scores). With
+    ``keep_tanh`` the result is ``(scores, tanh)``: the backward's softcap derivative
+    needs ``tanh`` of the capped entries (None without a softcap).
     """
     xp = inputs.xp
     s = xp.matmul(q, xp.matrix_transpose(k))
+    t = None
     if inputs.softcap is not None:
-        s = xp.tanh(s / inputs.softcap) * inputs.softcap
+        t = xp.tanh(s / inputs.softcap)
+        s = t * inputs.softcap
     if inputs.bias is not None:
         b = slice_tile(inputs.bias, q0, q1, k0, k1)
-        s = s + group_tile(xp, xp.astype(b, s.dtype), inputs.num_kv_heads)
+        s = s + group_tile(xp, cast(xp, b, s.dtype), inputs.num_kv_heads)
     mask = inputs.mask
     if mask is not None and not mask.covers(q0, q1, k0, k1, inputs.q_len, inputs.kv_len):
         allowed = mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, inputs.device_obj)
         s = xp.where(group_tile(xp, allowed, inputs.num_kv_heads), s, -math.inf)
-    return s
+    return (s, t) if keep_tanh else s
 
 
 def safe_max(xp: Any, s: Any) -> Any:

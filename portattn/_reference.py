@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._portable import (
     PortableKernel,
+    cast,
     empty_result,
     finish,
     group_kv,
@@ -41,17 +42,17 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
                                dtype=inputs.query.dtype, device=inputs.device_obj)
         return out, lse if inputs.return_lse else None, weights
     ct = inputs.compute_dtype
-    q = group_queries(xp, xp.astype(inputs.query, ct) * inputs.scale, inputs.num_kv_heads)
-    k = group_kv(xp, xp.astype(inputs.key, ct))
-    v = group_kv(xp, xp.astype(inputs.value, ct))
+    q = group_queries(xp, cast(xp, inputs.query, ct) * inputs.scale, inputs.num_kv_heads)
+    k = group_kv(xp, cast(xp, inputs.key, ct))
+    v = group_kv(xp, cast(xp, inputs.value, ct))
     s = scores(inputs, q, k, 0, lq, 0, lk)
     m = safe_max(xp, s)
     p = xp.exp(s - m)
     denom = xp.sum(p, axis=-1, keepdims=True)
     weights, lse = finish(xp, p, m, denom)
-    out = xp.astype(ungroup(xp, xp.matmul(weights, v)), inputs.query.dtype)
+    out = cast(xp, ungroup(xp, xp.matmul(weights, v)), inputs.query.dtype)
     return (
         out,
         ungroup(xp, lse, trailing=1) if inputs.return_lse else None,
-        xp.astype(ungroup(xp, weights), inputs.query.dtype) if inputs.return_weights else None,
+        cast(xp, ungroup(xp, weights), inputs.query.dtype) if inputs.return_weights else None,
     )

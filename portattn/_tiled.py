@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._portable import (
     PortableKernel,
+    cast,
     empty_result,
     finish,
     finite_or_zero,
@@ -21,6 +22,7 @@ from ._portable import (
     scores,
     ungroup,
 )
+from ._wiring import attach_for
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -39,7 +41,10 @@ class TiledKernel(PortableKernel):
     priority = 10
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        out, lse = tiled_attention(inputs)
+        attach = attach_for(inputs.namespace) if inputs.requires_grad else None
+        # With gradients, the library's wiring saves (q, k, v, out, lse) and runs the
+        # flash backward; recording every tile instead would keep O(Lq * Lk).
+        out, lse = tiled_attention(inputs) if attach is None else attach(inputs)
         return out, lse if inputs.return_lse else None, None
 
 
@@ -60,19 +65,19 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
     default_q, default_k = block_sizes(inputs)
     block_q, block_k = block_q or default_q, block_k or default_k
     ct = inputs.compute_dtype
-    k = group_kv(xp, xp.astype(inputs.key, ct))
-    v = group_kv(xp, xp.astype(inputs.value, ct))
+    k = group_kv(xp, cast(xp, inputs.key, ct))
+    v = group_kv(xp, cast(xp, inputs.value, ct))
     outs, lses = [], []
     for q0 in range(0, inputs.q_len, block_q):
         q1 = min(inputs.q_len, q0 + block_q)
-        q = xp.astype(inputs.query[..., q0:q1, :], ct) * inputs.scale
+        q = cast(xp, inputs.query[..., q0:q1, :], ct) * inputs.scale
         q = group_queries(xp, q, inputs.num_kv_heads)
         out, lse = _query_block(inputs, q, k, v, q0, q1, block_k)
         outs.append(out)
         lses.append(lse)
     out = ungroup(xp, xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0])
     lse = ungroup(xp, xp.concat(lses, axis=-1) if len(lses) > 1 else lses[0], trailing=1)
-    return xp.astype(out, inputs.query.dtype), lse
+    return cast(xp, out, inputs.query.dtype), lse
 
 
 def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, q0: int, q1: int,

@@ -1,0 +1,160 @@
+"""The backward pass of the tiled kernel (FlashAttention-2), in pure Array API.
+
+Nothing of the forward is kept but its output and log-sum-exp: each tile's
+probabilities are recomputed as ``P = exp(s - lse)``, so memory stays O(L * block)
+instead of the O(Lq * Lk) that recording every tile would keep. Per tile, with
+``Delta = rowsum(dO * O) - dlse``::
+
+    dV += P^T dO        dP = dO V^T        dS = P * (dP - Delta)
+    dQ += dS K          dK += dS^T Q       dBias += dS
+
+(``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) A softcap
+multiplies ``dS`` by ``1 - tanh^2`` before it reaches Q and K. Tiles the mask hides
+are skipped exactly as in the forward; fully masked rows (lse ``-inf``) get ``P = 0``
+and so gradient 0. Grouped-query heads are summed into their K/V head per tile.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import array_api_extra as xpx
+
+from ._portable import cast, finite_or_zero, group_kv, group_queries, scores, ungroup
+from ._tiled import block_sizes
+
+if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
+
+__all__ = ["flash_backward"]
+
+
+def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
+                   dlse: Any = None, *, bias_grad: bool = False,
+                   ) -> tuple[Any, Any, Any, Any]:
+    """``(dq, dk, dv, dbias)`` of attention ``(out, lse)`` computed from ``inputs``.
+
+    ``lse`` is the forward's log-sum-exp ``(..., Hq, Lq)``; ``dout`` and ``dlse`` (None
+    for zero) are the gradients of the output and of the lse. ``dbias`` is None unless
+    ``bias_grad``; it has the shape of ``inputs.bias``. Each gradient has its input's
+    dtype; half precision is accumulated in float32.
+    """
+    xp = inputs.xp
+    if inputs.q_len == 0 or inputs.kv_len == 0:
+        return _zero_grads(inputs, bias_grad)
+    ct = inputs.compute_dtype
+    hkv = inputs.num_kv_heads
+    block_q, block_k = block_sizes(inputs)
+    k = group_kv(xp, cast(xp, inputs.key, ct))
+    v = group_kv(xp, cast(xp, inputs.value, ct))
+    lse = finite_or_zero(xp, cast(xp, lse, ct))
+    # Written block by block in place (functionally where arrays are immutable), so
+    # no list of blocks and its concatenation are ever alive at once.
+    dq = _zeros(inputs, inputs.query)
+    dk = _zeros(inputs, inputs.key)
+    dv = _zeros(inputs, inputs.value)
+    bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
+    for q0 in range(0, inputs.q_len, block_q):
+        q1 = min(inputs.q_len, q0 + block_q)
+        q = group_queries(xp, cast(xp, inputs.query[..., q0:q1, :], ct) * inputs.scale, hkv)
+        do = cast(xp, dout[..., q0:q1, :], ct)
+        d = xp.sum(do * cast(xp, out[..., q0:q1, :], ct), axis=-1, keepdims=True)
+        if dlse is not None:
+            d = d - cast(xp, dlse[..., q0:q1, None], ct)
+        do, d = group_queries(xp, do, hkv), group_queries(xp, d, hkv)
+        m = group_queries(xp, lse[..., q0:q1, None], hkv)
+        lo, hi = (0, inputs.kv_len) if inputs.mask is None else inputs.mask.key_range(
+            q0, q1, inputs.q_len, inputs.kv_len)
+        dq_block = None
+        # Key blocks on a fixed grid, so each one's dK/dV accumulates across query blocks.
+        for k0 in range(lo - lo % block_k, hi, block_k):
+            k1 = min(inputs.kv_len, k0 + block_k)
+            s, t = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, keep_tanh=True)
+            p = xp.exp(s - m)
+            dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(p), do), axis=-3)
+            ds = p * (xp.matmul(do, xp.matrix_transpose(v[..., k0:k1, :])) - d)
+            if bias is not None:
+                bias.add(ds, q0, q1, k0, k1)
+            if t is not None:
+                ds = ds * (1 - t * t)
+            dq_tile = xp.matmul(ds, k[..., k0:k1, :])
+            dk_tile = xp.sum(xp.matmul(xp.matrix_transpose(ds), q), axis=-3)
+            dq_block = dq_tile if dq_block is None else dq_block + dq_tile
+            dk = xpx.at(dk)[..., k0:k1, :].add(cast(xp, dk_tile, dk.dtype))
+            dv = xpx.at(dv)[..., k0:k1, :].add(cast(xp, dv_tile, dv.dtype))
+        if dq_block is not None:  # else the mask leaves this query block no keys
+            dq_block = ungroup(xp, dq_block) * inputs.scale
+            dq = xpx.at(dq)[..., q0:q1, :].set(cast(xp, dq_block, dq.dtype))
+    return (cast(xp, dq, inputs.query.dtype), cast(xp, dk, inputs.key.dtype),
+            cast(xp, dv, inputs.value.dtype), None if bias is None else bias.result())
+
+
+def _zeros(inputs: AttentionInputs, like: Any) -> Any:
+    """Zeros shaped like ``like``, in the compute dtype (half precision sums in float32)."""
+    return inputs.xp.zeros(like.shape, dtype=inputs.compute_dtype, device=inputs.device_obj)
+
+
+def _accumulate(blocks: dict[Any, Any], key: Any, tile: Any) -> None:
+    blocks[key] = tile if key not in blocks else blocks[key] + tile
+
+
+def _concat(xp: Any, parts: list[Any], axis: int) -> Any:
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=axis)
+
+
+class _BiasGrad:
+    """Accumulates ``dS`` tiles reduced to the bias's broadcast shape.
+
+    The bias is full rank ``(*b|1, H|1, Lq|1, Lk|1)``; a size-1 axis sums over the
+    tile, a size-1 row or column axis also over the tiles along it.
+    """
+
+    def __init__(self, inputs: AttentionInputs, block_q: int, block_k: int) -> None:
+        self.inputs = inputs
+        shape = tuple(inputs.bias.shape)
+        self.axes = tuple(i for i, n in enumerate(shape[:-2]) if n == 1)
+        self.rows_broadcast, self.cols_broadcast = shape[-2] == 1, shape[-1] == 1
+        self.rows = _grid(1 if self.rows_broadcast else inputs.q_len, block_q)
+        self.cols = _grid(1 if self.cols_broadcast else inputs.kv_len, block_k)
+        self.tiles: dict[tuple[int, int], Any] = {}
+
+    def add(self, ds: Any, q0: int, q1: int, k0: int, k1: int) -> None:
+        xp = self.inputs.xp
+        tile = ungroup(xp, ds)
+        full = tuple(tile.shape)
+        axes = tuple(i for i in self.axes if full[i] != 1)
+        if self.rows_broadcast:
+            axes += (len(full) - 2,)
+        if self.cols_broadcast:
+            axes += (len(full) - 1,)
+        if axes:
+            tile = xp.sum(tile, axis=axes, keepdims=True)
+        key = (0 if self.rows_broadcast else q0, 0 if self.cols_broadcast else k0)
+        _accumulate(self.tiles, key, tile)
+
+    def result(self) -> Any:
+        inputs, xp = self.inputs, self.inputs.xp
+        lead = tuple(inputs.bias.shape[:-2])
+        rows = []
+        for r0, r1 in self.rows:
+            cols = []
+            for c0, c1 in self.cols:
+                tile = self.tiles.get((r0, c0))
+                if tile is None:  # a tile the mask hides entirely
+                    tile = xp.zeros((*lead, r1 - r0, c1 - c0), dtype=inputs.compute_dtype,
+                                    device=inputs.device_obj)
+                cols.append(tile)
+            rows.append(_concat(xp, cols, axis=-1))
+        return cast(xp, _concat(xp, rows, axis=-2), inputs.bias.dtype)
+
+
+def _grid(length: int, block: int) -> list[tuple[int, int]]:
+    return [(s, min(length, s + block)) for s in range(0, length, block)]
+
+
+def _zero_grads(inputs: AttentionInputs, bias_grad: bool) -> tuple[Any, Any, Any, Any]:
+    xp = inputs.xp
+    grads = tuple(xp.zeros_like(a) for a in (inputs.query, inputs.key, inputs.value))
+    dbias = xp.zeros_like(inputs.bias) if bias_grad else None
+    return (*grads, dbias)
+

@@ -1,0 +1,36 @@
+"""Lookup of the autograd wiring plugins register (see :mod:`portattn.autograd`)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from .errors import PluginWarning
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._inputs import AttentionInputs
+
+__all__ = ["GROUP", "attach_for"]
+
+GROUP = "portattn.autograd"
+
+
+@functools.cache
+def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
+    """The installed autograd wiring for ``namespace``, or None (loaded once)."""
+    found = [ep for ep in entry_points(group=GROUP) if ep.name == namespace]
+    if not found:
+        return None
+    ep = found[0]
+    try:
+        return ep.load()
+    except Exception as e:  # a broken plugin must not break the call
+        msg = (f"portattn: the autograd wiring {ep.name} = {ep.value!r} could not be "
+               f"loaded ({type(e).__name__}: {e}); gradients of the tiled kernel on "
+               f"{namespace} are recorded tile by tile instead")
+        warnings.warn(msg, PluginWarning, stacklevel=2)
+        return None

@@ -1,0 +1,38 @@
+"""Gradients of the portable flash kernel in each library's own autograd.
+
+The math is portable and lives here: :func:`flash_forward` (the tiled forward, which
+always returns the log-sum-exp) and :func:`flash_backward` (FlashAttention-2: each
+tile's probabilities recomputed from the saved log-sum-exp). What ties them to an
+autograd system belongs to that library's plugin, so the core names no library.
+
+A plugin wires a library through an entry point in the group ``portattn.autograd``
+named after the namespace (``torch``, ``jax``, ...)::
+
+    [project.entry-points."portattn.autograd"]
+    torch = "portattn_torch:attach_autograd"
+
+whose value is a callable ``attach(inputs) -> (out, lse)``: it returns
+``flash_forward(inputs)`` recorded so that the library's autograd differentiates it
+with ``flash_backward``, saving only ``query, key, value, bias, out, lse``. The
+``tiled`` kernel calls it for calls that need gradients; without one for the call's
+library it lets the library record every tile (O(Lq * Lk) memory).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._flash_backward import flash_backward
+from ._tiled import tiled_attention
+from ._wiring import GROUP, attach_for
+
+if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
+
+__all__ = ["GROUP", "attach_for", "flash_backward", "flash_forward"]
+
+
+def flash_forward(inputs: AttentionInputs) -> tuple[Any, Any]:
+    """``(out, lse)`` of the tiled kernel; ``lse`` is ``(..., Hq, Lq)`` in the compute
+    dtype (float32 for half-precision inputs), always computed."""
+    return tiled_attention(inputs)
