@@ -179,7 +179,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
             raise TypeError(msg)
         bias = _masks.expand_to_rank(xp, bias, full_shape, "bias")
 
-    scale = _check_positive("scale", scale, default=1.0 / math.sqrt(d) if d else 1.0)
+    scale = _check_scale(scale, default=1.0 / math.sqrt(d) if d else 1.0)
     if softcap is not None:
         softcap = _check_positive("softcap", softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
@@ -189,7 +189,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
 
     return AttentionInputs(
         query=query, key=key, value=value, mask=mask, bias=bias, scale=scale,
-        softcap=softcap, return_lse=bool(return_lse), return_weights=bool(return_weights),
+        softcap=softcap, return_lse=_check_flag("return_lse", return_lse),
+        return_weights=_check_flag("return_weights", return_weights),
         dropout_p=float(dropout_p), xp=xp, namespace=namespace_name(xp),
         device="cpu" if dev is None else device_kind(dev), device_obj=dev,
         dtype=dtype_name(query.dtype),
@@ -331,14 +332,38 @@ def _check_shapes(query: Any, key: Any, value: Any) -> tuple:
     return q[:-3], hq, hkv, q[-2], k[-2], q[-1], v[-1]
 
 
-def _check_positive(name: str, value: Any, default: float | None = None) -> float:
+def _check_scale(value: Any, default: float) -> float:
+    """Any finite real number (0 averages the values, a negative one reverses the
+    ranking, as in torch); None is ``default``."""
     if value is None:
-        return default  # type: ignore[return-value]
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
-        msg = f"{name} must be a finite number > 0; got {name}={value!r}"
-        raise ValueError(msg)
+        return default
+    number = _real(value)
+    if number is None or not math.isfinite(number):
+        msg = f"scale must be a finite real number; got scale={value!r}"
+        raise ValueError(msg) if number is not None else TypeError(msg)
     return number
+
+
+def _check_positive(name: str, value: Any) -> float:
+    number = _real(value)
+    if number is None or not math.isfinite(number) or number <= 0:
+        msg = f"{name} must be a finite number > 0; got {name}={value!r}"
+        raise ValueError(msg) if number is not None else TypeError(msg)
+    return number
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (not a bool, not a string)."""
+    if isinstance(value, (bool, str, bytes)) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    msg = f"{name} must be True or False; got {name}={value!r}"
+    raise TypeError(msg)

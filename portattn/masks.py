@@ -230,19 +230,23 @@ class _Lengths(Mask):
     def bind(self, xp, batch_shape, num_heads, lq, lk):
         lengths = self.lengths
         if not xp.isdtype(lengths.dtype, "integral"):
-            msg = f"{self.kind} lengths must have an integer dtype; got dtype={lengths.dtype}"
+            msg = (f"{self.kind} lengths must have an integer dtype; got "
+                   f"{self.kind}.dtype={_dtype_text(lengths.dtype)}")
             raise TypeError(msg)
         if tuple(lengths.shape) != tuple(batch_shape):
             msg = (f"{self.kind} lengths must have the batch shape of query, "
                    f"{tuple(batch_shape)}; got lengths.shape={tuple(lengths.shape)}")
             raise ValueError(msg)
         limit = lk if self.kind == "key_lengths" else lq
-        _check_range(xp, lengths, limit, self.kind)
-        return self
+        lengths = signed(xp, lengths)
+        check_range(xp, lengths, limit, self.kind)
+        return self if lengths is self.lengths else type(self)(lengths)
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         start, stop = (k0, k1) if self.kind == "key_lengths" else (q0, q1)
-        return type(self)(xp.clip(self.lengths - start, 0, stop - start))
+        # signed first: lengths - start must not wrap around in an unsigned dtype
+        # (asarray: NumPy's clip turns a 0-d array into a scalar)
+        return type(self)(xp.asarray(xp.clip(signed(xp, self.lengths) - start, 0, stop - start)))
 
     def _column(self, xp):
         # (*batch) -> (*batch, 1, 1, 1): broadcasts against (*batch, H, tq, tk)
@@ -252,19 +256,48 @@ class _Lengths(Mask):
         return f"{self.kind}(shape={tuple(self.lengths.shape)})"
 
 
-def _check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
-    # Reading values would force lazy graphs to compute or sync a GPU; check only
-    # eager CPU arrays, where it is cheap.
-    from array_api_compat import device, is_lazy_array
+def signed(xp: Any, lengths: Any) -> Any:
+    """``lengths`` in a signed integer dtype (unsigned ones wrap around on subtraction)."""
+    if not xp.isdtype(lengths.dtype, "unsigned integer"):
+        return lengths
+    bits = xp.iinfo(lengths.dtype).bits
+    return xp.astype(lengths, xp.int32 if bits <= 16 else xp.int64)
 
-    if is_lazy_array(lengths) or lengths.size == 0 or "cpu" not in str(device(lengths)).lower():
+
+def values_readable(a: Any) -> bool:
+    """Whether ``a``'s values can be read now: not a lazy Dask graph, not a JAX tracer,
+    not a tensor being compiled by torch.compile. Reading may sync a GPU."""
+    import sys
+
+    from array_api_compat import is_dask_array
+
+    if is_dask_array(a):
+        return False
+    tracer = getattr(sys.modules.get("jax.core"), "Tracer", None)
+    if tracer is not None and isinstance(a, tracer):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and isinstance(a, torch.Tensor)
+                and torch.compiler.is_compiling())
+
+
+def check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
+    """Lengths must lie in ``[0, limit]``, checked wherever the values are readable
+    (traced and lazy arrays are not checked: there a length is clipped to the range)."""
+    if math.prod(lengths.shape) == 0 or not values_readable(lengths):
+        return
+    if not bool(xp.any(xp.logical_or(lengths < 0, lengths > limit))):
         return
     low, high = int(xp.min(lengths)), int(xp.max(lengths))
-    if low < 0 or high > limit:
-        length_name = "Lk" if kind == "key_lengths" else "Lq"
-        msg = (f"{kind} lengths must lie in [0, {length_name}={limit}]; "
-               f"got min={low}, max={high}")
-        raise ValueError(msg)
+    length_name = "Lk" if kind == "key_lengths" else "Lq"
+    msg = (f"{kind} lengths must lie in [0, {length_name}={limit}]; "
+           f"got {kind} with min={low}, max={high}")
+    raise ValueError(msg)
+
+
+def _dtype_text(dtype: Any) -> str:
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
 
 
 class _KeyLengths(_Lengths):

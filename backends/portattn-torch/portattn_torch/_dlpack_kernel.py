@@ -17,6 +17,7 @@ from portattn.kernel import Kernel
 
 from ._availability import torch_unavailable
 from ._sdpa_kernel import TorchSDPAKernel, sdpa_attention
+from ._translate import bias_reasons
 
 if TYPE_CHECKING:
     from portattn import AttentionInputs
@@ -46,13 +47,25 @@ class TorchSDPADLPackKernel(Kernel):
         tracer = getattr(sys.modules.get("jax.core"), "Tracer", None)
         if tracer is not None and isinstance(inputs.query, tracer):
             reasons.append("traced jax arrays (jit, grad, vmap) cannot be borrowed")
-        if not getattr(inputs.query.dtype, "isnative", True):
-            reasons.append(f"byte order {inputs.query.dtype.str} cannot cross DLPack")
+        # Byte order is part of a NumPy dtype, so this follows from the description.
+        for name, array in _arrays(inputs):
+            if not getattr(array.dtype, "isnative", True):
+                reasons.append(f"{name} byte order {array.dtype.str} cannot cross DLPack")
+        reasons += bias_reasons(inputs)
         return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         out = sdpa_attention(borrow_inputs(inputs))
         return give_back(out, inputs.xp), None, None
+
+
+def _arrays(inputs: AttentionInputs) -> list[tuple[str, Any]]:
+    named = [("query", inputs.query), ("key", inputs.key), ("value", inputs.value)]
+    if inputs.bias is not None:
+        named.append(("bias", inputs.bias))
+    for part in () if inputs.mask is None else inputs.mask.parts:
+        named += [(part.kind, a) for a in part.arrays]
+    return named
 
 
 def borrow(x: Any) -> Any:
@@ -63,6 +76,9 @@ def borrow(x: Any) -> Any:
     """
     import torch
 
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.generic):  # a NumPy scalar: no DLPack
+        x = numpy.asarray(x)
     if any(s < 0 for s in getattr(x, "strides", ())):
         x = x.copy()
     return torch.from_dlpack(x)

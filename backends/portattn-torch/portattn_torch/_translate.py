@@ -50,8 +50,37 @@ def _is_causal(part: Mask) -> bool:
         part.kind == "sliding_window" and part.left is None and part.right == 0)
 
 
-def _alignment(part: Mask) -> str:
-    return part.alignment if part.kind == "causal" else "bottom_right"
+def _causal_offset(part: Mask, lq: int, lk: int) -> int:
+    """Absolute position of query 0 (alignment and any shift from ``restrict``)."""
+    return part.offset(lq, lk)
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def bias_reasons(inputs: AttentionInputs) -> list[str]:
+    """Why SDPA cannot add ``inputs.bias`` exactly: half-precision inputs must see the
+    bias as given (in float32). torch's CPU kernels take a float32 mask with half
+    inputs and accumulate in float32; its fused CUDA kernels want the query's dtype."""
+    bias = inputs.bias
+    if bias is None or inputs.dtype not in _HALF or inputs.device == "cpu":
+        return []
+    name = str(bias.dtype).rsplit(".", 1)[-1]
+    if name == inputs.dtype:
+        return []
+    return [f"bias dtype={name} with dtype={inputs.dtype} on {inputs.device} "
+            "(SDPA would round the bias to the query's dtype)"]
+
+
+def _mask_dtype(inputs: AttentionInputs) -> Any:
+    """The float mask's dtype: the query's, or float32 for half inputs whose bias has
+    another dtype (rounding it to half would change the scores)."""
+    import torch
+
+    query, bias = inputs.query, inputs.bias
+    if inputs.dtype in _HALF and bias.dtype != query.dtype:
+        return torch.float32
+    return query.dtype
 
 
 def sdpa_mask(inputs: AttentionInputs) -> SDPAMask:
@@ -60,11 +89,16 @@ def sdpa_mask(inputs: AttentionInputs) -> SDPAMask:
     lq, lk = inputs.q_len, inputs.kv_len
     if inputs.bias is None and not parts:
         return SDPAMask()
-    if inputs.bias is None and len(parts) == 1 and _is_causal(parts[0]):
-        if _alignment(parts[0]) == "top_left" or lq == lk:
+    # torch's CPU flash kernel gives NaN under is_causal with a scale <= 0.
+    if inputs.bias is None and len(parts) == 1 and _is_causal(parts[0]) and inputs.scale > 0:
+        # SDPA's causal forms place query 0 at position 0 (is_causal) or Lk - Lq (the
+        # lower-right bias); a mask cut by restrict() may sit elsewhere: dense then.
+        offset = _causal_offset(parts[0], lq, lk)
+        if offset == 0:
             # Top-left causal leaves every row at least key 0: no empty rows.
             return SDPAMask(is_causal=True)
-        if lq < lk and inputs.device != "cpu" and inputs.num_heads == inputs.num_kv_heads:
+        if (offset == lk - lq and lq < lk and inputs.device != "cpu"
+                and inputs.num_heads == inputs.num_kv_heads):
             # Lq < Lk leaves no row empty. torch applies this bias inside its fused CUDA
             # kernels (on CPU it would only build the same boolean mask we build below);
             # its fused path ignores enable_gqa, hence equal head counts only.
@@ -85,8 +119,8 @@ def _dense_mask(inputs: AttentionInputs, parts: list[Mask]) -> SDPAMask:
     if inputs.bias is None:
         keep = allowed.any(dim=-1, keepdim=True)
         return SDPAMask(attn_mask=allowed | ~keep, keep=keep)
-    # SDPA adds a float mask in the query's dtype; masked pairs become -inf in it.
-    bias = inputs.bias.to(inputs.query.dtype)
+    # Masked pairs become -inf in the float mask.
+    bias = inputs.bias.to(_mask_dtype(inputs))
     if allowed is not None:
         bias = torch.where(allowed, bias, -math.inf)
     keep = (bias != -math.inf).any(dim=-1, keepdim=True)

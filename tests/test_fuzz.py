@@ -1,0 +1,190 @@
+"""Differential fuzzer: every installed kernel, forced in turn, against an independent
+float64 oracle (``fuzz_oracle``), on every backend.
+
+Random calls cover 0-2 batch dims (sizes 0 included), grouped and multi-query heads,
+``Lq != Lk`` (0 included), ``D != Dv``, every mask kind and ``&`` combinations
+(two dense masks of different ranks too), masks cut from a larger problem with
+``restrict``, integer and unsigned length dtypes, bias broadcast shapes and dtypes
+(a float32 bias on half inputs), softcap, any finite scale (0 and negative too),
+every dtype of the backend and ``return_lse``.
+
+A kernel that refuses a call (``KernelNotUsableError``) is counted as a refusal, never
+as agreement; the counts are printed at the end of the run. Profiles:
+
+- ``PORTATTN_FUZZ=ci`` (default): a few dozen seeded calls per backend, for CI;
+- ``PORTATTN_FUZZ=long``: 2,000 calls per backend, to run by hand
+  (``PORTATTN_FUZZ_SEED`` picks another seed, ``PORTATTN_FUZZ_EXAMPLES`` another count).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from fuzz_oracle import COUNTS, Spec, attention64, local_mask
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+import portattn
+from portattn import masks
+from portattn.errors import KernelNotUsableError
+from portattn.kernel import ANY
+from portattn.testing import tolerance
+
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, database=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "long", max_examples=2000, deadline=None, database=None, derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROFILE = os.environ.get("PORTATTN_FUZZ", "ci")
+EXAMPLES = os.environ.get("PORTATTN_FUZZ_EXAMPLES")  # overrides the profile's count
+SEED = int(os.environ.get("PORTATTN_FUZZ_SEED", "20240"))
+HALF = ("float16", "bfloat16")
+
+
+@st.composite
+def specs(draw, dtypes):
+    batch = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    hkv = draw(st.integers(1, 3))
+    hq = hkv * draw(st.sampled_from([1, 2, 3]))
+    lengths = st.one_of(st.integers(0, 12), st.integers(13, 80))
+    lq, lk = draw(lengths), draw(lengths)
+    d, dv = (draw(st.sampled_from([1, 3, 8, 16, 64])) for _ in range(2))
+    dtype = draw(st.sampled_from(sorted(dtypes)))
+    whole = None
+    if draw(st.integers(0, 3)) == 0:  # a block of a larger problem (split-KV, ring)
+        big_q, big_k = lq + draw(st.integers(0, 20)), lk + draw(st.integers(0, 20))
+        whole = (big_q, big_k, draw(st.integers(0, big_q - lq)),
+                 draw(st.integers(0, big_k - lk)))
+    big_q, big_k = (lq, lk) if whole is None else whole[:2]
+    n = int(np.prod(batch))
+    parts = []
+    if draw(st.booleans()):
+        parts.append(("causal", draw(st.sampled_from(["bottom_right", "top_left"]))))
+    if draw(st.integers(0, 2)) == 0:
+        side = st.one_of(st.none(), st.integers(0, 12))
+        parts.append(("window", draw(side), draw(side)))
+    for kind, limit in (("key_lengths", big_k), ("query_lengths", big_q)):
+        if draw(st.integers(0, 2)) == 0:
+            parts.append((kind, tuple(draw(st.lists(st.integers(0, limit), min_size=n,
+                                                    max_size=n)))))
+    full = (*batch, hq, big_q, big_k)
+    for _ in range(draw(st.integers(0, 2)) if draw(st.booleans()) else 0):
+        parts.append(("dense", _broadcast_shape(draw, full)))
+    draw(st.randoms()).shuffle(parts)
+    bias = None
+    if draw(st.integers(0, 2)) == 0:
+        bias_dtype = draw(st.sampled_from([dtype, "float32"])) if dtype in HALF else dtype
+        bias = (_broadcast_shape(draw, (*batch, hq, lq, lk)), bias_dtype,
+                draw(st.sampled_from([1.0, 5.0, 30.0])))
+    return Spec(
+        batch=batch, hq=hq, hkv=hkv, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
+        parts=tuple(parts), whole=whole, bias=bias,
+        scale=draw(st.sampled_from([None, None, 0.0, -1.0, 0.3, -0.05, 1.5])),
+        softcap=draw(st.sampled_from([None, None, None, 0.5, 5.0])),
+        lse=draw(st.booleans()),
+        length_dtype=draw(st.sampled_from(["int64", "int32", "uint8"])),
+        seed=draw(st.integers(0, 2**31)))
+
+
+def _broadcast_shape(draw, full):
+    shape = tuple(s if draw(st.booleans()) else 1 for s in full)
+    return shape[draw(st.integers(0, len(shape) - 2)):]
+
+
+def build(spec: Spec, backend):
+    """``(args, kwargs)`` on ``backend``, and the oracle's ``(out, lse)``."""
+    rng = np.random.default_rng(spec.seed)
+    shapes = ((*spec.batch, spec.hq, spec.lq, spec.d), (*spec.batch, spec.hkv, spec.lk, spec.d),
+              (*spec.batch, spec.hkv, spec.lk, spec.dv))
+    arrays = tuple(backend.asarray(rng.standard_normal(s), spec.dtype) for s in shapes)
+    seen = [np.asarray(backend.to_numpy(a), dtype=np.float64) for a in arrays]
+    kwargs = {"scale": spec.scale, "softcap": spec.softcap, "return_lse": spec.lse}
+    dense = [rng.random(p[1]) < 0.7 for p in spec.parts if p[0] == "dense"]
+    bias64 = None
+    if spec.bias is not None:
+        shape, bias_dtype, magnitude = spec.bias
+        kwargs["bias"] = backend.asarray(rng.standard_normal(shape) * magnitude, bias_dtype)
+        bias64 = np.asarray(backend.to_numpy(kwargs["bias"]), dtype=np.float64)
+    if spec.parts:
+        kwargs["mask"] = _mask(spec, backend, dense)
+    out, lse = attention64(*seen, local_mask(spec, dense), bias64, spec.scale, spec.softcap)
+    return arrays, kwargs, out, lse
+
+
+def _mask(spec: Spec, backend, dense):
+    parts, dense = [], iter(dense)
+    for kind, *args in spec.parts:
+        if kind == "causal":
+            parts.append(masks.causal(args[0]))
+        elif kind == "window":
+            parts.append(masks.sliding_window(*args))
+        elif kind == "dense":
+            parts.append(masks.dense(backend.asarray(next(dense))))
+        else:
+            lengths = np.asarray(args[0], dtype=spec.length_dtype).reshape(spec.batch)
+            parts.append(getattr(masks, kind)(backend.asarray(lengths)))
+    mask = parts[0]
+    for part in parts[1:]:
+        mask = mask & part
+    if spec.whole is not None:
+        big_q, big_k, q0, k0 = spec.whole
+        mask = mask.restrict(backend.xp, q0, q0 + spec.lq, k0, k0 + spec.lk, big_q, big_k)
+    return mask
+
+
+def check(name: str, spec: Spec, backend, args, kwargs, want_out, want_lse) -> str | None:
+    """None when kernel ``name`` agrees or refuses; else what went wrong."""
+    try:
+        result = portattn.attention(*args, **kwargs, kernel=name)
+    except KernelNotUsableError:
+        COUNTS[backend.name, name, "refused"] += 1
+        return None
+    except Exception as e:
+        return f"{name} raised {type(e).__name__}: {e}"
+    out, lse = result if spec.lse else (result, None)
+    rtol, atol = tolerance(spec.dtype)
+    problems = []
+    got = np.asarray(backend.to_numpy(out), dtype=np.float64)
+    if str(out.dtype).rsplit(".", 1)[-1] != spec.dtype:
+        problems.append(f"out dtype {out.dtype}")
+    if got.shape != want_out.shape:
+        problems.append(f"out shape {got.shape} != {want_out.shape}")
+    elif not np.allclose(got, want_out, rtol=rtol, atol=atol):
+        problems.append(f"out differs by {np.nanmax(np.abs(got - want_out)):.3g}")
+    if lse is not None:
+        got = np.asarray(backend.to_numpy(lse), dtype=np.float64)
+        if got.shape != want_lse.shape:
+            problems.append(f"lse shape {got.shape} != {want_lse.shape}")
+        elif not (np.array_equal(np.isneginf(got), np.isneginf(want_lse)) and np.allclose(
+                got, want_lse, rtol=rtol, atol=atol)):
+            problems.append("lse differs")
+    if problems:
+        return f"{name}: {', '.join(problems)}"
+    COUNTS[backend.name, name, "agreed"] += 1
+    return None
+
+
+def _kernel_names(backend):
+    """The installed kernels that declare the backend's library (the others refuse it
+    without looking further)."""
+    return [e.name for e in portattn.kernels() if e.kernel is not None and (
+        e.kernel.namespaces == ANY or backend.namespace in e.kernel.namespaces)]
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+def test_every_kernel_agrees_with_the_oracle(backend):
+    @seed(SEED)
+    @settings(settings.get_profile(PROFILE),
+              **({"max_examples": int(EXAMPLES)} if EXAMPLES else {}))
+    @given(spec=specs(backend.dtypes))
+    def one_call(spec):
+        args, kwargs, out, lse = build(spec, backend)
+        failures = [f for name in _kernel_names(backend)
+                    if (f := check(name, spec, backend, args, kwargs, out, lse))]
+        COUNTS[backend.name, "*", "calls"] += 1
+        assert not failures, f"{spec}\n" + "\n".join(failures)
+
+    one_call()
