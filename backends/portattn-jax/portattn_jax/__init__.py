@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import sys
 
+from ._autograd import attach_autograd
+from ._flash_kernel import JaxFlashKernel
 from ._kernel import JaxDpaKernel
 from ._pytree import register_mask_pytrees
 
-__all__ = ["JaxDpaKernel", "register_mask_pytrees"]
+__all__ = ["JaxDpaKernel", "JaxFlashKernel", "attach_autograd", "register_mask_pytrees"]
 
 __version__ = "0.1.0"
 
