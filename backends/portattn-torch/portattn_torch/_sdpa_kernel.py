@@ -8,6 +8,12 @@ give exactly is declared unsupported, so dispatch runs the portable kernels inst
   eager mode it materialises the whole score matrix (with a warning) and has no
   backward pass on CPU, so the tiled kernel does better.
 - ``return_weights``: SDPA never forms the softmax matrix.
+- gradients through a structured mask that SDPA could only take as a dense
+  ``(Lq, Lk)`` mask built here, when the mask has a bounded window (measured at
+  L = 256...4096, 8 heads, head dim 64, float32 CPU: forward + backward with ``tiled``
+  took 0.2-0.6x SDPA's time, as the flash backward skips the tiles outside the
+  band) or when the scores exceed :data:`DENSE_GRAD_SCORES` (there the dense mask
+  and its backward cost more time and O(L^2) memory than tiled's O(L)).
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ from typing import TYPE_CHECKING, Any
 from portattn.kernel import ANY, Kernel
 
 from ._availability import torch_unavailable
-from ._translate import as_4d, sdpa_mask
+from ._translate import _is_causal, as_4d, relevant_parts, sdpa_mask
 
 if TYPE_CHECKING:
     from portattn import AttentionInputs
 
 _MASKS = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+
+#: Above this many scores per head (2048 x 2048), a dense mask built for a backward
+#: pass is slower than the tiled flash backward (measured with causal & key_lengths).
+DENSE_GRAD_SCORES = 2048 * 2048
 
 
 class TorchSDPAKernel(Kernel):
@@ -43,8 +53,41 @@ class TorchSDPAKernel(Kernel):
     def check_available(cls) -> str | None:
         return torch_unavailable()
 
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        why = _dense_grad_reason(inputs) if inputs.requires_grad else None
+        if why is not None:
+            reasons.append(why)
+        return reasons
+
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         return sdpa_attention(inputs), None, None
+
+
+def _builds_dense_mask(inputs: AttentionInputs) -> bool:
+    """Whether SDPA would get a ``(Lq, Lk)`` mask made here from a structured mask
+    (a dense mask or a full bias given by the caller is O(L^2) already)."""
+    if "dense" in inputs.mask_kinds:
+        return False
+    parts = relevant_parts(inputs.mask)
+    return bool(parts) and not (len(parts) == 1 and _is_causal(parts[0])
+                                and inputs.bias is None)
+
+
+def _dense_grad_reason(inputs: AttentionInputs) -> str | None:
+    """Why the flash backward should take this call instead, or None."""
+    if not _builds_dense_mask(inputs):
+        return None
+    windowed = any(p.kind == "sliding_window" and p.left is not None
+                   for p in relevant_parts(inputs.mask))
+    if windowed:
+        return ("gradients through a sliding window would need a dense mask "
+                "(the flash backward skips the tiles outside the band)")
+    if inputs.q_len * inputs.kv_len > DENSE_GRAD_SCORES:
+        return (f"gradients through a dense {inputs.q_len}x{inputs.kv_len} mask "
+                f"(> {DENSE_GRAD_SCORES} scores; the flash backward keeps O(L) memory)")
+    return None
 
 
 def sdpa_attention(inputs: AttentionInputs) -> Any:

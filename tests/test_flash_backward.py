@@ -1,0 +1,121 @@
+"""The portable flash backward against textbook gradients, on every backend.
+
+The oracle is the plain attention formula differentiated by hand in float64 NumPy
+(softmax of the masked scores, K/V repeated per query head); it shares no code with
+the kernels but the mask's own dense tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from portattn._inputs import describe
+from portattn._tiled import TiledKernel
+from portattn.autograd import flash_backward, flash_forward
+from portattn.testing import conformance_cases, to_numpy
+
+#: (rtol, atol) for gradients of magnitude ~1: sums over a whole row or column of
+#: tiles round more than one output does.
+GRAD_TOLERANCES = {"float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4),
+                   "float16": (2e-2, 2e-2), "bfloat16": (1e-1, 1e-1)}
+
+CASES = [c for c in conformance_cases(TiledKernel) if not c.weights]
+CASES += [replace(c, name=f"{c.name}_float64", dtype="float64") for c in CASES
+          if c.name in {"basic", "softcap_small", "bias_full", "window_and_lengths",
+                        "grouped_query_causal", "value_head_dim", "causal_and_dense"}]
+CASES += [replace(CASES[0], name="long_gqa_softcap_bias", dtype="float64", hq=4, hkv=2,
+                  lq=70, lk=600, softcap=2.0, bias="broadcast",
+                  mask=(("sliding_window", 90, 5), ("key_lengths", (600, 123))))]
+
+
+def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap):
+    """``(dq, dk, dv, dbias)`` of ``sum(out * dout) + sum(lse * dlse)``, by hand."""
+    group = q.shape[-3] // k.shape[-3]
+    kr, vr = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    raw = q @ np.swapaxes(kr, -1, -2) * scale
+    t = np.tanh(raw / softcap) if softcap else None
+    s = softcap * t if softcap else raw
+    if bias is not None:
+        s = s + bias
+    lq, lk = q.shape[-2], k.shape[-2]
+    allowed = np.ones(s.shape, dtype=bool)
+    if mask is not None:
+        bound = mask.bind(np, q.shape[:-3], q.shape[-3], lq, lk)
+        allowed = np.broadcast_to(bound.tile(np, 0, lq, 0, lk, lq, lk), s.shape)
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    out = p @ vr
+    delta = (dout * out).sum(axis=-1, keepdims=True) - dlse[..., None]
+    ds = p * (dout @ np.swapaxes(vr, -1, -2) - delta)
+    dbias = None
+    if bias is not None:
+        dbias = ds.sum(axis=tuple(range(ds.ndim - bias.ndim)))
+        dbias = dbias.sum(axis=tuple(i for i, n in enumerate(bias.shape) if n == 1),
+                          keepdims=True)
+    dx = ds * (1 - t * t) if softcap else ds
+    dq = dx @ kr * scale
+    dk = np.swapaxes(dx, -1, -2) @ q * scale
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dk = dk.reshape((*k.shape[:-2], group, *k.shape[-2:])).sum(axis=-3)
+    dv = dv.reshape((*v.shape[:-2], group, *v.shape[-2:])).sum(axis=-3)
+    return dq, dk, dv, dbias
+
+
+def assert_grad(actual, expected, dtype, what):
+    got = np.asarray(to_numpy(actual), dtype=np.float64)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite gradient"
+    rtol, atol = GRAD_TOLERANCES[dtype]
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_flash_backward_matches_textbook(case, backend):
+    if case.dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {case.dtype}")
+    args, kwargs, np_args, np_kwargs = case.build(backend)
+    kwargs.pop("return_weights")
+    inputs = describe(*args, **kwargs)
+    out, lse = flash_forward(inputs)
+    rng = np.random.default_rng(case.seed + 7)
+    dout_np = rng.standard_normal(tuple(out.shape))
+    dlse_np = rng.standard_normal(tuple(lse.shape))
+    dout = backend.asarray(dout_np, case.dtype)
+    dlse = backend.asarray(dlse_np, "float64" if case.dtype == "float64" else "float32")
+    grads = flash_backward(inputs, out, lse, dout, dlse, bias_grad=case.bias is not None)
+    want = textbook_grads(*np_args, np.asarray(to_numpy(dout), dtype=np.float64),
+                          np.asarray(to_numpy(dlse), dtype=np.float64),
+                          mask=np_kwargs.get("mask"), bias=np_kwargs.get("bias"),
+                          scale=case.scale, softcap=case.softcap)
+    for name, got, expected, source in zip(("dq", "dk", "dv"), grads, want, args,
+                                           strict=False):
+        assert got.dtype == source.dtype, f"{name} dtype {got.dtype} != {source.dtype}"
+        assert_grad(got, expected, case.dtype, name)
+    if case.bias is not None:
+        assert_grad(grads[3], want[3].reshape(tuple(grads[3].shape)), case.dtype, "dbias")
+    else:
+        assert grads[3] is None
+
+
+def test_fully_masked_rows_get_zero_gradient(backend):
+    from portattn import masks
+
+    xp = backend.xp
+    rng = np.random.default_rng(0)
+    q, k, v = (backend.asarray(rng.standard_normal(s), "float32")
+               for s in ((1, 2, 12, 8), (1, 2, 5, 8), (1, 2, 5, 8)))
+    inputs = describe(q, k, v, mask=masks.causal())  # bottom-right: rows 0..6 see no key
+    out, lse = flash_forward(inputs)
+    dq, dk, dv, _ = flash_backward(inputs, out, lse, xp.ones_like(out), xp.ones_like(lse))
+    dq = to_numpy(dq)
+    assert np.isfinite(dq).all() and np.isfinite(to_numpy(dk)).all()
+    assert (dq[..., :7, :] == 0).all()
+    assert (dq[..., 7:, :] != 0).any()
