@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -19,9 +18,18 @@ __all__ = ["GROUP", "attach_for"]
 GROUP = "portattn.autograd"
 
 
-@functools.cache
+_attached: dict[str, Any] = {}
+
+
 def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
-    """The installed autograd wiring for ``namespace``, or None (loaded once)."""
+    """The installed autograd wiring for ``namespace``, or None (loaded once; a plain
+    dict lookup after that, which ``torch.compile`` traces without a graph break)."""
+    if namespace not in _attached:
+        _attached[namespace] = _load(namespace)
+    return _attached[namespace]
+
+
+def _load(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
     found = [ep for ep in entry_points(group=GROUP) if ep.name == namespace]
     if not found:
         return None
@@ -32,5 +40,5 @@ def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] |
         msg = (f"portattn: the autograd wiring {ep.name} = {ep.value!r} could not be "
                f"loaded ({type(e).__name__}: {e}); gradients of the tiled kernel on "
                f"{namespace} are recorded tile by tile instead")
-        warnings.warn(msg, PluginWarning, stacklevel=2)
+        warnings.warn(msg, PluginWarning, stacklevel=3)
         return None

@@ -10,10 +10,11 @@ give exactly is declared unsupported, so dispatch runs the portable kernels inst
 - ``return_weights``: SDPA never forms the softmax matrix.
 - gradients through a structured mask that SDPA could only take as a dense
   ``(Lq, Lk)`` mask built here, when the mask has a bounded window (measured at
-  L = 256...4096, 8 heads, head dim 64, float32 CPU: forward + backward with ``tiled``
-  took 0.2-0.6x SDPA's time, as the flash backward skips the tiles outside the
-  band) or when the scores exceed :data:`DENSE_GRAD_SCORES` (there the dense mask
-  and its backward cost more time and O(L^2) memory than tiled's O(L)).
+  L = 512...4096, 8 heads, head dim 64, float32 CPU: forward + backward with ``tiled``
+  took 0.2-0.9x SDPA's time, as the flash backward skips the tiles outside the
+  band), or without one when the scores exceed :data:`DENSE_GRAD_SCORES` (there the
+  dense mask and its backward cost more time, and O(L^2) memory against O(L)). Smaller
+  calls stay with SDPA, which is faster there.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
 _MASKS = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
 
 #: Above this many scores per head (2048 x 2048), a dense mask built for a backward
-#: pass is slower than the tiled flash backward (measured with causal & key_lengths).
+#: pass is slower than the tiled flash backward (measured with causal & key_lengths);
+#: with a bounded window, already above 512 x 512.
 DENSE_GRAD_SCORES = 2048 * 2048
+DENSE_GRAD_SCORES_WINDOW = 512 * 512
 
 
 class TorchSDPAKernel(Kernel):
@@ -56,9 +59,13 @@ class TorchSDPAKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
-        why = _dense_grad_reason(inputs) if inputs.requires_grad else None
-        if why is not None:
-            reasons.append(why)
+        if inputs.requires_grad:
+            if inputs.q_len == 0 or inputs.kv_len == 0:
+                reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
+                               f"Lk={inputs.kv_len}): its zeros would carry none")
+            why = _dense_grad_reason(inputs)
+            if why is not None:
+                reasons.append(why)
         return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
@@ -79,12 +86,13 @@ def _dense_grad_reason(inputs: AttentionInputs) -> str | None:
     """Why the flash backward should take this call instead, or None."""
     if not _builds_dense_mask(inputs):
         return None
+    scores = inputs.q_len * inputs.kv_len
     windowed = any(p.kind == "sliding_window" and p.left is not None
                    for p in relevant_parts(inputs.mask))
-    if windowed:
-        return ("gradients through a sliding window would need a dense mask "
-                "(the flash backward skips the tiles outside the band)")
-    if inputs.q_len * inputs.kv_len > DENSE_GRAD_SCORES:
+    if windowed and scores > DENSE_GRAD_SCORES_WINDOW:
+        return (f"gradients through a sliding window as a dense {inputs.q_len}x"
+                f"{inputs.kv_len} mask (the flash backward skips the tiles outside it)")
+    if scores > DENSE_GRAD_SCORES:
         return (f"gradients through a dense {inputs.q_len}x{inputs.kv_len} mask "
                 f"(> {DENSE_GRAD_SCORES} scores; the flash backward keeps O(L) memory)")
     return None
