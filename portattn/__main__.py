@@ -25,7 +25,7 @@ def _listed(values: object, order: tuple[str, ...] = ()) -> str:
 def info() -> int:
     """Print every installed kernel: provenance, priority, availability, and a table
     of what each declares it supports."""
-    from ._registry import kernels
+    from ._registry import availability, kernels
 
     entries = kernels()
     print(f"portattn {__version__}: {len(entries)} kernels, in dispatch order\n")
@@ -35,7 +35,7 @@ def info() -> int:
         if kernel is None:
             rows.append((entry.name, entry.provenance, "-", entry.status or ""))
             continue
-        why = kernel.available()
+        why = availability(entry)
         rows.append((entry.name, entry.provenance, str(kernel.priority),
                      "available" if why is None else f"unavailable: {why}"))
     _table(rows)

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import masks
 from ._call_cache import described_and_chosen
-from ._dispatch import Plan, plan
-from ._inputs import describe
+from ._dispatch import Plan, check_result, plan
+from ._inputs import describe, dtype_name
 
 if TYPE_CHECKING:
     from .masks import Mask
@@ -46,6 +46,7 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     inputs, entry = described_and_chosen(query, key, value, mask, bias, scale, softcap,
                                          return_lse, return_weights, dropout_p, kernel)
     out, lse, weights = entry.kernel.run(inputs)
+    check_result(entry, inputs, out, lse, weights)
     if not (return_lse or return_weights):
         return out
     extras = ((lse,) if return_lse else ()) + ((weights,) if return_weights else ())
@@ -68,8 +69,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     is allowed; a float ``attn_mask`` is added to the scores. Unlike torch, ``attn_mask``
     and ``is_causal`` may be combined.
     """
-    q_heads, kv_heads = query.shape[-3], key.shape[-3]
-    if q_heads != kv_heads and not enable_gqa:
+    q_heads, kv_heads = _heads(query, "query"), _heads(key, "key")
+    if min(q_heads, kv_heads) >= 0 and q_heads != kv_heads and not enable_gqa:
         msg = (f"query has {q_heads} heads but key has {kv_heads}; pass enable_gqa=True "
                "for grouped-query attention")
         raise ValueError(msg)
@@ -78,8 +79,12 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         xp = _namespace(attn_mask)
         if xp.isdtype(attn_mask.dtype, "bool"):
             mask = masks.dense(attn_mask)
-        else:
+        elif xp.isdtype(attn_mask.dtype, "real floating"):
             bias = attn_mask
+        else:
+            msg = ("attn_mask must be boolean (True = attend) or a real floating bias; got "
+                   f"attn_mask.dtype={dtype_name(attn_mask.dtype)}")
+            raise TypeError(msg)
     if is_causal:
         mask = masks.causal("top_left") if mask is None else mask & masks.causal("top_left")
     return attention(query, key, value, mask=mask, bias=bias, scale=scale,
@@ -94,3 +99,11 @@ def _namespace(x: Any) -> Any:
     except TypeError as e:
         msg = f"attn_mask must be an array; got {type(x).__name__}"
         raise TypeError(msg) from e
+
+
+def _heads(x: Any, name: str) -> int:
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 3:
+        # Not an array, or too few dims: attention() says which, in its own words.
+        return -1
+    return shape[-3]

@@ -72,6 +72,8 @@ def _signature(query: Any, key: Any, value: Any, mask: Any, bias: Any, scale: An
     if (bias is not None or type(key) is not kind or type(value) is not kind
             or type(scale) not in _NUMBERS or type(softcap) not in _NUMBERS
             or type(dropout_p) not in _NUMBERS
+            # 1 == True as a key: a remembered True call must not accept return_lse=1
+            or type(return_lse) is not bool or type(return_weights) is not bool
             or (mask is not None and (not isinstance(mask, Mask) or mask.arrays))):
         return None
     traits = _traits.get(kind)

@@ -6,10 +6,16 @@ import contextlib
 import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._registry import KNOWN_PLUGINS, KernelEntry, forced_by_environment, kernel_entries
-from .errors import KernelNotUsableError, NoKernelError, UnknownKernelError
+from ._registry import (
+    KNOWN_PLUGINS,
+    KernelEntry,
+    availability,
+    forced_by_environment,
+    kernel_entries,
+)
+from .errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
 from .kernel import ANY
 
 if TYPE_CHECKING:
@@ -17,7 +23,7 @@ if TYPE_CHECKING:
 
     from ._inputs import AttentionInputs
 
-__all__ = ["Plan", "choose", "disable_kernels", "plan", "use_kernel"]
+__all__ = ["Plan", "check_result", "choose", "disable_kernels", "plan", "use_kernel"]
 
 logger = logging.getLogger("portattn")
 
@@ -67,7 +73,7 @@ def _targeted_reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
     """:func:`reasons` for a loaded kernel known to target the call's library/device."""
     if entry.name in _disabled.get():
         return ["disabled by portattn.disable_kernels()"]
-    why = entry.kernel.available()
+    why = availability(entry)
     if why is not None:
         return [f"unavailable: {why}"]
     return entry.kernel.not_supported_reasons(inputs)
@@ -171,3 +177,27 @@ def _nothing_fits(entries: list[KernelEntry], inputs: AttentionInputs) -> str:
     lines += [f"    {e}: {'; '.join(reasons(e, inputs))}" for e in entries]
     lines.append("run `python -m portattn info` to see every installed kernel")
     return "\n".join(lines)
+
+
+def check_result(entry: KernelEntry, inputs: AttentionInputs, out: Any, lse: Any,
+                 weights: Any) -> None:
+    """What dispatch checks of every kernel's answer: the shapes and dtypes it promised
+    (values are the conformance kit's business). Cheap: no data is read."""
+    lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
+    wanted = [("out", out, (*lead, inputs.value_head_dim), inputs.query.dtype)]
+    if inputs.return_lse:
+        wanted.append(("lse", lse, lead, inputs.compute_dtype))
+    if inputs.return_weights:
+        wanted.append(("weights", weights, (*lead, inputs.kv_len), inputs.query.dtype))
+    for what, array, shape, dtype in wanted:
+        problem = None
+        if array is None or not hasattr(array, "shape"):
+            problem = f"no {what} array (got {type(array).__name__})"
+        elif tuple(array.shape) != shape:
+            problem = f"{what}.shape={tuple(array.shape)}, expected {shape}"
+        elif dtype is not None and array.dtype != dtype:
+            problem = f"{what}.dtype={array.dtype}, expected {dtype}"
+        if problem is not None:
+            msg = (f"kernel {entry} returned a wrong result: {problem}; run it again with "
+                   "another kernel= and report the defect to its distribution")
+            raise KernelOutputError(msg)

@@ -340,7 +340,7 @@ def _check_scale(value: Any, default: float) -> float:
     number = _real(value)
     if number is None or not math.isfinite(number):
         msg = f"scale must be a finite real number; got scale={value!r}"
-        raise ValueError(msg) if number is not None else TypeError(msg)
+        raise ValueError(msg)
     return number
 
 
@@ -348,7 +348,7 @@ def _check_positive(name: str, value: Any) -> float:
     number = _real(value)
     if number is None or not math.isfinite(number) or number <= 0:
         msg = f"{name} must be a finite number > 0; got {name}={value!r}"
-        raise ValueError(msg) if number is not None else TypeError(msg)
+        raise ValueError(msg)
     return number
 
 
@@ -366,4 +366,4 @@ def _check_flag(name: str, value: Any) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     msg = f"{name} must be True or False; got {name}={value!r}"
-    raise TypeError(msg)
+    raise ValueError(msg)

@@ -22,7 +22,7 @@ from .kernel import Kernel
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["GROUP", "KernelEntry", "kernels", "refresh_kernels"]
+__all__ = ["GROUP", "KernelEntry", "availability", "kernels", "refresh_kernels"]
 
 GROUP = "portattn.kernels"
 CORE = "portattn"
@@ -61,6 +61,23 @@ class KernelEntry:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.provenance})"
+
+
+def availability(entry: KernelEntry) -> str | None:
+    """Why a loaded kernel cannot run here at all (None: it can). A plugin whose
+    ``check_available`` raises is unavailable, with a warning, like one that fails to
+    import; the answer is remembered like any other."""
+    kernel = entry.kernel
+    if kernel is None:
+        return entry.status or "unavailable"
+    try:
+        return kernel.available()
+    except Exception as e:
+        why = f"check_available raised {type(e).__name__}: {e}"
+        type(kernel)._availability = why  # the cache Kernel.available() keeps
+        warnings.warn(f"portattn kernel {entry.name!r} from {entry.provenance}: "
+                      f"unavailable: {why}", PluginWarning, stacklevel=2)
+        return why
 
 
 def collect(group: str = GROUP) -> list[EntryPoint]:

@@ -6,7 +6,8 @@ classes so callers can tell "no kernel fits" from "the kernel you forced cannot 
 
 from __future__ import annotations
 
-__all__ = ["KernelNotUsableError", "NoKernelError", "PluginWarning", "UnknownKernelError"]
+__all__ = ["KernelNotUsableError", "KernelOutputError", "NoKernelError", "PluginWarning",
+           "UnknownKernelError"]
 
 
 class NoKernelError(NotImplementedError):
@@ -23,3 +24,8 @@ class UnknownKernelError(KernelNotUsableError):
 
 class PluginWarning(UserWarning):
     """A kernel plugin could not be loaded, or two distributions claim one name."""
+
+
+class KernelOutputError(RuntimeError):
+    """A kernel returned something other than what it was asked for (wrong shape or
+    dtype, a missing log-sum-exp): a defect of that kernel, named in the message."""

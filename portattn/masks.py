@@ -329,7 +329,8 @@ class _Dense(Mask):
 
     def bind(self, xp, batch_shape, num_heads, lq, lk):
         if not xp.isdtype(self.allowed.dtype, "bool"):
-            msg = f"dense mask must have dtype bool (True = attend); got dtype={self.allowed.dtype}"
+            msg = ("dense mask must have dtype bool (True = attend); got "
+                   f"dense.dtype={_dtype_text(self.allowed.dtype)}")
             raise TypeError(msg)
         full = expand_to_rank(xp, self.allowed, (*batch_shape, num_heads, lq, lk), "dense mask")
         return _Dense(full)

@@ -116,7 +116,9 @@ def _dask() -> Backend:
     import numpy as np
 
     def make(a, dtype):
-        return da.from_array(np.asarray(a, dtype=dtype) if dtype else np.asarray(a))
+        a = np.asarray(a, dtype=dtype) if dtype else np.asarray(a)
+        # dask's automatic chunking divides by zero on zero-size arrays
+        return da.from_array(a, chunks=-1 if a.size == 0 else "auto")
 
     return Backend("dask", array_namespace(da.empty(0)), NO_BFLOAT, make)
 

@@ -58,6 +58,9 @@ def local_mask(call: ChunkCall, xp: Any, q0: int, q1: int, k0: int, k1: int,
             if entry == "dense":
                 parts.append(masks.dense(piece))
             else:
+                # Lengths are first readable here, when the graph runs: out of range
+                # fails as on eager arrays (before restrict() would clip them).
+                masks.check_range(xp, piece, lk if entry == "key_lengths" else lq, entry)
                 part = getattr(masks, entry)(piece)
                 parts.append(part.restrict(xp, q0, q1, k0, k1, lq, lk))
         elif not entry.covers(q0, q1, k0, k1, lq, lk):
