@@ -4,11 +4,13 @@ JAX takes ``(B, L, H, D)`` with one batch dim; portattn has ``(..., H, L, D)``. 
 extra batch dims are flattened and the middle axes swapped on the way in and back on
 the way out (XLA fuses the transposes into its dot products).
 
-Two places where JAX's answer differs from portattn's are fixed here:
+Three places where JAX's answer differs from portattn's are fixed here:
 
 - a query row with no allowed key gets the uniform average of the values from JAX
   (it masks with a large finite number); portattn's answer is 0, so such rows are
   zeroed. Zeroing with ``where`` also gives them zero gradients, which is exact;
+- NaN in padded value rows (beyond the key lengths) would reach the output through
+  ``0 * NaN``; those rows are zeroed first;
 - ``-inf`` in the bias would give JAX ``NaN`` rows (softmax of ``-inf`` only). It is
   replaced by a finite number far below any score, which is exact for rows that keep
   a finite score and leaves rows without one to the zeroing above.
@@ -58,6 +60,10 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
     kl = _combined(jnp.minimum, key_lengths)
     ql = _combined(jnp.minimum, query_lengths)
     allowed = _combined(jnp.logical_and, dense)
+    if kl is not None:
+        # Padded value rows get weight 0, but 0 * NaN is NaN: padding must not leak.
+        padded = jnp.arange(lk)[:, None] >= kl[..., None, None, None]
+        value = jnp.where(padded, jnp.zeros((), value.dtype), value)
     if bias is not None:
         bias = bias.astype(jnp.float32)
         finite = bias != -jnp.inf

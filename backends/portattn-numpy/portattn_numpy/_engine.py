@@ -178,7 +178,9 @@ def _finish(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
         if lse is not None:
             np.log(sums, out=lse)
         return
-    has_mass = sums > 0  # rows with no allowed key keep out 0 and lse -inf
+    # Rows with no allowed key (sum 0) keep out 0 and lse -inf; a NaN sum (a NaN query,
+    # scores that overflowed) gives NaN, never a finite answer.
+    has_mass = np.logical_not(sums <= 0)
     np.divide(acc, sums[:, None], out=out, where=has_mass[:, None])
     if lse is not None:
         np.log(sums, out=lse, where=has_mass)
