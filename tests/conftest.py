@@ -17,4 +17,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for kernel in kernels:
             agreed, refused = COUNTS[backend, kernel, "agreed"], COUNTS[backend, kernel, "refused"]
             line = f"    {kernel:<20} agreed {agreed:>6}  refused {refused:>6}"
+            if COUNTS[backend, kernel, "known"]:
+                line += f"  known defect {COUNTS[backend, kernel, 'known']:>6}"
             terminalreporter.write_line(line)

@@ -30,3 +30,27 @@ class Unavailable(Good):
     @classmethod
     def check_available(cls):
         return "no such device"
+
+
+class RaisingAvailability(Good):
+    """A plugin whose availability check itself fails."""
+
+    name = "raising_availability"
+    priority = 600
+
+    @classmethod
+    def check_available(cls):
+        msg = "driver exploded"
+        raise RuntimeError(msg)
+
+
+class WrongShape(Good):
+    """A plugin that declares more than it does: it drops the last query."""
+
+    name = "wrong_shape"
+    priority = 700
+
+    def run(self, inputs):
+        xp = inputs.xp
+        shape = (*inputs.batch_shape, inputs.num_heads, inputs.q_len - 1, inputs.value_head_dim)
+        return xp.zeros(shape, dtype=inputs.query.dtype), None, None

@@ -169,8 +169,9 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     dense = tuple(np.asarray(p.allowed) for p in parts if p.kind == "dense")
     tile_elements = tile_bytes() // query.itemsize
     skips = positional is not None or key_len is not None or query_len is not None
-    stack = _stacked.heads_per_unit(lq, lk, inputs.group_size, hq // inputs.group_size,
-                                    tile_elements, tiles_skip=skips)
+    # (no query heads at all: nothing to stack, and the group size is 0)
+    stack = 0 if not hq else _stacked.heads_per_unit(
+        lq, lk, inputs.group_size, hq // inputs.group_size, tile_elements, tiles_skip=skips)
     diagonal = None
     if not stack and inputs.bias is None and not dense and key_len is None and query_len is None:
         diagonal = _diagonal.find(positional, lq, lk, query.dtype, tile_elements)

@@ -1,0 +1,162 @@
+"""Regression tests: every kernel of every backend gives the same answer where kernels
+used to disagree (each test forces every kernel that targets the backend in turn)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fuzz_oracle import attention64
+
+import portattn
+from portattn import masks
+from portattn.errors import KernelNotUsableError
+from portattn.kernel import ANY
+from portattn.testing import tolerance
+
+
+def _kernels(backend):
+    return [e.name for e in portattn.kernels() if e.kernel is not None and (
+        e.kernel.namespaces == ANY or backend.namespace in e.kernel.namespaces)]
+
+
+def every_kernel(backend, args, want, dtype="float32", **kwargs):
+    """Force each kernel; return how many ran. Fails listing every kernel that differs."""
+    rtol, atol = tolerance(dtype)
+    ran, wrong = 0, []
+    for name in _kernels(backend):
+        try:
+            out = portattn.attention(*args, kernel=name, **kwargs)
+            got = np.asarray(backend.to_numpy(out), dtype=np.float64)
+        except KernelNotUsableError:
+            continue
+        ran += 1
+        if got.shape != want.shape or not np.allclose(got, want, rtol=rtol, atol=atol):
+            wrong.append(f"{name}: off by {np.max(np.abs(got - want), initial=0):.3g}")
+    assert not wrong, "\n".join(wrong)
+    return ran
+
+
+def _arrays(backend, shapes, dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = tuple(backend.asarray(rng.standard_normal(s), dtype) for s in shapes)
+    return arrays, [np.asarray(backend.to_numpy(a), dtype=np.float64) for a in arrays]
+
+
+@pytest.mark.parametrize("scale", [-1e4, -0.5, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_any_finite_scale(backend, scale, causal):
+    args, seen = _arrays(backend, [(2, 3, 7, 8)] * 3)
+    allowed = np.tril(np.ones((7, 7), bool)) if causal else None
+    want, _ = attention64(*seen, allowed, None, scale, None)
+    if scale == 0.0 and not causal:
+        np.testing.assert_allclose(want, np.broadcast_to(seen[2].mean(-2, keepdims=True),
+                                                         want.shape))
+    mask = masks.causal() if causal else None
+    assert every_kernel(backend, args, want, scale=scale, mask=mask) >= 2
+    out = portattn.scaled_dot_product_attention(*args, scale=scale, is_causal=causal)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_inputs_add_a_float32_bias_as_given(backend, dtype):
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    args, seen = _arrays(backend, [(2, 2, 9, 16)] * 3, dtype)
+    bias = np.random.default_rng(3).standard_normal((2, 2, 9, 9)) * 100
+    want, _ = attention64(*seen, None, bias, None, None)
+    every_kernel(backend, args, want, dtype, bias=backend.asarray(bias, "float32"))
+
+
+def test_unsigned_lengths_do_not_wrap_in_restrict(backend):
+    args, seen = _arrays(backend, [(2, 2, 6, 8), (2, 2, 20, 8), (2, 2, 20, 8)])
+    lengths = np.array([3, 17], dtype=np.uint8)
+    whole = masks.key_lengths(backend.asarray(lengths))
+    part = whole.restrict(backend.xp, 0, 6, 8, 20, 6, 20)  # keys 8..19 of 20
+    allowed = (np.arange(8, 20) < lengths.astype(int)[:, None, None, None])
+    q, k, v = args
+    want, _ = attention64(seen[0], seen[1][..., 8:, :], seen[2][..., 8:, :],
+                          np.broadcast_to(allowed, (2, 2, 6, 12)), None, None, None)
+    every_kernel(backend, (q, k[..., 8:, :], v[..., 8:, :]), want, mask=part)
+    every_kernel(backend, args, attention64(
+        *seen, np.arange(20) < lengths.astype(int)[:, None, None, None], None, None, None)[0],
+        mask=whole)
+
+
+@pytest.mark.parametrize("mask", ["causal_br", "causal_tl", "window"])
+@pytest.mark.parametrize("block", [(0, 6, 0, 9), (6, 12, 4, 16), (3, 9, 10, 16)])
+def test_restricted_masks_give_the_block_of_the_whole(backend, mask, block):
+    lq, lk = 12, 16
+    q0, q1, k0, k1 = block
+    args, seen = _arrays(backend, [(2, 2, lq, 8), (2, 2, lk, 8), (2, 2, lk, 8)])
+    whole = {"causal_br": masks.causal(), "causal_tl": masks.causal("top_left"),
+             "window": masks.sliding_window(3, 1)}[mask]
+    i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
+    full = {"causal_br": j <= i + lk - lq, "causal_tl": j <= i,
+            "window": (j >= i + lk - lq - 3) & (j <= i + lk - lq + 1)}[mask]
+    q, k, v = args
+    want, _ = attention64(seen[0][..., q0:q1, :], seen[1][..., k0:k1, :],
+                          seen[2][..., k0:k1, :], full[q0:q1, k0:k1], None, None, None)
+    part = whole.restrict(backend.xp, q0, q1, k0, k1, lq, lk)
+    every_kernel(backend, (q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :]), want,
+                 mask=part)
+
+
+def test_dense_masks_of_different_ranks_with_query_lengths(backend):
+    args, seen = _arrays(backend, [(2, 3, 5, 4)] * 3)
+    rng = np.random.default_rng(1)
+    a, b = rng.random((3, 1, 5)) < 0.7, rng.random((2, 1, 1, 5)) < 0.7
+    qlen = np.array([3, 5])
+    mask = (masks.dense(backend.asarray(a)) & masks.dense(backend.asarray(b))
+            & masks.query_lengths(backend.asarray(qlen)))
+    allowed = a & b & (np.arange(5)[:, None] < qlen[:, None, None, None])
+    want, _ = attention64(*seen, allowed, None, None, None)
+    assert every_kernel(backend, args, want, mask=mask) >= 2
+
+
+ZERO_SIZE = [((0, 2, 5, 8), (0, 2, 4, 8)), ((2, 0, 5, 8), (2, 1, 4, 8)),
+             ((2, 2, 0, 8), (2, 2, 4, 8)), ((2, 2, 5, 8), (2, 2, 0, 8)),
+             ((3, 0, 2, 5, 8), (3, 0, 2, 4, 8))]
+
+
+@pytest.mark.parametrize(("q_shape", "kv_shape"), ZERO_SIZE, ids=lambda s: str(s))
+def test_zero_size_shapes(backend, q_shape, kv_shape, request):
+    if backend.name == "dask" and 0 in q_shape[:-2]:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the portable kernels reduce over zero-size Dask arrays (dask raises)")))
+    args, seen = _arrays(backend, [q_shape, kv_shape, kv_shape])
+    want, _ = attention64(*seen, None, None, None, None)
+    every_kernel(backend, args, want, mask=masks.causal())
+
+
+def test_zero_batch_with_lengths(backend, request):
+    if backend.name in ("dask", "jax"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "dask: the portable kernels reduce over zero-size Dask arrays; "
+            "jax: jax_flash takes the max of zero-size lengths")))
+    args, seen = _arrays(backend, [(0, 2, 5, 8)] * 3)
+    mask = masks.key_lengths(backend.asarray(np.zeros((0,), dtype=np.int64)))
+    want = np.zeros((0, 2, 5, 8))
+    assert every_kernel(backend, args, want, mask=mask) >= 2
+
+
+def test_borrowing_refuses_what_dlpack_cannot_carry():
+    """Byte order is part of a NumPy dtype: a kernel borrowing through DLPack refuses
+    byte-swapped arrays from the description, so another kernel runs; 0-d and shared
+    length arrays are borrowed correctly."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 5, 4)).astype(np.float32) for _ in range(3))
+    swapped = k.astype(k.dtype.newbyteorder())
+    plan = portattn.explain(q, swapped, v)
+    why = dict((e.name, w) for e, w in plan.candidates)["torch_sdpa_dlpack"]
+    assert any("key byte order >f4" in w for w in why), why
+    want, _ = attention64(q, k, v, None, None, None, None)
+    np.testing.assert_allclose(portattn.attention(q, swapped, v), want, rtol=2e-5, atol=2e-5)
+    lengths = np.array(3)  # batch shape (): 0-d, and used by two masks
+    mask = (masks.key_lengths(lengths) & masks.query_lengths(lengths)).restrict(
+        np, 0, 5, 1, 5, 5, 5)
+    allowed = (np.arange(1, 5) < 3) & (np.arange(5)[:, None] < 3)
+    want, _ = attention64(q, k[:, 1:], v[:, 1:], np.broadcast_to(allowed, (2, 5, 4)), None,
+                          None, None)
+    out = portattn.attention(q, k[:, 1:], v[:, 1:], mask=mask, kernel="torch_sdpa_dlpack")
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
