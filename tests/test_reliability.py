@@ -133,7 +133,7 @@ def test_zero_batch_with_lengths(backend, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "dask: the portable kernels reduce over zero-size Dask arrays; "
             "jax: jax_flash takes the max of zero-size lengths")))
-    args, seen = _arrays(backend, [(0, 2, 5, 8)] * 3)
+    args, _ = _arrays(backend, [(0, 2, 5, 8)] * 3)
     mask = masks.key_lengths(backend.asarray(np.zeros((0,), dtype=np.int64)))
     want = np.zeros((0, 2, 5, 8))
     assert every_kernel(backend, args, want, mask=mask) >= 2
