@@ -24,16 +24,17 @@ if TYPE_CHECKING:
 
 __all__ = ["FlashPlan", "block_sizes", "key_block_range", "query_block_range"]
 
-#: Score-tile budget in elements over batch and head rows, and the block bounds.
-TILE_ELEMENTS = 1 << 21
-MAX_BLOCK = 128
 MIN_BLOCK_Q = 16
 
 
-def block_sizes(rows: int, lq: int, lk: int) -> tuple[int, int]:
-    """``(block_q, block_k)`` for ``rows = B * Hq`` rows of ``lq x lk`` scores."""
-    block_k = max(1, min(lk, MAX_BLOCK))
-    block_q = max(MIN_BLOCK_Q, min(MAX_BLOCK, TILE_ELEMENTS // max(1, rows * block_k)))
+def block_sizes(rows: int, lq: int, lk: int, max_block: int,
+                tile_elements: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` for ``rows = B * Hq`` rows of ``lq x lk`` scores: blocks
+    of at most ``max_block``, ``rows * block_q * block_k <= tile_elements`` where
+    ``block_q >= MIN_BLOCK_Q`` allows."""
+    block_k = max(1, min(lk, max_block))
+    budget = tile_elements // max(1, rows * block_k)
+    block_q = min(max_block, max(MIN_BLOCK_Q, budget))
     return max(1, min(lq, block_q)), block_k
 
 
