@@ -8,10 +8,14 @@
    (``portattn.testing``) on the ``torch_cuda`` backend and on ``cupy`` when present,
    bfloat16 included. A float32 case that misses the float32 tolerance but meets the
    TF32 one is reported as ``tf32`` (the kernel's matmuls ran in TF32), not as a pass.
-2. Speed: ``triton_flash`` against ``torch.nn.functional.scaled_dot_product_attention``
+2. Gradients: ``triton_flash``'s backward (through torch autograd, of the output and
+   the lse) against the float64 ``reference`` kernel's autograd on CUDA, for a few
+   mask/shape cases in bfloat16, float16 and float32 (``tf32`` as above).
+3. Speed: ``triton_flash`` against ``torch.nn.functional.scaled_dot_product_attention``
    restricted to its flash backend, at (4, 16, 4096, 128) bfloat16, causal and not:
-   TFLOP/s, the ratio, and peak memory beyond the inputs; then the extra memory at two
-   sequence lengths, which grows linearly for an O(L) kernel.
+   TFLOP/s, the ratio, and peak memory beyond the inputs, forward alone and forward +
+   backward; then the extra memory at two sequence lengths, which grows linearly for
+   an O(L) kernel.
 
 Exit status: 0 when every check passed, 1 when one failed, 2 when there is no GPU.
 """
@@ -244,6 +248,116 @@ def memory_scaling() -> int:
     return 0
 
 
+def grad_cases(device: Any) -> list[tuple[str, tuple, dict]]:
+    """Gradient cases: (name, (B, Hq, Hkv, Lq, Lk, D, Dv), attention keywords)."""
+    import torch
+
+    from portattn import masks
+
+    def lengths(*n: int) -> Any:
+        return torch.tensor(n, device=device)
+
+    window = (masks.sliding_window(100, 20) & masks.key_lengths(lengths(257, 100))
+              & masks.query_lengths(lengths(200, 257)))
+    return [("causal_bottom_right", (2, 4, 4, 300, 500, 64, 64), {"mask": masks.causal()}),
+            ("gqa_window_lengths_softcap", (2, 8, 2, 257, 257, 128, 128),
+             {"mask": window, "softcap": 20.0}),
+            ("top_left_value_head_dim", (1, 2, 1, 200, 130, 80, 48),
+             {"mask": masks.causal("top_left")}),
+            ("head_dim_256", (1, 2, 2, 160, 160, 256, 256), {"mask": masks.causal()})]
+
+
+def grad_case(dims: tuple, kwargs: dict, dtype: str, device: Any = "cuda") -> tuple[str, str]:
+    """``(status, detail)``: triton_flash's gradients of out and lse against the float64
+    reference kernel's, max error relative to the largest reference entry (at least 1),
+    within the conformance kit's tolerance for ``dtype`` (float32: or TF32's)."""
+    import torch
+
+    from portattn import attention
+    from portattn.testing.oracle import tolerance
+
+    b, hq, hkv, lq, lk, d, dv = dims
+    if dtype == "float32" and max(d, dv) > 128:
+        return "skip", "no float32 backward above head dim 128"
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv), (hq, lq, dv), (hq, lq))
+    q, k, v, dout, dlse = (torch.randn(b, *s, device=device, dtype=torch.float64,
+                                       generator=gen) for s in shapes)
+
+    def grads(kernel: str, tensors: list) -> list:
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        out, lse = attention(*leaves, return_lse=True, kernel=kernel, **kwargs)
+        g_lse = torch.where(torch.isinf(lse), 0.0, dlse).to(lse.dtype)
+        return list(torch.autograd.grad([out, lse], leaves, [dout.to(out.dtype), g_lse],
+                                        allow_unused=True, materialize_grads=True))
+
+    want = grads("reference", [q, k, v])
+    got = grads("triton_flash", [t.to(getattr(torch, dtype)) for t in (q, k, v)])
+    if any(torch.isnan(g).any() for g in got):
+        return "FAIL", "NaN in a gradient"
+    worst = max(((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
+                for g, w in zip(got, want, strict=True))
+    if worst <= tolerance(dtype)[1]:
+        return "ok", f"relative error {worst:.1e}"
+    if dtype == "float32" and worst <= TF32_TOLERANCE[1]:
+        return "tf32", f"relative error {worst:.1e}, within TF32 tolerance only"
+    return "FAIL", f"relative error {worst:.2e} > {tolerance(dtype)[1]:g}"
+
+
+def run_gradients() -> int:
+    failures = 0
+    for dtype in ("bfloat16", "float16", "float32"):
+        for name, dims, kwargs in grad_cases("cuda"):
+            try:
+                status, detail = grad_case(dims, kwargs, dtype)
+            except Exception as e:
+                status, detail = "FAIL", f"{type(e).__name__}: {_first_line(e)}"
+            print(f"  {status:<4} triton_flash backward {dtype:<8} {name}: {detail}")
+            failures += status == "FAIL"
+    return failures
+
+
+def run_training_speed() -> int:
+    """Forward + backward of triton_flash against sdpa's flash backend (BENCH_SHAPE)."""
+    import torch
+    from portattn_triton import flash_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    b, h, n, d = BENCH_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
+                                 generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    failures = 0
+    for causal in (False, True):
+        flops = 3.5 * attention_flops(b, h, n, n, d, causal)  # backward = 2.5 forwards
+
+        def ours(causal=causal):
+            out = flash_attention(q, k, v, causal="top_left" if causal else None)[0]
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+        def theirs(causal=causal):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = sdpa(q, k, v, is_causal=causal)
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+        diff = max((a.float() - b.float()).abs().max().item()
+                   for a, b in zip(ours(), theirs(), strict=True))
+        t_ours, t_theirs = cuda_time(ours), cuda_time(theirs)
+        m_ours, m_theirs = extra_memory(ours), extra_memory(theirs)
+        label = "causal" if causal else "full"
+        print(f"  {label:<6} fwd+bwd triton_flash {flops / t_ours / 1e12:7.1f} TFLOP/s "
+              f"({t_ours * 1e3:.3f} ms, peak +{m_ours / 2**20:.0f} MiB) | sdpa flash "
+              f"{flops / t_theirs / 1e12:7.1f} TFLOP/s ({t_theirs * 1e3:.3f} ms, peak "
+              f"+{m_theirs / 2**20:.0f} MiB) | ratio {t_theirs / t_ours:.2f} | "
+              f"max |grad diff| {diff:.2e}")
+        if not diff < 0.1:
+            print(f"  FAIL {label}: triton_flash and sdpa gradients disagree by {diff:.3g}")
+            failures += 1
+    return failures
+
+
 def describe_machine() -> str:
     import torch
 
@@ -274,9 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {describe_machine()}")
     print("conformance (portattn.testing) on CUDA:")
     failures = run_conformance(args.quick)
+    print("gradients: triton_flash vs the float64 reference kernel on CUDA:")
+    failures += run_gradients()
     if not args.no_speed:
         print("speed: triton_flash vs torch sdpa (flash backend):")
         failures += run_speed(args.sweep)
+        failures += run_training_speed()
         failures += memory_scaling()
     print(f"gpu_check: {failures} failure(s) in {time.perf_counter() - started:.0f}s")
     return 1 if failures else 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ARCHS", "BLOCK_DIMS", "BackwardConfig", "Config", "block_dim", "is_even",
-           "pick_backward_config", "pick_config"]
+__all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "BackwardConfig", "Config", "block_dim",
+           "delta_rows", "is_even", "pick_backward_config", "pick_config"]
 
 
 @dataclass(frozen=True)
@@ -98,31 +98,35 @@ class BackwardConfig:
 
 _C = Config
 # (arch, element bytes, padded head dim) -> backward config. The dK/dV pass keeps two
-# float32 accumulators of block_n rows (and K, V) in registers: tall key blocks, short
-# query blocks; the dQ pass the other way round.
+# float32 accumulators of block_n rows (and K, V) in registers, the dQ pass one of
+# block_m rows (and Q, dO): each entry is the largest tile found to compile without
+# spills, for even and uneven head dims alike. float32 (three TF32 products) spills
+# at head dim 256 in every configuration tried: no entry, gradients refused there.
 _BWD_TABLE: dict[tuple[int, int, int], BackwardConfig] = {
-    (90, 2, 16): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
-    (90, 2, 32): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
-    (90, 2, 64): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
-    (90, 2, 128): BackwardConfig(_C(32, 128, 8, 2), _C(128, 32, 8, 2)),
-    (90, 2, 256): BackwardConfig(_C(32, 64, 8, 1), _C(64, 32, 8, 1)),
-    (80, 2, 16): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
-    (80, 2, 32): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
-    (80, 2, 64): BackwardConfig(_C(32, 128, 4, 3), _C(128, 32, 4, 3)),
-    (80, 2, 128): BackwardConfig(_C(32, 128, 8, 2), _C(128, 32, 8, 2)),
-    (80, 2, 256): BackwardConfig(_C(32, 64, 8, 1), _C(64, 32, 8, 1)),
-    (90, 4, 16): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
-    (90, 4, 32): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
-    (90, 4, 64): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
-    (90, 4, 128): BackwardConfig(_C(16, 16, 4, 1), _C(16, 16, 4, 1)),
-    (90, 4, 256): BackwardConfig(_C(16, 16, 8, 1), _C(16, 16, 8, 1)),
-    (80, 4, 16): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
-    (80, 4, 32): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
-    (80, 4, 64): BackwardConfig(_C(16, 32, 4, 2), _C(32, 16, 4, 2)),
-    (80, 4, 128): BackwardConfig(_C(16, 16, 4, 1), _C(16, 16, 4, 1)),
-    (80, 4, 256): BackwardConfig(_C(16, 16, 8, 1), _C(16, 16, 8, 1)),
+    (90, 2, 16): BackwardConfig(_C(32, 128, 8, 3), _C(128, 64, 8, 3)),
+    (90, 2, 32): BackwardConfig(_C(32, 128, 8, 3), _C(128, 64, 8, 3)),
+    (90, 2, 64): BackwardConfig(_C(32, 128, 8, 3), _C(128, 64, 8, 3)),
+    (90, 2, 128): BackwardConfig(_C(32, 64, 8, 1), _C(128, 64, 8, 2)),
+    (90, 2, 256): BackwardConfig(_C(32, 32, 8, 1), _C(32, 32, 8, 1)),
+    (80, 2, 16): BackwardConfig(_C(32, 32, 4, 2), _C(128, 32, 8, 3)),
+    (80, 2, 32): BackwardConfig(_C(32, 64, 8, 2), _C(128, 32, 8, 3)),
+    (80, 2, 64): BackwardConfig(_C(32, 32, 4, 2), _C(128, 32, 8, 3)),
+    (80, 2, 128): BackwardConfig(_C(32, 64, 8, 2), _C(64, 32, 8, 2)),
+    (80, 2, 256): BackwardConfig(_C(32, 32, 8, 1), _C(32, 32, 8, 1)),
+    # float32: the same on both generations (small tiles; ptxas spills some mid sizes)
+    **{(arch, 4, dim): BackwardConfig(dkdv, dq) for arch in ARCHS for dim, dkdv, dq in (
+        (16, _C(32, 32, 4, 1), _C(16, 16, 4, 2)),
+        (32, _C(16, 32, 2, 1), _C(16, 16, 4, 2)),
+        (64, _C(16, 32, 4, 1), _C(32, 16, 4, 2)),
+        (128, _C(16, 16, 8, 1), _C(16, 16, 8, 1)))},
 }
-_BWD_UNEVEN: dict[tuple[int, int, int], BackwardConfig] = {}
+#: The largest padded head dim with a backward, per element size.
+BACKWARD_MAX_DIM = {2: 256, 4: 128}
+
+
+def delta_rows(value_head_dim: int) -> int:
+    """Query rows per program of the backward's Delta pass (four warps)."""
+    return 64 if block_dim(value_head_dim) <= 128 else 32
 
 
 def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
@@ -130,7 +134,9 @@ def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
     """The backward block sizes for a device of ``capability`` (None: the interpreter)."""
     arch = 90 if capability is None or capability[0] >= 9 else 80
     size = 2 if element_bytes <= 2 else 4
-    key = (arch, size, max(block_dim(head_dim), block_dim(value_head_dim)))
-    if not is_even(head_dim, value_head_dim):
-        return _BWD_UNEVEN.get(key, _BWD_TABLE[key])
-    return _BWD_TABLE[key]
+    dim = max(block_dim(head_dim), block_dim(value_head_dim))
+    if dim > BACKWARD_MAX_DIM[size]:
+        msg = (f"no backward for {element_bytes}-byte elements at head dims "
+               f"{head_dim}, {value_head_dim} (at most {BACKWARD_MAX_DIM[size]})")
+        raise ValueError(msg)
+    return _BWD_TABLE[arch, size, dim]

@@ -66,10 +66,8 @@ class TritonFlashKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
-        if inputs.requires_grad and inputs.namespace != "torch":
-            # The backward is wired to torch autograd only; JAX/CuPy would need their own.
-            reasons.append(f"gradients on namespace={inputs.namespace} not supported "
-                           "(torch autograd only)")
+        if inputs.requires_grad:
+            reasons.extend(_gradient_reasons(inputs))
         if inputs.device == "cpu" and inputs.dtype == "bfloat16":
             reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
                            "is inexact)")
@@ -93,6 +91,22 @@ class TritonFlashKernel(Kernel):
             out = inputs.xp.from_dlpack(out)
             lse = inputs.xp.from_dlpack(lse) if inputs.return_lse else None
         return out, lse if inputs.return_lse else None, None
+
+
+def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
+    from ._configs import BACKWARD_MAX_DIM
+
+    reasons = []
+    if inputs.namespace != "torch":
+        # The backward is wired to torch autograd only; JAX/CuPy would need their own.
+        reasons.append(f"gradients on namespace={inputs.namespace} not supported "
+                       "(torch autograd only)")
+    dim = max(inputs.head_dim, inputs.value_head_dim)
+    limit = BACKWARD_MAX_DIM[2 if inputs.dtype in ("float16", "bfloat16") else 4]
+    if dim > limit:
+        reasons.append(f"gradients with dtype={inputs.dtype} and head_dim={dim} > {limit} "
+                       "not supported")
+    return reasons
 
 
 def _to_torch(namespace: str) -> Any:

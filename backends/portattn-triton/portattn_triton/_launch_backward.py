@@ -11,17 +11,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ._configs import BackwardConfig, block_dim, is_even, pick_backward_config
+from ._configs import BackwardConfig, block_dim, delta_rows, is_even, pick_backward_config
 from ._launch import Band, _lengths, _on_device, _precision, band
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["flash_backward"]
-
-#: Rows per program of the Delta pass (memory bound, one small tile).
-_DELTA_ROWS = 64
-
 
 def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor | None,
@@ -85,10 +81,12 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     from ._triton_dq import dq_kernel
 
     with _on_device(dev):
-        delta_kernel[(z * hq, math.ceil(lq / _DELTA_ROWS))](
+        rows = delta_rows(dv)
+        delta_kernel[(z * hq, math.ceil(lq / rows))](
             o, do, lse_rows, dummy if dlse_rows is None else dlse_rows, delta,
             *o.stride(), *do.stride(), hq, lq, dv,
-            BLOCK_M=_DELTA_ROWS, BLOCK_DV=block_dim(dv), HAS_DLSE=dlse_rows is not None)
+            BLOCK_M=rows, BLOCK_DV=block_dim(dv), HAS_DLSE=dlse_rows is not None,
+            num_warps=4)
         c = config.dkdv
         dkdv_kernel[(z * hkv, math.ceil(lk / c.block_n))](
             q, k, v, do, lse_rows, delta, g_k, g_v, *lengths,

@@ -1,6 +1,7 @@
 """Ahead-of-time compilation for sm_80 and sm_90, without a GPU.
 
-Every block configuration the launcher can pick, for float16, bfloat16 and float32, in
+Every kernel (the forward, the backward's Delta, dK/dV and dQ passes) in every block
+configuration the launcher can pick, for float16, bfloat16 and float32, in
 the variants of ``triton_compile_configs.variants`` (the plain path, every feature at
 once), must compile, fit the generation's shared memory and use no local memory for
 spills. The compiler runs in subprocesses (one per generation, in parallel) because
@@ -22,21 +23,28 @@ from portattn_triton._configs import BLOCK_DIMS
 pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).parent))
-from triton_compile_configs import variants  # noqa: E402
+from triton_compile_configs import KERNELS, variants  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("triton_compile_configs.py")
 ARCHS = (80, 90)
 DTYPES = tuple(os.environ.get("PORTATTN_TRITON_COMPILE_DTYPES",
                               "float16,bfloat16,float32").split(","))
-CASES = [(arch, dtype, dim, variant) for arch in ARCHS for dtype in DTYPES
-         for dim in BLOCK_DIMS for variant in variants(arch, dtype, dim)]
+#: The backward passes use the same configs for float16 and bfloat16, and compile to
+#: the same register use; bfloat16 (the usual training dtype) stands for both.
+BACKWARD_DTYPES = tuple(d for d in DTYPES if d != "float16" or "bfloat16" not in DTYPES)
+KERNEL_NAMES = (*KERNELS, "delta")
+CASES = [(arch, kernel, dtype, dim, variant) for arch in ARCHS for kernel in KERNEL_NAMES
+         for dtype in (DTYPES if kernel == "forward" else BACKWARD_DTYPES)
+         for dim in BLOCK_DIMS for variant in variants(arch, dtype, dim, kernel)]
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(arch), "--dtypes",
-                               ",".join(DTYPES)], stdout=subprocess.PIPE,
+                               ",".join(DTYPES), "--backward-dtypes",
+                               ",".join(BACKWARD_DTYPES), "--kernels", ",".join(KERNEL_NAMES)],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)
              for arch in ARCHS]
     results = {}
@@ -45,15 +53,15 @@ def compiled() -> dict:
         assert proc.returncode == 0, f"compile script failed:\n{err[-4000:]}"
         for line in out.splitlines():
             r = json.loads(line)
-            results[r["arch"], r["dtype"], r["dim"], r["variant"]] = r
+            results[r["arch"], r["kernel"], r["dtype"], r["dim"], r["variant"]] = r
     return results
 
 
-@pytest.mark.parametrize(("arch", "dtype", "dim", "variant"), CASES,
-                         ids=[f"sm_{a}-{t}-d{d}-{v}" for a, t, d, v in CASES])
-def test_compiles_fits_and_does_not_spill(compiled, arch, dtype, dim, variant):
-    r = compiled[arch, dtype, dim, variant]
-    where = f"sm_{arch} {dtype} head_dim {dim} {variant} {r['config']}"
+@pytest.mark.parametrize(("arch", "kernel", "dtype", "dim", "variant"), CASES,
+                         ids=[f"sm_{a}-{k}-{t}-d{d}-{v}" for a, k, t, d, v in CASES])
+def test_compiles_fits_and_does_not_spill(compiled, arch, kernel, dtype, dim, variant):
+    r = compiled[arch, kernel, dtype, dim, variant]
+    where = f"sm_{arch} {kernel} {dtype} head_dim {dim} {variant} {r['config']}"
     assert "error" not in r, f"{where}: {r['error']}"
     assert r["shared"] <= r["shared_limit"], (
         f"{where}: {r['shared']} bytes of shared memory > {r['shared_limit']}")

@@ -82,3 +82,24 @@ def test_triton_flash_is_listed_as_a_cuda_kernel(gpu_check):
 def test_main_without_gpu_exits_2(gpu_check, capsys):
     assert gpu_check.main([]) == 2
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_grad_cases_build(gpu_check):
+    cases = gpu_check.grad_cases("cpu")
+    assert {name for name, _, _ in cases} >= {"causal_bottom_right", "head_dim_256"}
+    assert all(len(dims) == 7 for _, dims, _ in cases)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_grad_case_passes_on_the_interpreter(gpu_check, dtype):
+    from portattn import masks
+
+    mask = masks.causal() & masks.key_lengths(torch.tensor([20, 9]))
+    status, detail = gpu_check.grad_case((2, 2, 1, 17, 20, 16, 24), {"mask": mask}, dtype,
+                                         device="cpu")
+    assert status == "ok", detail
+
+
+def test_grad_case_skips_float32_head_dim_256(gpu_check):
+    status, _ = gpu_check.grad_case((1, 1, 1, 4, 4, 256, 256), {}, "float32", device="cpu")
+    assert status == "skip"

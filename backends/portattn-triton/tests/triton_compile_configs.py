@@ -1,9 +1,10 @@
-"""Compile the kernel ahead of time for a GPU generation, without a GPU.
+"""Compile the kernels ahead of time for a GPU generation, without a GPU.
 
 Run as a script (``python triton_compile_configs.py 90 --dtypes float16``), in a process where
 ``TRITON_INTERPRET`` is unset: it compiles every block configuration the launcher can
-pick for that generation, for each dtype and kernel variant, and prints one JSON line
-per compilation: shared memory, registers and spilled bytes (from ptxas's report).
+pick for that generation, for each kernel (the forward and the backward's dK/dV and dQ
+passes), dtype and variant, and prints one JSON line per compilation: shared memory,
+registers and spilled bytes (from ptxas's report).
 The tests run it in a subprocess because the interpreter tests share their process
 with ``TRITON_INTERPRET=1``, which Triton reads at import.
 """
@@ -30,10 +31,19 @@ VARIANTS = {
     "all": {**_FEATURES, "EVEN_D": False},
 }
 DTYPES = {"float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
+#: Kernels: the forward and the two backward passes (the Delta pass is a plain
+#: elementwise reduction, compiled once per dtype and head dim as "delta").
+KERNELS = ("forward", "dkdv", "dq")
+_FUNCTIONS = {"forward": ("_triton_kernel", "flash_forward_kernel"),
+              "dkdv": ("_triton_backward", "dkdv_kernel"),
+              "dq": ("_triton_dq", "dq_kernel"),
+              "delta": ("_triton_backward", "delta_kernel")}
 #: Shared memory a block may use, bytes (A100 and H100/H200 opt-in maxima).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
-_INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
+_INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
+                  "stride_dkd", "stride_dvd", "stride_dqd")
+_FLOAT_POINTERS = ("Lse", "Delta", "DLse")
 
 
 def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
@@ -41,8 +51,9 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     16-byte aligned pointers, unit inner strides (specialised to 1), other strides
     multiples of 16."""
     elem = DTYPES[dtype][0]
-    types = {"Q": f"*{elem}", "K": f"*{elem}", "V": f"*{elem}", "Out": f"*{elem}",
-             "Lse": "*fp32", "KeyLengths": "*i32", "QueryLengths": "*i32"}
+    types = {name: f"*{elem}" for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
+    types.update(dict.fromkeys(_FLOAT_POINTERS, "*fp32"))
+    types.update(KeyLengths="*i32", QueryLengths="*i32")
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -59,50 +70,75 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     return signature, attrs
 
 
-def launcher_config(arch: int, dtype: str, dim: int, variant: str):
-    """The configuration the launcher picks for this variant (an uneven head dim is
-    one below the padded size)."""
-    from portattn_triton._configs import pick_config
+def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str = "forward"):
+    """The configuration the launcher picks for this kernel and variant (an uneven
+    head dim is one below the padded size)."""
+    from portattn_triton._configs import Config, delta_rows, pick_backward_config, pick_config
 
     head_dim = dim if VARIANTS[variant].get("EVEN_D", True) else dim - 8
-    return pick_config((arch // 10, arch % 10), DTYPES[dtype][1], head_dim, head_dim)
+    capability = (arch // 10, arch % 10)
+    if kernel == "forward":
+        return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim)
+    if kernel == "delta":
+        return Config(delta_rows(dim), dim, 4, 1)
+    return getattr(pick_backward_config(capability, DTYPES[dtype][1], head_dim, head_dim),
+                   kernel)
 
 
-def variants(arch: int, dtype: str, dim: int) -> list[str]:
-    """Variants worth compiling: "all_even" only where the head dim changes the config
-    (otherwise "all", with its extra masks, is the harder case for the same config)."""
+def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[str]:
+    """Variants worth compiling. The forward: "all_even" only where the head dim
+    changes the config (otherwise "all", with its extra masks, is the harder case for
+    the same config). The backward passes: all three (their register use does not
+    order that way), none where the launcher has no backward."""
+    from portattn_triton._configs import BACKWARD_MAX_DIM
+
+    if kernel == "delta":  # elementwise: only the widest tiles can be a question
+        return ["plain"] if dim >= 128 else []
+    if kernel != "forward":
+        return [] if dim > BACKWARD_MAX_DIM[DTYPES[dtype][1]] else list(VARIANTS)
     names = ["plain", "all"]
-    if launcher_config(arch, dtype, dim, "all") != launcher_config(arch, dtype, dim, "plain"):
+    if (launcher_config(arch, dtype, dim, "all", kernel)
+            != launcher_config(arch, dtype, dim, "plain", kernel)):
         names.append("all_even")
     return names
 
 
+def _kernel_function(kernel: str):
+    import importlib
+
+    module, name = _FUNCTIONS[kernel]
+    return getattr(importlib.import_module(f"portattn_triton.{module}"), name)
+
+
 def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
-                **flags: object) -> dict:
+                kernel: str = "forward", **flags: object) -> dict:
     import triton
-    from portattn_triton._triton_kernel import flash_forward_kernel as fn
     from triton.backends.compiler import GPUTarget
 
+    fn = _kernel_function(kernel)
     if config is None:
-        config = launcher_config(arch, dtype, dim, variant)
-    constants = {
-        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": dim,
-        "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
-        "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "SOFTCAP": False,
-        "REVERSE": False,
-        "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
-        **VARIANTS[variant],
-        **flags,
-    }
-    constants.update(dict.fromkeys(_INNER_STRIDES, 1))
+        config = launcher_config(arch, dtype, dim, variant, kernel)
+    if kernel == "delta":
+        constants = {"BLOCK_M": config.block_m, "BLOCK_DV": dim, "HAS_DLSE": True}
+    else:
+        constants = {
+            "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": dim,
+            "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
+            "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "SOFTCAP": False,
+            "REVERSE": False,
+            "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
+            **VARIANTS[variant],
+        }
+    constants.update(flags)
+    constants.update((n, 1) for n in _INNER_STRIDES if n in fn.arg_names)
     signature, attrs = _signature(fn, dtype, constants)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants,
                                     attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     log = io.StringIO()
-    result = {"arch": arch, "dtype": dtype, "dim": dim, "variant": variant,
-              "config": str(config), "shared_limit": SHARED_LIMIT[arch]}
+    result = {"arch": arch, "kernel": kernel, "dtype": dtype, "dim": dim,
+              "variant": variant, "config": str(config), "shared_limit": SHARED_LIMIT[arch]}
     try:
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(src, target=target, options=options)
@@ -122,6 +158,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("archs", nargs="*", type=int, default=sorted(SHARED_LIMIT))
     parser.add_argument("--dtypes", default="float16,bfloat16,float32",
                         help="comma-separated, of float16, bfloat16, float32")
+    parser.add_argument("--backward-dtypes", default=None,
+                        help="dtypes for the backward passes (default: --dtypes)")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"comma-separated, of {', '.join(_FUNCTIONS)}")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="portattn-triton-aot-")
@@ -129,10 +169,14 @@ def main(argv: list[str]) -> int:
     from portattn_triton._configs import BLOCK_DIMS
 
     for arch in args.archs:
-        for dtype in args.dtypes.split(","):
-            for dim in BLOCK_DIMS:
-                for variant in variants(arch, dtype, dim):
-                    print(json.dumps(compile_one(arch, dtype, dim, variant)), flush=True)
+        for kernel in args.kernels.split(","):
+            dtypes = args.dtypes if kernel == "forward" else (args.backward_dtypes
+                                                              or args.dtypes)
+            for dtype in dtypes.split(","):
+                for dim in BLOCK_DIMS:
+                    for variant in variants(arch, dtype, dim, kernel):
+                        print(json.dumps(compile_one(arch, dtype, dim, variant,
+                                                     kernel=kernel)), flush=True)
     return 0
 
 
