@@ -100,18 +100,19 @@ _C = Config
 # (arch, element bytes, padded head dim) -> backward config. The dK/dV pass keeps two
 # float32 accumulators of block_n rows (and K, V) in registers, the dQ pass one of
 # block_m rows (and Q, dO): each entry is the largest tile found to compile without
-# spills, for even and uneven head dims alike. float32 (three TF32 products) spills
-# at head dim 256 in every configuration tried: no entry, gradients refused there.
+# spills, for even and uneven head dims alike (head dim 128 also with triton 3.6).
+# float32 (three TF32 products) spills at head dim 256 in every configuration tried:
+# no entry, gradients refused there.
 _BWD_TABLE: dict[tuple[int, int, int], BackwardConfig] = {
     (90, 2, 16): BackwardConfig(_C(32, 128, 8, 3), _C(128, 64, 8, 3)),
     (90, 2, 32): BackwardConfig(_C(32, 128, 8, 3), _C(128, 64, 8, 3)),
     (90, 2, 64): BackwardConfig(_C(32, 128, 8, 3), _C(128, 64, 8, 3)),
-    (90, 2, 128): BackwardConfig(_C(32, 64, 8, 1), _C(128, 64, 8, 2)),
+    (90, 2, 128): BackwardConfig(_C(16, 64, 8, 2), _C(128, 64, 8, 2)),
     (90, 2, 256): BackwardConfig(_C(32, 32, 8, 1), _C(32, 32, 8, 1)),
     (80, 2, 16): BackwardConfig(_C(32, 32, 4, 2), _C(128, 32, 8, 3)),
     (80, 2, 32): BackwardConfig(_C(32, 64, 8, 2), _C(128, 32, 8, 3)),
     (80, 2, 64): BackwardConfig(_C(32, 32, 4, 2), _C(128, 32, 8, 3)),
-    (80, 2, 128): BackwardConfig(_C(32, 64, 8, 2), _C(64, 32, 8, 2)),
+    (80, 2, 128): BackwardConfig(_C(16, 64, 8, 2), _C(64, 32, 8, 2)),
     (80, 2, 256): BackwardConfig(_C(32, 32, 8, 1), _C(32, 32, 8, 1)),
     # float32: the same on both generations (small tiles; ptxas spills some mid sizes)
     **{(arch, 4, dim): BackwardConfig(dkdv, dq) for arch in ARCHS for dim, dkdv, dq in (
