@@ -135,12 +135,13 @@ def _mask(spec: Spec, backend, dense):
     return mask
 
 
+_DASK_EMPTY = "zero-size Dask arrays: reductions raise, auto-chunked zeros divide by zero"
 #: Defects of kernels maintained elsewhere, each with a strict regression test that
 #: fails once it is fixed: ``(backend, kernel) -> (applies to spec, why)``. Calls they
 #: cover are counted as "known", apart from agreement and refusal.
 KNOWN = {
-    ("dask", "tiled"): (lambda s: 0 in s.batch, "reductions over zero-size Dask arrays"),
-    ("dask", "reference"): (lambda s: 0 in s.batch, "reductions over zero-size Dask arrays"),
+    ("dask", "tiled"): (lambda s: 0 in s.batch or s.lq == 0, _DASK_EMPTY),
+    ("dask", "reference"): (lambda s: 0 in s.batch or s.lq == 0, _DASK_EMPTY),
     ("jax", "jax_flash"): (lambda s: 0 in s.batch and any(p[0].endswith("_lengths")
                                                            for p in s.parts),
                            "a max over zero-size lengths"),

@@ -115,14 +115,15 @@ def test_dense_masks_of_different_ranks_with_query_lengths(backend):
 
 ZERO_SIZE = [((0, 2, 5, 8), (0, 2, 4, 8)), ((2, 0, 5, 8), (2, 1, 4, 8)),
              ((2, 2, 0, 8), (2, 2, 4, 8)), ((2, 2, 5, 8), (2, 2, 0, 8)),
-             ((3, 0, 2, 5, 8), (3, 0, 2, 4, 8))]
+             ((3, 0, 2, 5, 8), (3, 0, 2, 4, 8)), ((1, 2, 1, 0, 64), (1, 2, 1, 3, 64))]
 
 
 @pytest.mark.parametrize(("q_shape", "kv_shape"), ZERO_SIZE, ids=lambda s: str(s))
 def test_zero_size_shapes(backend, q_shape, kv_shape, request):
-    if backend.name == "dask" and 0 in q_shape[:-2]:
+    if backend.name == "dask" and (0 in q_shape[:-2] or q_shape[-1] == 64):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the portable kernels reduce over zero-size Dask arrays (dask raises)")))
+            "the portable kernels reduce over zero-size Dask arrays, and dask's automatic "
+            "chunks divide by zero for zeros((1, 2, 1, 0, 64))")))
     args, seen = _arrays(backend, [q_shape, kv_shape, kv_shape])
     want, _ = attention64(*seen, None, None, None, None)
     every_kernel(backend, args, want, mask=masks.causal())
