@@ -69,10 +69,22 @@ def _scores(plan: FlashPlan, qt: Any, kt: Any, bias: Any, allowed: Any,
     return jnp.where(allowed, s, -jnp.inf), t
 
 
-def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, dense: Any) -> tuple:
+def _padding_zeroed(x: Any, lengths: Any) -> Any:
+    """Rows ``>= lengths[b]`` of ``(B, H, L, D)`` set to 0: a NaN or inf there would
+    otherwise reach the result through ``0 * NaN`` in a product."""
+    if lengths is None:
+        return x
+    keep = jnp.arange(x.shape[2])[None, :] < lengths[:, None]
+    return jnp.where(keep[:, None, :, None], x, jnp.zeros((), x.dtype))
+
+
+def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any,
+              dense: Any) -> tuple:
     ct = compute_dtype(q.dtype)
-    qb = query_blocks(q.astype(ct) * jnp.asarray(plan.scale, ct), plan)
-    kb, vb = key_blocks(k.astype(ct), plan), key_blocks(v.astype(ct), plan)
+    q = _padding_zeroed(q.astype(ct), ql)
+    k, v = _padding_zeroed(k.astype(ct), kl), _padding_zeroed(v.astype(ct), kl)
+    qb = query_blocks(q * jnp.asarray(plan.scale, ct), plan)
+    kb, vb = key_blocks(k, plan), key_blocks(v, plan)
     gbias = None if bias is None else grouped_full(bias.astype(ct), plan, 0)
     gdense = None if dense is None else grouped_full(dense, plan, False)
     return ct, qb, kb, vb, gbias, gdense
@@ -82,7 +94,7 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
             dense: Any) -> tuple[Any, Any, Any]:
     """``(out, lse, tiles)``: out ``(B, Hq, Lq, Dv)`` and lse ``(B, Hq, Lq)`` in the
     compute dtype, and the number of tiles visited."""
-    ct, qb, kb, vb, gbias, gdense = _prepared(plan, q, k, v, bias, dense)
+    ct, qb, kb, vb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
 
@@ -122,7 +134,7 @@ def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: An
              bias_grad: bool) -> tuple[Any, Any, Any, Any, Any]:
     """``(dq, dk, dv, dbias, tiles)`` in the compute dtype; ``dlse`` may be None, dbias
     is None unless ``bias_grad`` (then shaped like ``bias``)."""
-    ct, qb, kb, vb, gbias, gdense = _prepared(plan, q, k, v, bias, dense)
+    ct, qb, kb, vb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
     dout = dout.astype(ct)
     dob = query_blocks(dout, plan)
     delta = jnp.sum(dout * out.astype(ct), axis=-1)  # rowsum(dO * O)

@@ -113,7 +113,7 @@ def attend(inputs: AttentionInputs) -> tuple[Any, Any]:
     from ._flash import compute_dtype, flash_attention
 
     lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
-    if inputs.q_len == 0 or inputs.kv_len == 0:
+    if inputs.q_len == 0 or inputs.kv_len == 0 or not math.prod(inputs.batch_shape):
         out = jnp.zeros((*lead, inputs.value_head_dim), inputs.query.dtype)
         return out, jnp.full(lead, -jnp.inf, compute_dtype(inputs.query.dtype))
     out, lse = flash_attention(flash_plan(inputs), *flat_arguments(inputs))

@@ -213,3 +213,30 @@ def test_block_sizes_follow_the_tile_budget():
     assert block_sizes(8, 8192, 8192, limit, budget) == (256, 256)
     assert block_sizes(64 * 16, 8192, 8192, limit, budget) == (16, 256)
     assert block_sizes(8, 7, 5, limit, budget) == (7, 5)
+
+
+def test_nan_in_padding_reaches_neither_output_nor_gradients():
+    backend = jax_backend()
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 2, 6, 8)) for _ in range(3))
+    k[0, :, 4:] = v[0, :, 4:] = np.nan  # keys past key_lengths[0]
+    q[1, :, 3:] = np.nan  # queries past query_lengths[1]
+    q, k, v = (backend.asarray(a, "float64") for a in (q, k, v))
+    mask = (masks.key_lengths(backend.asarray(np.array([4, 6])))
+            & masks.query_lengths(backend.asarray(np.array([6, 3]))))
+
+    def loss(q, k, v, mask):
+        return jnp.sum(portattn.attention(q, k, v, mask=mask, kernel="jax_flash"))
+
+    out = portattn.attention(q, k, v, mask=mask, kernel="jax_flash")
+    assert np.isfinite(np.asarray(out)).all()
+    for g in jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v, mask):
+        assert np.isfinite(np.asarray(g)).all()
+
+
+def test_zero_size_batch_with_lengths():
+    z = jnp.zeros((0, 2, 5, 8))
+    mask = masks.key_lengths(jnp.zeros((0,), jnp.int32))
+    out, lse = portattn.attention(z, z, z, mask=mask, return_lse=True, kernel="jax_flash")
+    assert out.shape == (0, 2, 5, 8)
+    assert lse.shape == (0, 2, 5)
