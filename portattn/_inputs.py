@@ -85,8 +85,7 @@ def needs_grad(arrays: tuple[Any, ...]) -> bool:
     # Duck-typed: a torch tensor that requires grad, or a JAX tracer (jit/grad/vmap).
     if any(getattr(a, "requires_grad", False) is True for a in arrays):
         return "torch" in sys.modules and sys.modules["torch"].is_grad_enabled()
-    jax_core = sys.modules.get("jax.core")
-    tracer = getattr(jax_core, "Tracer", None)
+    tracer = _masks.jax_tracer_type()
     return tracer is not None and any(isinstance(a, tracer) for a in arrays)
 
 

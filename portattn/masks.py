@@ -264,6 +264,16 @@ def signed(xp: Any, lengths: Any) -> Any:
     return xp.astype(lengths, xp.int32 if bits <= 16 else xp.int64)
 
 
+def jax_tracer_type() -> type | None:
+    """JAX's tracer class when JAX is imported (``jax.core`` itself may not be in
+    ``sys.modules``: recent JAX loads it lazily)."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    core = getattr(jax, "core", None) if jax is not None else None
+    return getattr(core, "Tracer", None)
+
+
 def values_readable(a: Any) -> bool:
     """Whether ``a``'s values can be read now: not a lazy Dask graph, not a JAX tracer,
     not a tensor being compiled by torch.compile. Reading may sync a GPU."""
@@ -273,7 +283,7 @@ def values_readable(a: Any) -> bool:
 
     if is_dask_array(a):
         return False
-    tracer = getattr(sys.modules.get("jax.core"), "Tracer", None)
+    tracer = jax_tracer_type()
     if tracer is not None and isinstance(a, tracer):
         return False
     torch = sys.modules.get("torch")
@@ -286,7 +296,11 @@ def check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
     (traced and lazy arrays are not checked: there a length is clipped to the range)."""
     if math.prod(lengths.shape) == 0 or not values_readable(lengths):
         return
-    if not bool(xp.any(xp.logical_or(lengths < 0, lengths > limit))):
+    try:
+        bad = bool(xp.any(xp.logical_or(lengths < 0, lengths > limit)))
+    except Exception:  # values that exist only while tracing, under a transformation
+        return           # not recognised above: they cannot be read, as documented
+    if not bad:
         return
     low, high = int(xp.min(lengths)), int(xp.max(lengths))
     length_name = "Lk" if kind == "key_lengths" else "Lq"

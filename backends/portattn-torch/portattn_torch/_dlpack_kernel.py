@@ -44,7 +44,7 @@ class TorchSDPADLPackKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
-        tracer = getattr(sys.modules.get("jax.core"), "Tracer", None)
+        tracer = masks.jax_tracer_type()
         if tracer is not None and isinstance(inputs.query, tracer):
             reasons.append("traced jax arrays (jit, grad, vmap) cannot be borrowed")
         # Byte order is part of a NumPy dtype, so this follows from the description.
