@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 __all__ = [
     "Mask",
@@ -34,10 +34,34 @@ __all__ = [
 KINDS = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense")
 
 
+_creation_hooks: list[Callable[[], bool]] = []
+
+
+def on_mask_created(hook: Callable[[], bool]) -> None:
+    """For plugins: call ``hook()`` whenever a mask is built, until it returns True.
+
+    JAX needs masks registered as pytrees before one is passed to a jitted function,
+    and a plugin may be loaded before JAX is imported: its hook registers them on the
+    first mask built once JAX is there. A hook never imports a library itself.
+    """
+    _creation_hooks.append(hook)
+
+
+def _run_creation_hooks() -> None:
+    for hook in list(_creation_hooks):
+        if hook():
+            _creation_hooks.remove(hook)
+
+
 class Mask:
     """Base of every mask; combine masks with ``&``."""
 
     kind: str = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Mask:
+        if _creation_hooks:
+            _run_creation_hooks()
+        return super().__new__(cls)
 
     @property
     def parts(self) -> tuple[Mask, ...]:

@@ -161,3 +161,26 @@ def test_borrowing_refuses_what_dlpack_cannot_carry():
                           None, None)
     out = portattn.attention(q, k[:, 1:], v[:, 1:], mask=mask, kernel="torch_sdpa_dlpack")
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+JIT_AFTER_DISCOVERY = """
+import portattn
+from portattn import masks
+portattn.kernels()  # the plugins load before JAX is imported
+import jax
+import jax.numpy as jnp
+q = jnp.ones((2, 2, 4, 8))
+attend = jax.jit(lambda q, mask: portattn.attention(q, q, q, mask=mask))
+print(attend(q, masks.causal() & masks.key_lengths(jnp.array([2, 3]))).shape)
+"""
+
+
+def test_masks_are_jit_arguments_when_kernels_were_discovered_before_jax():
+    import subprocess
+    import sys
+
+    pytest.importorskip("portattn_jax")
+    done = subprocess.run([sys.executable, "-c", JIT_AFTER_DISCOVERY], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("(2, 2, 4, 8)")

@@ -7,6 +7,7 @@ Rebuilding skips ``__init__``: JAX rebuilds with placeholder leaves that are not
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from portattn import masks
@@ -14,6 +15,18 @@ from portattn import masks
 __all__ = ["register_mask_pytrees"]
 
 _registered: set[type] = set()
+
+
+def _register_once_jax_is_here() -> bool:
+    # Runs on every mask built until JAX is imported: loading the plugin (kernel
+    # discovery) may come first, and then masks passed to jax.jit would not be pytrees.
+    if "jax" not in sys.modules:
+        return False
+    register_mask_pytrees()
+    return True
+
+
+masks.on_mask_created(_register_once_jax_is_here)
 
 
 def register_mask_pytrees() -> None:
