@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,13 +32,20 @@ _forced: ContextVar[str | None] = ContextVar("portattn_forced_kernel", default=N
 _disabled: ContextVar[frozenset[str]] = ContextVar("portattn_disabled", default=frozenset())
 
 
+_active = [0]
+"""How many override blocks are open, in any thread: while none is, the context
+variables need not be read (torch.compile cannot trace ``ContextVar.get``)."""
+
+
 @contextlib.contextmanager
 def use_kernel(name: str | None) -> Iterator[None]:
     """Within the block, every call runs kernel ``name`` (like ``kernel=name``)."""
     token = _forced.set(name)
+    _active[0] += 1
     try:
         yield
     finally:
+        _active[0] -= 1
         _forced.reset(token)
 
 
@@ -45,14 +53,21 @@ def use_kernel(name: str | None) -> Iterator[None]:
 def disable_kernels(*names: str) -> Iterator[None]:
     """Within the block, dispatch skips the named kernels."""
     token = _disabled.set(_disabled.get() | frozenset(names))
+    _active[0] += 1
     try:
         yield
     finally:
+        _active[0] -= 1
         _disabled.reset(token)
+
+
+_NO_OVERRIDES: tuple[str | None, frozenset[str]] = (None, frozenset())
 
 
 def current_overrides() -> tuple[str | None, frozenset[str]]:
     """The kernel forced and the kernels disabled by the context managers, now."""
+    if not _active[0]:
+        return _NO_OVERRIDES
     return _forced.get(), _disabled.get()
 
 
@@ -64,14 +79,14 @@ def reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
         return _targeted_reasons(entry, inputs)
     # Availability may import the kernel's library: only kernels that target the call's
     # library and device (whose library is then already imported) are asked for it.
-    if entry.name in _disabled.get():
+    if entry.name in current_overrides()[1]:
         return ["disabled by portattn.disable_kernels()"]
     return entry.kernel.not_supported_reasons(inputs)
 
 
 def _targeted_reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
     """:func:`reasons` for a loaded kernel known to target the call's library/device."""
-    if entry.name in _disabled.get():
+    if entry.name in current_overrides()[1]:
         return ["disabled by portattn.disable_kernels()"]
     why = availability(entry)
     if why is not None:
@@ -128,7 +143,7 @@ def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
                       if not _targeted_reasons(e, inputs)), None)
         if entry is None:
             raise NoKernelError(_nothing_fits(entries, inputs))
-    if logger.isEnabledFor(logging.DEBUG):
+    if not _compiling() and logger.isEnabledFor(logging.DEBUG):
         logger.debug("attention: %s@%s", entry.name, entry.version)
     return entry
 
@@ -156,8 +171,14 @@ def _targets(entry: KernelEntry, inputs: AttentionInputs) -> bool:
             and (kernel.devices == ANY or inputs.device in kernel.devices))
 
 
+def _compiling() -> bool:
+    """Inside torch.compile's tracing (which cannot trace logging calls)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def _forced_name(kernel: str | None) -> str | None:
-    return kernel or _forced.get() or forced_by_environment()
+    return kernel or current_overrides()[0] or forced_by_environment()
 
 
 def _lookup(entries: list[KernelEntry], name: str) -> KernelEntry:

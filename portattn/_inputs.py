@@ -25,16 +25,18 @@ __all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespac
 _HALF = ("float16", "bfloat16")
 
 
-_namespace_names: dict[Any, str] = {}
+_namespace_names: dict[str, str] = {}
 
 
 def namespace_name(xp: Any) -> str:
     """Short library name of an array namespace: numpy, torch, jax, cupy, dask, ..."""
-    name = _namespace_names.get(xp)
+    # keyed by the module's name: torch.compile cannot hash a module
+    full = xp.__name__
+    name = _namespace_names.get(full)
     if name is None:
-        full = xp.__name__.removeprefix("array_api_compat.")
-        name = {"dask.array": "dask", "jax.numpy": "jax"}.get(full, full.split(".")[0])
-        _namespace_names[xp] = name
+        short = full.removeprefix("array_api_compat.")
+        name = {"dask.array": "dask", "jax.numpy": "jax"}.get(short, short.split(".")[0])
+        _namespace_names[full] = name
     return name
 
 

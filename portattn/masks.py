@@ -50,21 +50,18 @@ def on_mask_created(hook: Callable[[], bool]) -> None:
     _creation_hooks.append(hook)
 
 
-def _run_creation_hooks() -> None:
+def _created(mask: Mask) -> Mask:
+    """``mask``, after the creation hooks (the public constructors call this)."""
     for hook in list(_creation_hooks):
         if hook():
             _creation_hooks.remove(hook)
+    return mask
 
 
 class Mask:
     """Base of every mask; combine masks with ``&``."""
 
     kind: str = ""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Mask:
-        if _creation_hooks:
-            _run_creation_hooks()
-        return super().__new__(cls)
 
     @property
     def parts(self) -> tuple[Mask, ...]:
@@ -397,7 +394,7 @@ def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
 
 def causal(alignment: str = "bottom_right") -> Mask:
     """Query at position ``p`` attends keys ``j <= p`` (see module doc for alignment)."""
-    return _Causal(alignment)
+    return _created(_Causal(alignment))
 
 
 def sliding_window(left: int | None, right: int | None = 0) -> Mask:
@@ -406,19 +403,19 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
     Both ends are inclusive; ``None`` leaves that side unbounded, so
     ``sliding_window(None, 0)`` equals ``causal()``.
     """
-    return _SlidingWindow(left, right)
+    return _created(_SlidingWindow(left, right))
 
 
 def key_lengths(lengths: Any) -> Mask:
     """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
-    return _KeyLengths(lengths)
+    return _created(_KeyLengths(lengths))
 
 
 def query_lengths(lengths: Any) -> Mask:
     """Queries ``i >= lengths[b]`` are padding: their rows are fully masked (output 0)."""
-    return _QueryLengths(lengths)
+    return _created(_QueryLengths(lengths))
 
 
 def dense(allowed: Any) -> Mask:
     """An explicit boolean mask (True = attend), broadcastable to ``(..., Hq, Lq, Lk)``."""
-    return _Dense(allowed)
+    return _created(_Dense(allowed))

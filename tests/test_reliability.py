@@ -184,3 +184,20 @@ def test_masks_are_jit_arguments_when_kernels_were_discovered_before_jax():
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("(2, 2, 4, 8)")
+
+
+# dynamo warns about array-api-compat's lru_caches and torch's own deprecations
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_torch_compile_fullgraph(backend):
+    if backend.namespace != "torch":
+        pytest.skip("torch.compile compiles torch code only")
+    import torch
+
+    args, seen = _arrays(backend, [(2, 2, 8, 16)] * 3)
+    mask = masks.causal()  # built outside: building one while compiling still breaks
+    portattn.kernels()  # discovered before compiling, as the README says
+    compiled = torch.compile(lambda q, k, v: portattn.attention(q, k, v, mask=mask),
+                             fullgraph=True)
+    want, _ = attention64(*seen, np.tril(np.ones((8, 8), bool)), None, None, None)
+    out = compiled(*args)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=2e-5, atol=2e-5)
