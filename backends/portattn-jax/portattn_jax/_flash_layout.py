@@ -12,7 +12,6 @@ tiles are cut with ``lax.dynamic_slice`` at traced offsets.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -188,7 +187,3 @@ def query_block_range(plan: FlashPlan, ik: Any, kl: Any, ql: Any) -> tuple[Any, 
     hi_block = jnp.clip(_ceil_div(hi, plan.block_q), lo_block, plan.num_q_blocks)
     return lo_block, hi_block
 
-
-def total_tiles(plan: FlashPlan) -> int:
-    """Tiles of the full ``nq x nk`` grid (what a loop without skipping visits)."""
-    return math.prod((plan.num_q_blocks, plan.num_k_blocks))
