@@ -31,7 +31,6 @@ KNOWN = {
     ("nan_padded_value", "reference"): _PRODUCT,
     ("nan_padded_value", "torch_sdpa"): _PRODUCT,
     ("nan_padded_value", "torch_sdpa_dlpack"): _PRODUCT,
-    ("nan_padded_value", "jax_flash"): _PRODUCT,
     ("nan_padded_key", "torch_sdpa"): "SDPA adds -inf to a NaN score",
     ("nan_padded_key", "torch_sdpa_dlpack"): "SDPA adds -inf to a NaN score",
     **{("inf_future_value", k): _PRODUCT for k in (
