@@ -142,9 +142,6 @@ _DASK_EMPTY = "zero-size Dask arrays: reductions raise, auto-chunked zeros divid
 KNOWN = {
     ("dask", "tiled"): (lambda s: 0 in s.batch or s.lq == 0, _DASK_EMPTY),
     ("dask", "reference"): (lambda s: 0 in s.batch or s.lq == 0, _DASK_EMPTY),
-    ("jax", "jax_flash"): (lambda s: 0 in s.batch and any(p[0].endswith("_lengths")
-                                                           for p in s.parts),
-                           "a max over zero-size lengths"),
 }
 
 
