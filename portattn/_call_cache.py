@@ -47,7 +47,9 @@ def described_and_chosen(query: Any, key: Any, value: Any, mask: Mask | None, bi
     if signature is not None:
         try:
             remembered = _calls.get(signature)
-        except TypeError:  # symbolic shapes (torch.compile), unhashable options
+        except (TypeError, AttributeError):
+            # Symbolic shapes or a mask still being built while a compiler traces
+            # (torch.compile), unhashable options: not remembered.
             remembered = signature = None
         # A refreshed registry is a new list: what was chosen from the old one is stale.
         if remembered is not None and remembered[0] is entries:
@@ -89,6 +91,9 @@ def _signature(query: Any, key: Any, value: Any, mask: Any, bias: Any, scale: An
     # Without .requires_grad, whether gradients flow follows from the type alone.
     grad = tracks_grad and (query.requires_grad or key.requires_grad or value.requires_grad
                             ) and needs_grad((query, key, value))
+    # The mask by its key, not the object: under torch.compile a mask built inside the
+    # traced function does not exist yet as an object to hash.
+    mask_key = None if mask is None else mask.key()
     return (kind, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-            *devices, mask, scale, softcap, return_lse, return_weights, dropout_p, grad,
+            *devices, mask_key, scale, softcap, return_lse, return_weights, dropout_p, grad,
             kernel, *current_overrides())

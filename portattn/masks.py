@@ -50,12 +50,12 @@ def on_mask_created(hook: Callable[[], bool]) -> None:
     _creation_hooks.append(hook)
 
 
-def _created(mask: Mask) -> Mask:
-    """``mask``, after the creation hooks (the public constructors call this)."""
+def _before_creating() -> None:
+    """Run the creation hooks (the public constructors call this first: a compiler
+    that stops tracing inside a hook then never holds a half-built mask)."""
     for hook in list(_creation_hooks):
         if hook():
             _creation_hooks.remove(hook)
-    return mask
 
 
 class Mask:
@@ -83,6 +83,20 @@ class Mask:
 
     def __iter__(self) -> Iterator[Mask]:
         return iter(self.parts)
+
+    def key(self) -> Any:
+        """A plain value equal for equal masks (what ``==`` and ``hash`` compare).
+
+        Built from the parameters alone, so a compiler tracing a mask built inside the
+        traced function (torch.compile) can use it before the mask object exists.
+        Masks that hold arrays compare by identity."""
+        return (type(self), id(self))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mask) and other.key() == self.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
 
     # --- static structure, used to skip work -------------------------------------
     def key_range(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
@@ -173,12 +187,8 @@ class _Causal(_Positional):
     def __repr__(self) -> str:
         return f"causal({self.alignment}{self._shift_text()})"
 
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, _Causal)
-                and (other.alignment, other.shift) == (self.alignment, self.shift))
-
-    def __hash__(self) -> int:
-        return hash(("causal", self.alignment, self.shift))
+    def key(self) -> tuple:
+        return ("causal", self.alignment, self.shift)
 
 
 class _SlidingWindow(_Positional):
@@ -229,12 +239,8 @@ class _SlidingWindow(_Positional):
     def __repr__(self) -> str:
         return f"sliding_window(left={self.left}, right={self.right}{self._shift_text()})"
 
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, _SlidingWindow) and
-                (other.left, other.right, other.shift) == (self.left, self.right, self.shift))
-
-    def __hash__(self) -> int:
-        return hash(("sliding_window", self.left, self.right, self.shift))
+    def key(self) -> tuple:
+        return ("sliding_window", self.left, self.right, self.shift)
 
 
 class _Lengths(Mask):
@@ -366,11 +372,8 @@ class _Intersection(Mask):
     def __repr__(self) -> str:
         return " & ".join(repr(p) for p in self._parts)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Intersection) and other.parts == self._parts
-
-    def __hash__(self) -> int:
-        return hash(self._parts)
+    def key(self) -> tuple:
+        return tuple(p.key() for p in self._parts)
 
 
 def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> Any:
@@ -394,7 +397,8 @@ def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
 
 def causal(alignment: str = "bottom_right") -> Mask:
     """Query at position ``p`` attends keys ``j <= p`` (see module doc for alignment)."""
-    return _created(_Causal(alignment))
+    _before_creating()
+    return _Causal(alignment)
 
 
 def sliding_window(left: int | None, right: int | None = 0) -> Mask:
@@ -403,19 +407,23 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
     Both ends are inclusive; ``None`` leaves that side unbounded, so
     ``sliding_window(None, 0)`` equals ``causal()``.
     """
-    return _created(_SlidingWindow(left, right))
+    _before_creating()
+    return _SlidingWindow(left, right)
 
 
 def key_lengths(lengths: Any) -> Mask:
     """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
-    return _created(_KeyLengths(lengths))
+    _before_creating()
+    return _KeyLengths(lengths)
 
 
 def query_lengths(lengths: Any) -> Mask:
     """Queries ``i >= lengths[b]`` are padding: their rows are fully masked (output 0)."""
-    return _created(_QueryLengths(lengths))
+    _before_creating()
+    return _QueryLengths(lengths)
 
 
 def dense(allowed: Any) -> Mask:
     """An explicit boolean mask (True = attend), broadcastable to ``(..., Hq, Lq, Lk)``."""
-    return _created(_Dense(allowed))
+    _before_creating()
+    return _Dense(allowed)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from portattn.kernel import ANY, Kernel
 
 from ._availability import torch_unavailable
-from ._translate import _is_causal, as_4d, relevant_parts, sdpa_mask
+from ._translate import as_4d, bias_reasons, relevant_parts, sdpa_mask, structured_form
 
 if TYPE_CHECKING:
     from portattn import AttentionInputs
@@ -58,7 +58,7 @@ class TorchSDPAKernel(Kernel):
 
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
-        reasons = super().not_supported_reasons(inputs)
+        reasons = super().not_supported_reasons(inputs) + bias_reasons(inputs)
         if inputs.requires_grad:
             if inputs.q_len == 0 or inputs.kv_len == 0:
                 reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
@@ -74,12 +74,9 @@ class TorchSDPAKernel(Kernel):
 
 def _builds_dense_mask(inputs: AttentionInputs) -> bool:
     """Whether SDPA would get a ``(Lq, Lk)`` mask made here from a structured mask
-    (a dense mask or a full bias given by the caller is O(L^2) already)."""
-    if "dense" in inputs.mask_kinds:
-        return False
-    parts = relevant_parts(inputs.mask)
-    return bool(parts) and not (len(parts) == 1 and _is_causal(parts[0])
-                                and inputs.bias is None)
+    (a dense mask or a bias given by the caller is there already)."""
+    return ("dense" not in inputs.mask_kinds and bool(relevant_parts(inputs.mask))
+            and structured_form(inputs) is None)
 
 
 def _dense_grad_reason(inputs: AttentionInputs) -> str | None:

@@ -85,6 +85,12 @@ def _mask_dtype(inputs: AttentionInputs) -> Any:
 
 def sdpa_mask(inputs: AttentionInputs) -> SDPAMask:
     """SDPA's ``attn_mask``/``is_causal`` for ``inputs`` (requires ``Lq, Lk > 0``)."""
+    form = structured_form(inputs)
+    return form if form is not None else _dense_mask(inputs, relevant_parts(inputs.mask))
+
+
+def structured_form(inputs: AttentionInputs) -> SDPAMask | None:
+    """SDPA's mask arguments when no mask tensor has to be built here, else None."""
     parts = relevant_parts(inputs.mask)
     lq, lk = inputs.q_len, inputs.kv_len
     if inputs.bias is None and not parts:
@@ -105,7 +111,7 @@ def sdpa_mask(inputs: AttentionInputs) -> SDPAMask:
             from torch.nn.attention.bias import causal_lower_right
 
             return SDPAMask(attn_mask=causal_lower_right(lq, lk))
-    return _dense_mask(inputs, parts)
+    return None
 
 
 def _dense_mask(inputs: AttentionInputs, parts: list[Mask]) -> SDPAMask:
