@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import array_api_extra as xpx
 
-from ._portable import cast, finite_or_zero, group_kv, group_queries, scores, ungroup
+from ._portable import cast, finite_or_zero, group_kv, group_queries, is_empty, scores, ungroup
 from ._tiled import block_sizes
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     dtype; half precision is accumulated in float32.
     """
     xp = inputs.xp
-    if inputs.q_len == 0 or inputs.kv_len == 0:
+    if is_empty(inputs):
         return _zero_grads(inputs, bias_grad)
     ct = inputs.compute_dtype
     hkv = inputs.num_kv_heads

@@ -105,11 +105,23 @@ def finish(xp: Any, acc: Any, m: Any, denom: Any) -> tuple[Any, Any]:
     return out, lse[..., 0]
 
 
+def is_empty(inputs: AttentionInputs) -> bool:
+    """No query, no key, or no (batch, head) row: nothing to compute or reduce over."""
+    return (inputs.q_len == 0 or inputs.kv_len == 0
+            or math.prod(inputs.batch_shape) * inputs.num_heads == 0)
+
+
 def empty_result(inputs: AttentionInputs) -> tuple[Any, Any]:
-    """Output zeros and lse ``-inf`` for calls with no keys (or no queries)."""
+    """Output zeros and lse ``-inf`` for calls with no keys (or no queries, or rows)."""
     xp = inputs.xp
     lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
-    out = xp.zeros((*lead, inputs.value_head_dim), dtype=inputs.query.dtype,
-                   device=inputs.device_obj)
-    lse = xp.full(lead, -math.inf, dtype=inputs.compute_dtype, device=inputs.device_obj)
+    out = _full(xp, (*lead, inputs.value_head_dim), 0.0, inputs.query.dtype, inputs.device_obj)
+    lse = _full(xp, lead, -math.inf, inputs.compute_dtype, inputs.device_obj)
     return out, lse
+
+
+def _full(xp: Any, shape: tuple[int, ...], value: float, dtype: Any, device: Any) -> Any:
+    # Allocated with every axis at least 1, then sliced: Dask's automatic chunking
+    # divides by zero on some zero-size shapes.
+    full = xp.full(tuple(max(n, 1) for n in shape), value, dtype=dtype, device=device)
+    return full[tuple(slice(0, n) for n in shape)]

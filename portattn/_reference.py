@@ -11,6 +11,7 @@ from ._portable import (
     finish,
     group_kv,
     group_queries,
+    is_empty,
     safe_max,
     scores,
     ungroup,
@@ -34,7 +35,7 @@ class ReferenceKernel(PortableKernel):
 def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     xp = inputs.xp
     lq, lk = inputs.q_len, inputs.kv_len
-    if lq == 0 or lk == 0:
+    if is_empty(inputs):
         out, lse = empty_result(inputs)
         weights = None
         if inputs.return_weights:

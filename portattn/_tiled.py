@@ -19,6 +19,7 @@ from ._portable import (
     finite_or_zero,
     group_kv,
     group_queries,
+    is_empty,
     scores,
     ungroup,
 )
@@ -59,7 +60,7 @@ def block_sizes(inputs: AttentionInputs) -> tuple[int, int]:
 def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
                     block_k: int | None = None) -> tuple[Any, Any]:
     """``(out, lse)`` computed tile by tile."""
-    if inputs.q_len == 0 or inputs.kv_len == 0:
+    if is_empty(inputs):
         return empty_result(inputs)
     xp = inputs.xp
     default_q, default_k = block_sizes(inputs)

@@ -120,19 +120,12 @@ ZERO_SIZE = [((0, 2, 5, 8), (0, 2, 4, 8)), ((2, 0, 5, 8), (2, 1, 4, 8)),
 
 @pytest.mark.parametrize(("q_shape", "kv_shape"), ZERO_SIZE, ids=lambda s: str(s))
 def test_zero_size_shapes(backend, q_shape, kv_shape, request):
-    if backend.name == "dask" and (0 in q_shape[:-2] or q_shape[-1] == 64):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the portable kernels reduce over zero-size Dask arrays, and dask's automatic "
-            "chunks divide by zero for zeros((1, 2, 1, 0, 64))")))
     args, seen = _arrays(backend, [q_shape, kv_shape, kv_shape])
     want, _ = attention64(*seen, None, None, None, None)
     every_kernel(backend, args, want, mask=masks.causal())
 
 
 def test_zero_batch_with_lengths(backend, request):
-    if backend.name == "dask":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the portable kernels reduce over zero-size Dask arrays")))
     args, _ = _arrays(backend, [(0, 2, 5, 8)] * 3)
     mask = masks.key_lengths(backend.asarray(np.zeros((0,), dtype=np.int64)))
     want = np.zeros((0, 2, 5, 8))

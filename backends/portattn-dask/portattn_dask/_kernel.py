@@ -54,5 +54,21 @@ class DaskBlockwiseKernel(Kernel):
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._graph import blockwise_attention
 
+        if math.prod(inputs.batch_shape) * inputs.num_heads == 0:
+            return *_no_rows(inputs), None
         out, lse = blockwise_attention(inputs)
         return out, lse, None
+
+
+def _no_rows(inputs: AttentionInputs) -> tuple[Any, Any]:
+    """Zero-size results of a call without (batch, head) rows. Allocated with every
+    axis at least 1, then sliced: Dask's automatic chunking divides by zero on some
+    zero-size shapes."""
+    lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
+
+    def empty(shape: tuple[int, ...], dtype: Any) -> Any:
+        full = inputs.xp.zeros(tuple(max(n, 1) for n in shape), dtype=dtype)
+        return full[tuple(slice(0, n) for n in shape)]
+
+    out = empty((*lead, inputs.value_head_dim), inputs.query.dtype)
+    return out, empty(lead, inputs.compute_dtype) if inputs.return_lse else None

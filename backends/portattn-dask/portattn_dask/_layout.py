@@ -63,6 +63,8 @@ def group_aligned(chunks: tuple[int, ...], group: int) -> tuple[int, ...]:
     becomes ``(4, 4)``.
     """
     total = sum(chunks)
+    if group < 1:  # no query heads at all: nothing to align
+        return chunks
     cuts = sorted({0, total} | {b - b % group for b in accumulate(chunks)})
     return tuple(hi - lo for lo, hi in pairwise(cuts)) or (total,)
 
