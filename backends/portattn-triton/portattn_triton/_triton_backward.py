@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_kernel import LOG2E
+from ._triton_kernel import LOG2E, valid_lengths
 
 __all__ = ["delta_kernel", "dkdv_kernel"]
 
@@ -164,12 +164,8 @@ def dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    kv_valid = kv_len
-    if HAS_KEY_LENGTHS:
-        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
-    q_valid = q_len
-    if HAS_QUERY_LENGTHS:
-        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
+                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
 
     # Queries that see any key of the block, and those that see every key of it.
     n_last = tl.minimum(n0 + BLOCK_N, kv_valid) - 1

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._triton_backward import NEG_INF, _band_keep, _load_tile, _row_stats, _scores
+from ._triton_kernel import key_tiles, valid_lengths
 
 __all__ = ["dq_kernel"]
 
@@ -77,31 +78,11 @@ def dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    kv_valid = kv_len
-    if HAS_KEY_LENGTHS:
-        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
-    q_valid = q_len
-    if HAS_QUERY_LENGTHS:
-        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
+                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
 
-    # The forward's loop bounds: keys any row may reach, and keys every row reaches.
-    m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
-    k_lo = 0
-    k_hi = kv_valid
-    full_lo = 0
-    full_hi = kv_valid
-    if HAS_LOWER:
-        k_lo = tl.maximum(m0 + lower_off, 0)
-        full_lo = tl.maximum(m_last + lower_off, 0)
-    if HAS_UPPER:
-        k_hi = tl.minimum(k_hi, m_last + upper_off + 1)
-        full_hi = tl.minimum(full_hi, m0 + upper_off + 1)
-    k_hi = tl.maximum(k_hi, k_lo)
-    k_hi = tl.where(m_last < m0, k_lo, k_hi)  # the whole block is query padding
-    t_lo = (k_lo // BLOCK_N) * BLOCK_N
-    t_hi = tl.cdiv(k_hi, BLOCK_N) * BLOCK_N
-    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, t_lo), t_hi)
-    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, u_lo), t_hi)
+    t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
+                                       BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
 
     in_q = offs_m < q_len
     q = _load_tile(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm

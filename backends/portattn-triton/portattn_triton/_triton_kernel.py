@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["flash_forward_kernel"]
+__all__ = ["flash_forward_kernel", "key_tiles", "valid_lengths"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -85,6 +85,46 @@ def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
 
 
 @triton.jit
+def valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
+                  HAS_KEY_LENGTHS: tl.constexpr, HAS_QUERY_LENGTHS: tl.constexpr):
+    """``(kv_valid, q_valid)``: batch element ``off_z``'s key and query lengths."""
+    kv_valid = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
+    q_valid = q_len
+    if HAS_QUERY_LENGTHS:
+        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+    return kv_valid, q_valid
+
+
+@triton.jit
+def key_tiles(m0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
+    """Key bounds ``(t_lo, u_lo, u_hi, t_hi)`` of the query block at ``m0``: masked
+    head ``[t_lo, u_lo)``, mask-free middle ``[u_lo, u_hi)``, masked tail
+    ``[u_hi, t_hi)``; multiples of ``BLOCK_N``. Forward and dQ pass walk the same."""
+    # Key range any row of the block may reach, and the range every row reaches.
+    m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
+    k_lo = 0
+    k_hi = kv_valid
+    full_lo = 0
+    full_hi = kv_valid
+    if HAS_LOWER:
+        k_lo = tl.maximum(m0 + lower_off, 0)
+        full_lo = tl.maximum(m_last + lower_off, 0)
+    if HAS_UPPER:
+        k_hi = tl.minimum(k_hi, m_last + upper_off + 1)
+        full_hi = tl.minimum(full_hi, m0 + upper_off + 1)
+    k_hi = tl.maximum(k_hi, k_lo)
+    k_hi = tl.where(m_last < m0, k_lo, k_hi)  # the whole block is query padding
+    t_lo = (k_lo // BLOCK_N) * BLOCK_N
+    t_hi = tl.cdiv(k_hi, BLOCK_N) * BLOCK_N
+    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, t_lo), t_hi)
+    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, u_lo), t_hi)
+    return t_lo, u_lo, u_hi, t_hi
+
+
+@triton.jit
 def flash_forward_kernel(
         Q, K, V, Out, Lse, KeyLengths, QueryLengths,
         stride_qz, stride_qh, stride_qm, stride_qd,
@@ -112,31 +152,11 @@ def flash_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    kv_valid = kv_len
-    if HAS_KEY_LENGTHS:
-        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
-    q_valid = q_len
-    if HAS_QUERY_LENGTHS:
-        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
+    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
+                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
 
-    # Key range any row of the block may reach, and the range every row reaches.
-    m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
-    k_lo = 0
-    k_hi = kv_valid
-    full_lo = 0
-    full_hi = kv_valid
-    if HAS_LOWER:
-        k_lo = tl.maximum(m0 + lower_off, 0)
-        full_lo = tl.maximum(m_last + lower_off, 0)
-    if HAS_UPPER:
-        k_hi = tl.minimum(k_hi, m_last + upper_off + 1)
-        full_hi = tl.minimum(full_hi, m0 + upper_off + 1)
-    k_hi = tl.maximum(k_hi, k_lo)
-    k_hi = tl.where(m_last < m0, k_lo, k_hi)  # the whole block is query padding
-    t_lo = (k_lo // BLOCK_N) * BLOCK_N
-    t_hi = tl.cdiv(k_hi, BLOCK_N) * BLOCK_N
-    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, t_lo), t_hi)
-    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, u_lo), t_hi)
+    t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
+                                       BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
 
     q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
               + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
