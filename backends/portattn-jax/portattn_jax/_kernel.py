@@ -91,7 +91,7 @@ class JaxDpaKernel(Kernel):
             cpu = device == "cpu"
             limit = cls.xla_score_limit_cpu if cpu else cls.xla_score_limit
             if scores > limit:
-                why = "tiled is faster on cpu" if cpu else "O(L^2) memory"
+                why = "tiled kernels are faster on cpu" if cpu else "O(L^2) memory"
                 reasons.append(f"score matrix of {scores} elements > {limit} (jax's XLA "
                                f"path materialises it: {why})")
         return reasons
