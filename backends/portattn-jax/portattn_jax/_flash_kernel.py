@@ -69,20 +69,14 @@ def flat_arguments(inputs: AttentionInputs) -> tuple[Any, ...]:
     lengths and dense parts of the mask each combined into one array (or None)."""
     import jax.numpy as jnp
 
+    from ._compute import _combined as combined
+
     spec = fold_mask(inputs)
     batch = inputs.batch_shape
     flat = math.prod(batch)
 
     def lead(x: Any) -> Any:
         return jnp.reshape(x, (flat, *x.shape[len(batch):]))
-
-    def combined(op: Any, arrays: tuple[Any, ...]) -> Any:
-        if not arrays:
-            return None
-        result = arrays[0]
-        for a in arrays[1:]:
-            result = op(result, a)
-        return result
 
     kl = combined(jnp.minimum, spec.key_lengths)
     ql = combined(jnp.minimum, spec.query_lengths)
