@@ -20,8 +20,8 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from portattn._bench.cases import SweepConfig
-    from portattn._bench.sweep import History, Inputs
+    from portattn_bench.cases import SweepConfig
+    from portattn_bench.sweep import History, Inputs
 
 ARGS_ENV = "PORTATTN_BENCH_ARGS"
 SETTLE = 0.05
@@ -39,7 +39,7 @@ def sweep_settings(config: pytest.Config) -> SweepConfig:
     """The sweep's settings, parsed like the command line's (cached per session)."""
     cached = getattr(config, "_portattn_sweep", None)
     if cached is None:
-        from portattn._bench.cli import parse
+        from portattn_bench.cli import parse
 
         argv = shlex.split(os.environ.get(ARGS_ENV, ""))
         if config.getoption("--quick") or os.environ.get(QUICK_ENV, "") not in ("", "0"):
@@ -52,8 +52,8 @@ def sweep_settings(config: pytest.Config) -> SweepConfig:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "sweep_case" not in metafunc.fixturenames:
         return
-    from portattn._bench.cases import plan
-    from portattn._bench.runners import all_runners
+    from portattn_bench.cases import plan
+    from portattn_bench.runners import all_runners
 
     planned = plan(sweep_settings(metafunc.config), all_runners())
     metafunc.parametrize("sweep_case", planned.cases, ids=str)
@@ -67,14 +67,14 @@ def sweep_config(pytestconfig: pytest.Config) -> SweepConfig:
 @pytest.fixture(scope="session")
 def sweep_history(sweep_config: SweepConfig) -> History:
     """Measurements so far, to skip sizes predicted to exceed the time/memory limits."""
-    from portattn._bench.sweep import History
+    from portattn_bench.sweep import History
 
     return History(sweep_config)
 
 
 @pytest.fixture(scope="session")
 def sweep_inputs() -> Iterator[Inputs]:
-    from portattn._bench.sweep import Inputs
+    from portattn_bench.sweep import Inputs
 
     inputs = Inputs()
     yield inputs

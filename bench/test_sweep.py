@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pytest
-
-from portattn._bench.measure import peak_memory
+from portattn_bench.measure import peak_memory
 
 if TYPE_CHECKING:
-    from portattn._bench.cases import Case, SweepConfig
-    from portattn._bench.sweep import History, Inputs
+    from portattn_bench.cases import Case, SweepConfig
+    from portattn_bench.sweep import History, Inputs
 
 
 def test_attention(sweep_case: Case, sweep_config: SweepConfig, sweep_history: History,

@@ -70,6 +70,20 @@ def demo() -> int:
     return run_demo()
 
 
+def bench(argv: list[str]) -> int:
+    """Hand over to the ``portattn-bench`` distribution (imported only here)."""
+    try:
+        from portattn_bench import main as bench_main
+    except ImportError as e:
+        if e.name != "portattn_bench":
+            raise
+        print("portattn bench: the benchmark report is its own distribution, "
+              "portattn-bench, which is not installed; install it with "
+              "`pip install ./bench/portattn-bench` (from a portattn checkout)", file=sys.stderr)
+        return 2
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="portattn", description=__doc__)
@@ -80,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmark the installed kernels", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        from ._bench import main as bench_main
-
-        return bench_main(rest)
+        return bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return info() if args.command == "info" else demo()

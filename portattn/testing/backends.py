@@ -99,16 +99,27 @@ def _torch(device: str) -> Backend:
                    array_namespace(torch.empty(0)), ALL_FLOATS, make, dev)
 
 
-def _jax() -> Backend:
+def _jax(platform: str) -> Backend:
     import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 must stay float64
     import jax.numpy as jnp
 
-    def make(a, dtype):
-        return jnp.asarray(a, dtype=getattr(jnp, dtype) if dtype else None)
+    try:
+        dev = jax.devices(platform)[0]
+    except RuntimeError as e:  # no such platform in this jaxlib
+        msg = f"jax has no {platform} device: {e}"
+        raise ImportError(msg) from e
 
-    return Backend("jax", jnp, ALL_FLOATS, make)
+    # On CPU the arrays stay uncommitted (JAX's default placement), as a user makes them.
+    placed = None if platform == "cpu" else dev
+
+    def make(a, dtype):
+        return jnp.asarray(a, dtype=getattr(jnp, dtype) if dtype else None, device=placed)
+
+    if platform == "cpu":
+        return Backend("jax", jnp, ALL_FLOATS, make)
+    return Backend("jax_cuda", jnp, ALL_FLOATS, make, dev)
 
 
 def _dask() -> Backend:
@@ -146,10 +157,11 @@ _LOADERS: dict[str, Callable[[], Backend]] = {
     "numpy": _numpy,
     "array_api_strict": _strict,
     "torch": lambda: _torch("cpu"),
-    "jax": _jax,
+    "jax": lambda: _jax("cpu"),
     "dask": _dask,
     "cupy": _cupy,
     "torch_cuda": lambda: _torch("cuda"),
+    "jax_cuda": lambda: _jax("gpu"),
 }
 BACKEND_NAMES = tuple(_LOADERS)
 _loaded: dict[str, Backend] = {}

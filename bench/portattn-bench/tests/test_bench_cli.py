@@ -1,4 +1,4 @@
-"""``portattn bench`` end to end on a tiny NumPy sweep, and the pieces it is built from."""
+"""``portattn-bench`` end to end on a tiny NumPy sweep, and the pieces it is built from."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+from portattn_bench import main
+from portattn_bench.cases import Shape, SweepConfig, causal_pairs, flops
+from portattn_bench.report import SCHEMA
 
-from portattn._bench import main
-from portattn._bench.cases import Shape, SweepConfig, causal_pairs, flops
-from portattn._bench.report import SCHEMA
-
-RUNNERS = ("reference", "tiled", "numpy_textbook")
+RUNNERS = ("reference", "tiled", "numpy_textbook", "numpy_sgemm")
 SIZES = (16, 32)
 TINY = ["--backends", "numpy", "--kernels", ",".join(RUNNERS), "--sizes",
         ",".join(map(str, SIZES)), "--heads", "2", "--head-dim", "8", "--repeat", "2",
@@ -64,15 +63,23 @@ def test_flops_and_ratios(run: dict) -> None:
     rows = run["json"]["results"]
     for r in rows:
         length = r["q_len"]
-        allowed = np.tril(np.ones((length, length), dtype=bool)).sum() if r["mask"] == "causal" \
+        # the GEMM reference always computes the whole score matrix
+        masked = r["mask"] == "causal" and r["runner"] != "numpy_sgemm"
+        allowed = np.tril(np.ones((length, length), dtype=bool)).sum() if masked \
             else length * length
         assert r["flops"] == 2 * r["batch"] * r["heads"] * allowed * (8 + 8)
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["mask"], r["q_len"]), []).append(r["ratio_fastest"])
-    for ratios in groups.values():
-        assert min(ratios) == 1.0
-        assert all(x >= 1.0 for x in ratios)
+        groups.setdefault((r["mask"], r["q_len"]), []).append(r)
+    for group in groups.values():
+        attention = [r["ratio_fastest"] for r in group if r["runner"] != "numpy_sgemm"]
+        assert min(attention) == 1.0
+        assert all(x >= 1.0 for x in attention)
+        (sgemm,) = [r for r in group if r["runner"] == "numpy_sgemm"]
+        assert sgemm["ratio_fastest"] is None  # a reference, not an attention kernel
+        assert sgemm["ratio_sgemm"] == 1.0
+        for r in group:
+            assert r["ratio_sgemm"] == pytest.approx(r["gflops"] / sgemm["gflops"])
 
 
 def test_table_printed(run: dict) -> None:
@@ -82,6 +89,9 @@ def test_table_printed(run: dict) -> None:
     for name in RUNNERS:
         assert name in text
     assert "GFLOP/s" in text
+    assert "of sgemm" in text
+    assert "numpy_sgemm+" in text  # marked as the reference, explained below the table
+    assert "+ reference: NumPy's float32 GEMM" in text
 
 
 def test_plot_written(run: dict) -> None:
@@ -96,7 +106,7 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
     assert main([*args, "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "matplotlib" in err
-    assert "portattn[bench]" in err
+    assert "pip install matplotlib" in err
     assert not (tmp_path / "portattn-bench-cpu.png").exists()
     assert (tmp_path / "portattn-bench-cpu.json").exists()
 
@@ -123,7 +133,7 @@ def test_causal_pairs_count_the_mask() -> None:
 
 
 def test_history_skips_predicted_overruns() -> None:
-    from portattn._bench.sweep import History
+    from portattn_bench.sweep import History
 
     history = History(SweepConfig(max_time=1.0, max_memory=1000.0))
 
@@ -144,7 +154,41 @@ def test_history_skips_predicted_overruns() -> None:
 
 
 def test_import_portattn_leaves_bench_alone() -> None:
-    code = "import sys, portattn; portattn.kernels(); print('portattn._bench' in sys.modules)"
+    code = "import sys, portattn; portattn.kernels(); print('portattn_bench' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_core_command_hands_over(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "portattn", "bench", *TINY, "--kernels",
+                             "tiled", "--sizes", "16", "--no-causal", "--no-plot",
+                             "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "tiled" in result.stdout
+    assert (tmp_path / "portattn-bench-cpu.json").exists()
+
+
+def test_core_command_without_the_bench(monkeypatch, capsys) -> None:
+    from portattn.__main__ import main as portattn_main
+
+    monkeypatch.setitem(sys.modules, "portattn_bench", None)  # as if not installed
+    assert portattn_main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "portattn-bench" in err
+    assert "pip install ./bench/portattn-bench" in err
+
+
+def test_backends_are_the_test_suites() -> None:
+    from portattn_bench.backends import BENCH_BACKENDS
+
+    from portattn.testing import BACKEND_NAMES
+
+    assert sorted(BENCH_BACKENDS) == sorted(BACKEND_NAMES)
+
+
+def test_backend_of_another_device() -> None:
+    from portattn_bench.backends import get
+
+    with pytest.raises(ValueError, match=r"'torch' for device=cuda; known: cupy, torch_cuda"):
+        get("torch", "cuda")

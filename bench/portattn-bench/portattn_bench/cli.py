@@ -1,4 +1,4 @@
-"""``portattn bench``: sweep, table, JSON and plot in one command."""
+"""``portattn-bench``: sweep, table, JSON and plot in one command."""
 
 from __future__ import annotations
 
@@ -51,17 +51,20 @@ def _masks(text: str) -> tuple[bool, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="portattn bench",
-        description="Time every installed attention kernel (and two baselines) on this "
-                    "machine; print a table, write raw results as JSON and a plot as PNG.")
+        prog="portattn-bench",
+        description="Time every installed attention kernel (two baselines and NumPy's "
+                    "float32 GEMM as a reference) on this machine; print a table, write "
+                    "raw results as JSON and a plot as PNG.")
     p.add_argument("--quick", action="store_true",
                    help=f"small sweep (L={','.join(map(str, QUICK['sizes']))}, "
                         f"{QUICK['heads']} heads, {QUICK['repeat']} repeats)")
     p.add_argument("--kernels", type=_names, help="kernels and baselines to time "
-                   "(default: all installed kernels, numpy_textbook, torch_sdpa_direct)")
+                   "(default: all installed kernels, numpy_textbook, torch_sdpa_direct, "
+                   "numpy_sgemm)")
     p.add_argument("--backends", type=_names,
-                   help="array libraries (default: numpy,torch,jax,dask on cpu; torch,jax,"
-                        "cupy on cuda; array_api_strict on request)")
+                   help="array libraries, named as in portattn.testing (default: numpy,"
+                        "torch,jax,dask on cpu; torch_cuda,jax_cuda,cupy on cuda; "
+                        "array_api_strict on request)")
     p.add_argument("--sizes", type=_sizes, help="sequence lengths Lq = Lk (default: "
                    f"{','.join(map(str, _cases.DEFAULT_SIZES))})")
     p.add_argument("--dtypes", type=_names, help="default: float32 on cpu; "
@@ -73,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     masks.add_argument("--no-causal", dest="masks", action="store_const", const=(False,),
                        help="no mask only")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the arrays live (cuda: torch, cupy and jax on the GPU)")
+                   help="where the arrays live (cuda: torch_cuda, jax_cuda and cupy)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, help="default 8 (4 with --quick)")
     p.add_argument("--head-dim", type=int, default=64)
@@ -159,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = _cases.plan(config, all_runners())
     except ValueError as e:
-        print(f"portattn bench: error: {e}", file=sys.stderr)
+        print(f"portattn-bench: error: {e}", file=sys.stderr)
         return 2
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     if not plan.cases:
-        print("portattn bench: nothing to run with these options", file=sys.stderr)
+        print("portattn-bench: nothing to run with these options", file=sys.stderr)
         for item in plan.unsupported:
             print(f"    {item['runner']} [{item['backend']}] {item['dtype']} mask={item['mask']}: "
                   + "; ".join(item["reasons"]), file=sys.stderr)

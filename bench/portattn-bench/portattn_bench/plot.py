@@ -19,6 +19,10 @@ _MARKERS = {"numpy": "o", "torch": "s", "jax": "^", "dask": "D", "cupy": "v",
             "array_api_strict": "x"}
 
 
+#: Baselines dashed, the sgemm reference dotted (and black), kernels solid.
+_LINES = {"baseline": "--", "reference": ":"}
+
+
 class MissingDependency(ImportError):
     """An optional dependency of ``portattn bench`` is not installed."""
 
@@ -28,7 +32,7 @@ def _figure_class() -> Any:
         from matplotlib.figure import Figure
     except ImportError as e:
         msg = ("the plot needs matplotlib, which is not installed; "
-               "install it with `pip install 'portattn[bench]'` (or pass --no-plot)")
+               "install it with `pip install matplotlib` (or pass --no-plot)")
         raise MissingDependency(msg) from e
     return Figure
 
@@ -36,6 +40,8 @@ def _figure_class() -> Any:
 def _label(key: tuple[str, str, str], dtypes: set[str]) -> str:
     runner, backend, dtype = key
     label = f"{runner} [{backend}]"
+    if runner == "numpy_sgemm":
+        label = "numpy float32 GEMM (Q K^T, S V), reference"
     return f"{label} {dtype}" if len(dtypes) > 1 else label
 
 
@@ -55,10 +61,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     axes = fig.subplots(2, len(masks), squeeze=False, sharex=True)
     colours = _colours(len(series))
     for (key, by_mask), colour in zip(sorted(series.items()), colours, strict=True):
-        style = {"color": colour, "marker": _MARKERS.get(key[1].split(":")[0], "o"),
-                 "markersize": 4,
-                 "linestyle": "--" if by_mask[next(iter(by_mask))][0]["kind"] == "baseline"
-                 else "-", "label": _label(key, dtypes)}
+        kind = by_mask[next(iter(by_mask))][0]["kind"]
+        style = {"color": "black" if kind == "reference" else colour,
+                 "marker": _MARKERS.get(key[1].removesuffix("_cuda"), "o"), "markersize": 4,
+                 "linestyle": _LINES.get(kind, "-"), "label": _label(key, dtypes)}
         for col, mask in enumerate(masks):
             points = by_mask.get(mask, [])
             if not points:

@@ -1,10 +1,13 @@
-"""What the benchmark times: every installed kernel, plus two baselines that are not.
+"""What the benchmark times: every installed kernel, two baselines that are not, and
+the machine's GEMM rate as a reference.
 
 A kernel runs through :func:`portattn.attention` with ``kernel=name`` (what a user
 calls), and whether it can run a case is asked of :func:`portattn.explain`, so a new
 plugin shows up here without any change. The baselines are the yardsticks: the
 textbook NumPy formula on the whole score matrix, and PyTorch's own
-``scaled_dot_product_attention`` called directly.
+``scaled_dot_product_attention`` called directly. The reference is NumPy's own float32
+GEMM on the two products attention is made of (``Q K^T`` and ``S V``, whole score
+matrix): the rate this machine's BLAS reaches at the report's sizes.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
 
     from .backends import BenchBackend
 
-__all__ = ["BASELINES", "KernelRunner", "Runner", "all_runners"]
+__all__ = ["BASELINES", "SGEMM", "KernelRunner", "Runner", "all_runners"]
 
 
 class Runner:
@@ -26,6 +29,8 @@ class Runner:
     name: str = ""
     kind: str = ""
     provenance: str = ""
+    counts_mask: bool = True
+    """Whether its FLOP count is that of the allowed (query, key) pairs only."""
 
     def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
         """Why this runner cannot run the case (empty when it can)."""
@@ -54,15 +59,13 @@ class KernelRunner(Runner):
         self.provenance = provenance
 
     def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
-        # What explain() says about this one kernel, without checking all the others
-        # (their availability checks would import every array library).
-        from portattn._dispatch import reasons
-        from portattn._inputs import describe
-        from portattn._registry import kernel_entries
+        # What explain() says about this kernel (it asks only the kernels that target
+        # the arrays' library whether they are available, so no other library loads).
+        import portattn
 
-        for entry in kernel_entries():
+        for entry, why in portattn.explain(q, k, v, mask=_mask(causal)).candidates:
             if entry.name == self.name:
-                return reasons(entry, describe(q, k, v, mask=_mask(causal)))
+                return list(why)
         return [f"kernel {self.name!r} is not installed"]
 
     def prepare(self, backend: BenchBackend, q: Any, k: Any, v: Any,
@@ -123,13 +126,42 @@ class TorchSdpa(Runner):
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+class NumpySgemm(Runner):
+    """The two float32 GEMMs of unmasked attention, ``(Q K^T) V``, by NumPy's BLAS.
+
+    Its FLOP count is always that of the full products (a mask does not shrink a GEMM),
+    so its GFLOP/s is the machine's sgemm rate at this size, mask or not.
+    """
+
+    name = "numpy_sgemm"
+    kind = "reference"
+    provenance = "reference"
+    counts_mask = False
+
+    def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
+        if backend.name != "numpy":
+            return [f"backend={backend} (runs on numpy arrays only)"]
+        if str(q.dtype) != "float32":
+            return [f"dtype={q.dtype} (the reference is float32 GEMM)"]
+        return []
+
+    def prepare(self, backend: BenchBackend, q: Any, k: Any, v: Any,
+                causal: bool) -> Callable[[], Any]:
+        import numpy as np
+
+        kt = np.ascontiguousarray(np.swapaxes(k, -1, -2))  # as a kernel would lay it out
+        return lambda: np.matmul(np.matmul(q, kt), v)
+
+
 BASELINES: tuple[Runner, ...] = (TextbookNumpy(), TorchSdpa())
+SGEMM = NumpySgemm()
 SDPA_BASELINE = TorchSdpa.name
 
 
 def all_runners() -> list[Runner]:
-    """Every installed kernel (dispatch order, unusable ones included) and the baselines."""
+    """Every installed kernel (dispatch order, unusable ones included), the baselines and
+    the sgemm reference."""
     import portattn
 
     kernels = [KernelRunner(e.name, e.provenance) for e in portattn.kernels()]
-    return [*kernels, *BASELINES]
+    return [*kernels, *BASELINES, SGEMM]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["History", "Inputs", "fmt_bytes", "record", "release", "run"]
 
-BENCH_EXTRA = "pip install 'portattn[bench]'"
+BENCH_EXTRA = "pip install tqdm"
 
 
 def fmt_bytes(n: float) -> str:

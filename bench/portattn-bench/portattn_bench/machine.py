@@ -11,7 +11,8 @@ from typing import Any
 __all__ = ["describe_machine", "summary"]
 
 #: Distributions whose versions matter to the figures (read from metadata, not imported).
-LIBRARIES = ("portattn", "numpy", "scipy", "torch", "triton", "jax", "jaxlib", "dask",
+LIBRARIES = ("portattn", "portattn-bench", "numpy",
+             "scipy", "torch", "triton", "jax", "jaxlib", "dask",
              "distributed", "cupy", "cupy-cuda12x", "cupy-cuda11x", "array-api-compat",
              "array-api-strict", "threadpoolctl", "matplotlib")
 

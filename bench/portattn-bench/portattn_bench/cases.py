@@ -96,7 +96,8 @@ class Case:
 
     @property
     def flops(self) -> int:
-        return flops(self.shape, self.length, self.length, self.causal)
+        return flops(self.shape, self.length, self.length,
+                     self.causal and self.runner.counts_mask)
 
     def __str__(self) -> str:
         return f"{self.runner}-{self.backend}-{self.dtype}-{self.mask}-L{self.length}"

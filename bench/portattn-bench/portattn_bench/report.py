@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from .runners import SDPA_BASELINE
+from .runners import SDPA_BASELINE, SGEMM
 from .sweep import fmt_bytes
 
 if TYPE_CHECKING:
@@ -25,20 +25,31 @@ def _group(row: dict[str, Any]) -> tuple:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``ratio_fastest`` and ``ratio_sdpa`` (time over the fastest / over torch SDPA)."""
+    """``ratio_fastest`` and ``ratio_sdpa`` (time over the fastest attention / over torch
+    SDPA) and ``ratio_sgemm`` (GFLOP/s over the machine's sgemm rate at that size).
+
+    The sgemm reference computes no attention, so it is never "the fastest"."""
     fastest: dict[tuple, float] = {}
     sdpa: dict[tuple, float] = {}
+    sgemm: dict[tuple, float] = {}
     for row in rows:
         if row["best_s"] is None:
             continue
         key = _group(row)
+        if row["runner"] == SGEMM.name:
+            sgemm[key] = row["gflops"]
+            continue
         fastest[key] = min(fastest.get(key, row["best_s"]), row["best_s"])
         if row["runner"] == SDPA_BASELINE:
             sdpa[key] = row["best_s"]
     for row in rows:
         key, best = _group(row), row["best_s"]
-        row["ratio_fastest"] = best / fastest[key] if best is not None else None
-        row["ratio_sdpa"] = best / sdpa[key] if best is not None and key in sdpa else None
+        measured = best is not None
+        attends = measured and row["runner"] != SGEMM.name
+        row["ratio_fastest"] = best / fastest[key] if attends and key in fastest else None
+        row["ratio_sdpa"] = best / sdpa[key] if attends and key in sdpa else None
+        row["ratio_sgemm"] = row["gflops"] / sgemm[key] if measured and key in sgemm else None
+
 
 
 def fmt_time(seconds: float) -> str:
@@ -53,23 +64,29 @@ def _ratio(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}x"
 
 
+def _percent(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
 def _memory(row: dict[str, Any]) -> str:
     if row["memory_bytes"] is None:
         return "-"
     return f"{fmt_bytes(row['memory_bytes'])} ({row['memory_method']})"
 
 
-_COLUMNS = ("L", "kernel", "backend", "best", "median", "GFLOP/s", "vs fastest",
-            "vs sdpa", "peak memory")
+_COLUMNS = ("L", "kernel", "backend", "best", "median", "GFLOP/s", "of sgemm",
+            "vs fastest", "vs sdpa", "peak memory")
+_MARKS = {"baseline": "*", "reference": "+"}
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    name = row["runner"] + ("*" if row["kind"] == "baseline" else "")
+    name = row["runner"] + _MARKS.get(row["kind"], "")
     head = [str(row["q_len"]), name, row["backend"]]
     if row["status"] != "ok":
         return [*head, f"{row['status']}: {row['reason']}"]
     return [*head, fmt_time(row["best_s"]), fmt_time(row["median_s"]), f"{row['gflops']:.1f}",
-            _ratio(row["ratio_fastest"]), _ratio(row["ratio_sdpa"]), _memory(row)]
+            _percent(row["ratio_sgemm"]), _ratio(row["ratio_fastest"]),
+            _ratio(row["ratio_sdpa"]), _memory(row)]
 
 
 def table(rows: list[dict[str, Any]], shape: dict[str, int]) -> str:
@@ -98,11 +115,14 @@ def table(rows: list[dict[str, Any]], shape: dict[str, int]) -> str:
         out.append("")
     if any(r["kind"] == "baseline" for r in rows):
         out.append("* baseline, not a portattn kernel")
+    if any(r["kind"] == "reference" for r in rows):
+        out.append("+ reference: NumPy's float32 GEMM on the unmasked products Q K^T "
+                   "and S V; 'of sgemm' is GFLOP/s as a share of its rate")
     return "\n".join(out).rstrip() + "\n"
 
 
 def _line(cells: list[str], widths: list[int]) -> str:
-    numeric = {0, 3, 4, 5, 6, 7}
+    numeric = {0, 3, 4, 5, 6, 7, 8}
     parts = []
     for i, cell in enumerate(cells):
         if i == len(cells) - 1 and len(cells) < len(widths):
