@@ -1,8 +1,8 @@
-"""Structured attention masks.
+"""Structured attention masks: a public protocol every kernel reads.
 
-A mask says which (query i, key j) pairs may attend. Masks are small objects, not
-L x L arrays, so a kernel can tell from the structure alone which tiles are fully
-masked (and skip them) and build a boolean mask for one tile at a time.
+A mask says which (query i, key j) pairs may attend. Masks are small frozen objects,
+not L x L arrays, so a kernel can tell from the structure alone which tiles are
+fully hidden (and skip them) and build a boolean mask for one tile at a time.
 
 Positions: with ``bottom_right`` alignment query ``i`` sits at absolute position
 ``i + (Lk - Lq)``; with ``top_left`` at ``i``. The two coincide when ``Lq == Lk``.
@@ -10,31 +10,59 @@ Masks combine with ``&`` (pairs allowed by every part). Alignment always uses th
 array lengths ``Lq`` and ``Lk``, so combining with ``key_lengths`` is a plain
 intersection.
 
-Tiles returned by :meth:`Mask.tile` are boolean arrays (True = attend) of shape
-``(tq, tk)`` or of full rank ``(*batch, H, tq, tk)`` with broadcastable 1s.
+What a kernel may ask, for a call of ``Lq`` queries and ``Lk`` keys:
+
+- :attr:`Mask.parts` and :attr:`Mask.kinds`: the public kinds below, with their
+  parameters as attributes (:class:`Causal`, :class:`SlidingWindow`,
+  :class:`KeyLengths`, :class:`QueryLengths`, :class:`Dense`);
+- :meth:`Mask.band`: every causal and sliding-window part folded into one
+  :class:`Band` (``lower <= j - i <= upper`` for query row ``i``, key ``j``);
+- :meth:`Mask.parts_of`: the parts of one kind, e.g. the length arrays;
+- :meth:`Mask.key_range`, :meth:`Mask.covers`, :meth:`Mask.hides`: what a tile needs,
+  known without reading data; :meth:`Mask.tile`: the boolean tile itself;
+- :attr:`Mask.arrays` and :meth:`Mask.with_arrays`: the arrays inside, and the same
+  mask holding other ones (pytrees, device moves, borrowing into another library);
+- :meth:`Mask.restrict`: the mask of a sub-problem (split-KV, ring attention).
+
+Tiles are boolean arrays (True = attend) of shape ``(tq, tk)`` or of full rank
+``(*batch, H, tq, tk)`` with broadcastable 1s.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 # check_range and jax_tracer_type are also for plugins that read mask values themselves
 from ._mask_values import check_range, dtype_text, jax_tracer_type, signed  # noqa: F401
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = [
+    "Band",
+    "Causal",
+    "Dense",
+    "Intersection",
+    "KeyLengths",
     "Mask",
+    "QueryLengths",
+    "SlidingWindow",
     "causal",
+    "check_range",
     "dense",
     "key_lengths",
+    "on_mask_created",
     "query_lengths",
+    "slice_tile",
     "sliding_window",
 ]
 
 KINDS = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense")
+"""The kinds a kernel may declare in ``Kernel.masks``."""
+
+POSITIONAL = frozenset({"causal", "sliding_window"})
+"""Kinds defined by positions alone: :meth:`Mask.band` describes them completely."""
 
 
 _creation_hooks: list[Callable[[], bool]] = []
@@ -58,39 +86,123 @@ def _before_creating() -> None:
             _creation_hooks.remove(hook)
 
 
-class Mask:
-    """Base of every mask; combine masks with ``&``."""
+@dataclass(frozen=True)
+class Band:
+    """Key ``j`` is allowed for query row ``i`` iff ``lower <= j - i <= upper``.
 
-    kind: str = ""
+    Rows and keys are array indices (``0 <= i < Lq``, ``0 <= j < Lk``); alignment and
+    any shift are already folded in. ``None`` leaves a side unbounded. Top-left causal
+    is ``Band(None, 0)``; bottom-right causal is ``Band(None, Lk - Lq)``.
+    """
+
+    lower: int | None = None
+    upper: int | None = None
+
+    def __and__(self, other: Band) -> Band:
+        return Band(_max(self.lower, other.lower), _min(self.upper, other.upper))
+
+    def normalized(self, lq: int, lk: int) -> Band:
+        """The same set of pairs, with bounds that exclude nothing made ``None``."""
+        lower = None if self.lower is not None and self.lower <= -(lq - 1) else self.lower
+        upper = None if self.upper is not None and self.upper >= lk - 1 else self.upper
+        return Band(lower, upper)
+
+    def key_range(self, q0: int, q1: int, lk: int) -> tuple[int, int]:
+        """Half-open range of keys that some row in ``[q0, q1)`` may attend."""
+        lo = 0 if self.lower is None else q0 + self.lower
+        hi = lk if self.upper is None else q1 + self.upper
+        return min(max(lo, 0), lk), max(min(hi, lk), 0)
+
+    def covers(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Every pair of the tile is allowed."""
+        return ((self.lower is None or k0 - (q1 - 1) >= self.lower)
+                and (self.upper is None or (k1 - 1) - q0 <= self.upper))
+
+    def hides(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """No pair of the tile is allowed."""
+        if q0 >= q1 or k0 >= k1:
+            return True
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            return True
+        return ((self.upper is not None and k0 - (q1 - 1) > self.upper)
+                or (self.lower is not None and (k1 - 1) - q0 < self.lower))
+
+    def tile(self, xp: Any, q0: int, q1: int, k0: int, k1: int, device: Any = None) -> Any:
+        """Boolean ``(q1 - q0, k1 - k0)`` array, True where the pair is allowed."""
+        rows = xp.arange(q0, q1, device=device)[:, None]
+        cols = xp.arange(k0, k1, device=device)[None, :]
+        diff = cols - rows
+        allowed = None
+        if self.lower is not None:
+            allowed = diff >= self.lower
+        if self.upper is not None:
+            upper = diff <= self.upper
+            allowed = upper if allowed is None else xp.logical_and(allowed, upper)
+        if allowed is None:  # unbounded both ways: every pair
+            allowed = xp.logical_or(diff >= 0, diff < 0)
+        return allowed
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _min(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+class Mask:
+    """Base of every mask; combine masks with ``&``. Defaults describe a part that
+    allows every pair as far as the structure tells (subclasses narrow them)."""
+
+    kind: ClassVar[str] = ""
 
     @property
     def parts(self) -> tuple[Mask, ...]:
+        """The masks this one intersects (itself for a single kind)."""
         return (self,)
 
     @property
     def kinds(self) -> frozenset[str]:
         return frozenset(p.kind for p in self.parts)
 
+    def parts_of(self, kind: str) -> tuple[Mask, ...]:
+        """The parts of one kind, e.g. ``[p.lengths for p in m.parts_of("key_lengths")]``."""
+        return tuple(p for p in self.parts if p.kind == kind)
+
     @property
     def arrays(self) -> tuple[Any, ...]:
-        """Arrays held by the mask (for namespace and device checks)."""
+        """The arrays held by the mask, in a fixed order (see :meth:`with_arrays`)."""
         return ()
 
-    def __and__(self, other: Mask) -> Mask:
-        if not isinstance(other, Mask):
-            return NotImplemented
-        return _Intersection(self.parts + other.parts)
+    def with_arrays(self, arrays: Sequence[Any]) -> Mask:
+        """The same mask holding ``arrays`` (as many as :attr:`arrays`, same order)
+        instead. Nothing is checked: it is for moving arrays (pytrees, devices,
+        DLPack), not for building masks from user input."""
+        if len(arrays):
+            msg = f"{self!r} holds no arrays; got {len(arrays)}"
+            raise ValueError(msg)
+        return self
 
-    def __iter__(self) -> Iterator[Mask]:
-        return iter(self.parts)
+    def structure(self) -> tuple:
+        """A hashable value equal for masks that differ at most in their arrays."""
+        return (self.kind,)
 
     def key(self) -> Any:
         """A plain value equal for equal masks (what ``==`` and ``hash`` compare).
 
         Built from the parameters alone, so a compiler tracing a mask built inside the
         traced function (torch.compile) can use it before the mask object exists.
-        Masks that hold arrays compare by identity."""
-        return (type(self), id(self))
+        Masks that hold arrays compare by the arrays' identity."""
+        return (self.structure(), tuple(id(a) for a in self.arrays))
+
+    def __and__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return Intersection(self.parts + other.parts)
+
+    def __iter__(self) -> Iterator[Mask]:
+        return iter(self.parts)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mask) and other.key() == self.key()
@@ -98,7 +210,11 @@ class Mask:
     def __hash__(self) -> int:
         return hash(self.key())
 
-    # --- static structure, used to skip work -------------------------------------
+    # --- static structure: what a tile needs, known without reading data --------------
+    def band(self, lq: int, lk: int) -> Band | None:
+        """The positional parts folded into one band; None when there are none."""
+        return None
+
     def key_range(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         """Half-open range of keys that some query in ``[q0, q1)`` may attend."""
         return 0, lk
@@ -106,6 +222,10 @@ class Mask:
     def covers(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> bool:
         """True when every pair in the tile is allowed, known without reading data."""
         return False
+
+    def hides(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> bool:
+        """True when no pair in the tile is allowed, known without reading data."""
+        return q0 >= q1 or k0 >= k1
 
     def tile(self, xp: Any, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int,
              device: Any = None) -> Any:
@@ -124,138 +244,120 @@ class Mask:
 
 
 class _Positional(Mask):
-    """Masks defined by query/key positions only (no arrays).
+    """Masks defined by query/key positions only: everything follows from the band.
 
     ``shift`` moves the query positions further; it is how :meth:`restrict` keeps a
     sub-problem aligned with the whole.
     """
 
-    shift: int = 0
-
-    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        qpos = xp.arange(q0, q1, device=device)[:, None] + self.offset(lq, lk)
-        kpos = xp.arange(k0, k1, device=device)[None, :]
-        return self._allowed(xp, qpos, kpos)
-
-    def _base(self, lq: int, lk: int) -> int:
-        return lk - lq
+    shift: int
 
     def offset(self, lq: int, lk: int) -> int:
         """Absolute position of query 0 (key ``j`` sits at ``j``) for these lengths."""
         return self._base(lq, lk) + self.shift
 
+    def _base(self, lq: int, lk: int) -> int:
+        return lk - lq
+
+    def band(self, lq, lk):
+        raise NotImplementedError
+
+    def key_range(self, q0, q1, lq, lk):
+        return self.band(lq, lk).key_range(q0, q1, lk)
+
+    def covers(self, q0, q1, k0, k1, lq, lk):
+        return self.band(lq, lk).covers(q0, q1, k0, k1)
+
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        return self.band(lq, lk).hides(q0, q1, k0, k1)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        return self.band(lq, lk).tile(xp, q0, q1, k0, k1, device)
+
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         # global position of local query i: (q0 + i) + offset; of local key j: k0 + j.
         shift = self.offset(lq, lk) + q0 - k0 - self._base(q1 - q0, k1 - k0)
-        return self._shifted(shift)
+        return _replaced(self, shift=shift)
 
-    def _shifted(self, shift: int) -> Mask:
-        raise NotImplementedError
+    def structure(self) -> tuple:
+        return (self.kind, *(getattr(self, f.name) for f in fields(self)))
+
+    def key(self) -> tuple:
+        return self.structure()
 
     def _shift_text(self) -> str:
         return f", shift={self.shift}" if self.shift else ""
 
-    def _allowed(self, xp, qpos, kpos):
-        raise NotImplementedError
 
+@dataclass(frozen=True, eq=False, repr=False)
+class Causal(_Positional):
+    """Query at absolute position ``p`` attends keys ``j <= p``."""
 
-class _Causal(_Positional):
-    kind = "causal"
+    kind: ClassVar[str] = "causal"
+    alignment: str = "bottom_right"
+    shift: int = 0
 
-    def __init__(self, alignment: str, shift: int = 0) -> None:
-        if alignment not in ("bottom_right", "top_left"):
-            msg = f"alignment must be 'bottom_right' or 'top_left'; got alignment={alignment!r}"
+    def __post_init__(self) -> None:
+        if self.alignment not in ("bottom_right", "top_left"):
+            msg = ("alignment must be 'bottom_right' or 'top_left'; got "
+                   f"alignment={self.alignment!r}")
             raise ValueError(msg)
-        self.alignment = alignment
-        self.shift = shift
 
     def _base(self, lq, lk):
         return lk - lq if self.alignment == "bottom_right" else 0
 
-    def _shifted(self, shift):
-        return _Causal(self.alignment, shift)
-
-    def key_range(self, q0, q1, lq, lk):
-        return 0, max(0, min(lk, q1 + self.offset(lq, lk)))
-
-    def covers(self, q0, q1, k0, k1, lq, lk):
-        return k1 - 1 <= q0 + self.offset(lq, lk)
-
-    def _allowed(self, xp, qpos, kpos):
-        return kpos <= qpos
+    def band(self, lq, lk):
+        return Band(None, self.offset(lq, lk))
 
     def __repr__(self) -> str:
         return f"causal({self.alignment}{self._shift_text()})"
 
-    def key(self) -> tuple:
-        return ("causal", self.alignment, self.shift)
 
+@dataclass(frozen=True, eq=False, repr=False)
+class SlidingWindow(_Positional):
+    """Query at (bottom-right aligned) position ``p`` attends ``p-left <= j <= p+right``."""
 
-class _SlidingWindow(_Positional):
-    kind = "sliding_window"
+    kind: ClassVar[str] = "sliding_window"
+    left: int | None
+    right: int | None = 0
+    shift: int = 0
 
-    def __init__(self, left: int | None, right: int | None, shift: int = 0) -> None:
-        for name, value in (("left", left), ("right", right)):
+    def __post_init__(self) -> None:
+        for name in ("left", "right"):
+            value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 msg = f"sliding_window {name} must be an int >= 0 or None; got {name}={value!r}"
                 raise ValueError(msg)
-        self.left = left
-        self.right = right
-        self.shift = shift
 
-    def _shifted(self, shift):
-        return _SlidingWindow(self.left, self.right, shift)
-
-    def _bounds(self) -> tuple[float, float]:
-        left = math.inf if self.left is None else self.left
-        right = math.inf if self.right is None else self.right
-        return left, right
-
-    def key_range(self, q0, q1, lq, lk):
-        left, right = self._bounds()
-        off = self.offset(lq, lk)
-        lo = 0 if left == math.inf else max(0, q0 + off - left)
-        hi = lk if right == math.inf else min(lk, q1 - 1 + off + right + 1)
-        return int(min(lo, lk)), int(max(hi, 0))
-
-    def covers(self, q0, q1, k0, k1, lq, lk):
-        left, right = self._bounds()
-        off = self.offset(lq, lk)
-        return k0 >= q1 - 1 + off - left and k1 - 1 <= q0 + off + right
-
-    def _allowed(self, xp, qpos, kpos):
-        allowed = None
-        if self.left is not None:
-            allowed = kpos >= qpos - self.left
-        if self.right is not None:
-            upper = kpos <= qpos + self.right
-            allowed = upper if allowed is None else xp.logical_and(allowed, upper)
-        if allowed is None:  # unbounded both ways: every pair
-            allowed = xp.logical_or(kpos >= 0, qpos >= 0)
-        return allowed
+    def band(self, lq, lk):
+        offset = self.offset(lq, lk)
+        return Band(None if self.left is None else offset - self.left,
+                    None if self.right is None else offset + self.right)
 
     def __repr__(self) -> str:
         return f"sliding_window(left={self.left}, right={self.right}{self._shift_text()})"
-
-    def key(self) -> tuple:
-        return ("sliding_window", self.left, self.right, self.shift)
 
 
 class _Lengths(Mask):
     """Per-batch valid lengths (right padding) of the keys or the queries."""
 
-    def __init__(self, lengths: Any) -> None:
-        if not hasattr(lengths, "shape") or not hasattr(lengths, "dtype"):
+    lengths: Any
+
+    def __post_init__(self) -> None:
+        if not hasattr(self.lengths, "shape") or not hasattr(self.lengths, "dtype"):
             msg = (f"{self.kind} expects an integer array with the batch shape; "
-                   f"got {type(lengths).__name__}")
+                   f"got {type(self.lengths).__name__}")
             raise TypeError(msg)
-        self.lengths = lengths
 
     @property
     def arrays(self):
         return (self.lengths,)
+
+    def with_arrays(self, arrays):
+        (lengths,) = arrays
+        return _replaced(self, lengths=lengths)
 
     def bind(self, xp, batch_shape, num_heads, lq, lk):
         lengths = self.lengths
@@ -270,48 +372,64 @@ class _Lengths(Mask):
         limit = lk if self.kind == "key_lengths" else lq
         lengths = signed(xp, lengths)
         check_range(xp, lengths, limit, self.kind)
-        return self if lengths is self.lengths else type(self)(lengths)
+        return self if lengths is self.lengths else _replaced(self, lengths=lengths)
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         start, stop = (k0, k1) if self.kind == "key_lengths" else (q0, q1)
         # signed first: lengths - start must not wrap around in an unsigned dtype
         # (asarray: NumPy's clip turns a 0-d array into a scalar)
-        return type(self)(xp.asarray(xp.clip(signed(xp, self.lengths) - start, 0, stop - start)))
+        lengths = xp.asarray(xp.clip(signed(xp, self.lengths) - start, 0, stop - start))
+        return _replaced(self, lengths=lengths)
 
-    def _column(self, xp):
-        # (*batch) -> (*batch, 1, 1, 1): broadcasts against (*batch, H, tq, tk)
+    def column(self, xp: Any) -> Any:
+        """The lengths as ``(*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
         return xp.reshape(self.lengths, (*self.lengths.shape, 1, 1, 1))
 
     def __repr__(self) -> str:
         return f"{self.kind}(shape={tuple(self.lengths.shape)})"
 
 
-class _KeyLengths(_Lengths):
-    kind = "key_lengths"
+@dataclass(frozen=True, eq=False, repr=False)
+class KeyLengths(_Lengths):
+    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
+
+    kind: ClassVar[str] = "key_lengths"
+    lengths: Any
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        return xp.arange(k0, k1, device=device) < self._column(xp)
+        return xp.arange(k0, k1, device=device) < self.column(xp)
 
 
-class _QueryLengths(_Lengths):
-    kind = "query_lengths"
+@dataclass(frozen=True, eq=False, repr=False)
+class QueryLengths(_Lengths):
+    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked."""
+
+    kind: ClassVar[str] = "query_lengths"
+    lengths: Any
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        return xp.arange(q0, q1, device=device)[:, None] < self._column(xp)
+        return xp.arange(q0, q1, device=device)[:, None] < self.column(xp)
 
 
-class _Dense(Mask):
-    kind = "dense"
+@dataclass(frozen=True, eq=False, repr=False)
+class Dense(Mask):
+    """An explicit boolean array (True = attend); full rank once bound to a call."""
 
-    def __init__(self, allowed: Any) -> None:
-        if not hasattr(allowed, "shape") or not hasattr(allowed, "dtype"):
-            msg = f"dense expects a boolean array; got {type(allowed).__name__}"
+    kind: ClassVar[str] = "dense"
+    allowed: Any
+
+    def __post_init__(self) -> None:
+        if not hasattr(self.allowed, "shape") or not hasattr(self.allowed, "dtype"):
+            msg = f"dense expects a boolean array; got {type(self.allowed).__name__}"
             raise TypeError(msg)
-        self.allowed = allowed
 
     @property
     def arrays(self):
         return (self.allowed,)
+
+    def with_arrays(self, arrays):
+        (allowed,) = arrays
+        return _replaced(self, allowed=allowed)
 
     def bind(self, xp, batch_shape, num_heads, lq, lk):
         if not xp.isdtype(self.allowed.dtype, "bool"):
@@ -319,43 +437,73 @@ class _Dense(Mask):
                    f"dense.dtype={dtype_text(self.allowed.dtype)}")
             raise TypeError(msg)
         full = expand_to_rank(xp, self.allowed, (*batch_shape, num_heads, lq, lk), "dense mask")
-        return _Dense(full)
+        return _replaced(self, allowed=full)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         return slice_tile(self.allowed, q0, q1, k0, k1)
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
-        return _Dense(slice_tile(self.allowed, q0, q1, k0, k1))
+        return _replaced(self, allowed=slice_tile(self.allowed, q0, q1, k0, k1))
 
     def __repr__(self) -> str:
         return f"dense(shape={tuple(self.allowed.shape)})"
 
 
-class _Intersection(Mask):
-    def __init__(self, parts: tuple[Mask, ...]) -> None:
-        self._parts = parts
+@dataclass(frozen=True, eq=False, repr=False)
+class Intersection(Mask):
+    """Pairs allowed by every one of ``parts`` (what ``a & b`` builds)."""
+
+    members: tuple[Mask, ...]
 
     @property
     def parts(self):
-        return self._parts
+        return self.members
 
     @property
     def arrays(self):
-        return tuple(a for p in self._parts for a in p.arrays)
+        return tuple(a for p in self.members for a in p.arrays)
+
+    def with_arrays(self, arrays):
+        if len(arrays) != len(self.arrays):
+            msg = f"{self!r} holds {len(self.arrays)} arrays; got {len(arrays)}"
+            raise ValueError(msg)
+        rest, parts = list(arrays), []
+        for p in self.members:
+            n = len(p.arrays)
+            parts.append(p.with_arrays(rest[:n]))
+            del rest[:n]
+        return Intersection(tuple(parts))
+
+    def structure(self):
+        return tuple(p.structure() for p in self.members)
+
+    def band(self, lq, lk):
+        bands = [p.band(lq, lk) for p in self.members if p.kind in POSITIONAL]
+        if not bands:
+            return None
+        band = bands[0]
+        for b in bands[1:]:
+            band = band & b
+        return band
 
     def key_range(self, q0, q1, lq, lk):
         lo, hi = 0, lk
-        for p in self._parts:
+        for p in self.members:
             plo, phi = p.key_range(q0, q1, lq, lk)
             lo, hi = max(lo, plo), min(hi, phi)
         return lo, hi
 
     def covers(self, q0, q1, k0, k1, lq, lk):
-        return all(p.covers(q0, q1, k0, k1, lq, lk) for p in self._parts)
+        return all(p.covers(q0, q1, k0, k1, lq, lk) for p in self.members)
+
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        band = self.band(lq, lk)  # two windows may hide a tile that neither hides alone
+        return ((band is not None and band.hides(q0, q1, k0, k1))
+                or any(p.hides(q0, q1, k0, k1, lq, lk) for p in self.members))
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         allowed = None
-        for p in self._parts:
+        for p in self.members:
             if p.covers(q0, q1, k0, k1, lq, lk):
                 continue
             t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
@@ -363,17 +511,28 @@ class _Intersection(Mask):
         return allowed
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
-        return _Intersection(tuple(p.restrict(xp, q0, q1, k0, k1, lq, lk) for p in self._parts))
+        return Intersection(tuple(p.restrict(xp, q0, q1, k0, k1, lq, lk)
+                                  for p in self.members))
 
     def bind(self, xp, batch_shape, num_heads, lq, lk):
-        return _Intersection(tuple(p.bind(xp, batch_shape, num_heads, lq, lk)
-                                   for p in self._parts))
+        return Intersection(tuple(p.bind(xp, batch_shape, num_heads, lq, lk)
+                                  for p in self.members))
 
     def __repr__(self) -> str:
-        return " & ".join(repr(p) for p in self._parts)
+        return " & ".join(repr(p) for p in self.members)
 
     def key(self) -> tuple:
-        return tuple(p.key() for p in self._parts)
+        return tuple(p.key() for p in self.members)
+
+
+def _replaced(mask: Mask, **changes: Any) -> Mask:
+    """A copy of a frozen mask with some fields changed, without re-running the
+    checks of its constructor (the values come from a mask that passed them, or are
+    arrays being moved: tracers, placeholders)."""
+    copy = object.__new__(type(mask))
+    for f in fields(mask):
+        object.__setattr__(copy, f.name, changes.get(f.name, getattr(mask, f.name)))
+    return copy
 
 
 def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> Any:
@@ -389,41 +548,42 @@ def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> A
 
 
 def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
-    """Rows ``q0:q1`` and columns ``k0:k1`` of a full-rank array, keeping 1-sized axes."""
+    """Rows ``q0:q1`` and columns ``k0:k1`` of a full-rank array (a bound dense mask, a
+    bias), keeping its 1-sized (broadcast) axes as they are."""
     rows = slice(None) if array.shape[-2] == 1 else slice(q0, q1)
     cols = slice(None) if array.shape[-1] == 1 else slice(k0, k1)
     return array[..., rows, cols]
 
 
-def causal(alignment: str = "bottom_right") -> Mask:
+def causal(alignment: str = "bottom_right") -> Causal:
     """Query at position ``p`` attends keys ``j <= p`` (see module doc for alignment)."""
     _before_creating()
-    return _Causal(alignment)
+    return Causal(alignment)
 
 
-def sliding_window(left: int | None, right: int | None = 0) -> Mask:
+def sliding_window(left: int | None, right: int | None = 0) -> SlidingWindow:
     """Query at (bottom-right aligned) position ``p`` attends ``p-left <= j <= p+right``.
 
     Both ends are inclusive; ``None`` leaves that side unbounded, so
     ``sliding_window(None, 0)`` equals ``causal()``.
     """
     _before_creating()
-    return _SlidingWindow(left, right)
+    return SlidingWindow(left, right)
 
 
-def key_lengths(lengths: Any) -> Mask:
+def key_lengths(lengths: Any) -> KeyLengths:
     """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
     _before_creating()
-    return _KeyLengths(lengths)
+    return KeyLengths(lengths)
 
 
-def query_lengths(lengths: Any) -> Mask:
+def query_lengths(lengths: Any) -> QueryLengths:
     """Queries ``i >= lengths[b]`` are padding: their rows are fully masked (output 0)."""
     _before_creating()
-    return _QueryLengths(lengths)
+    return QueryLengths(lengths)
 
 
-def dense(allowed: Any) -> Mask:
+def dense(allowed: Any) -> Dense:
     """An explicit boolean mask (True = attend), broadcastable to ``(..., Hq, Lq, Lk)``."""
     _before_creating()
-    return _Dense(allowed)
+    return Dense(allowed)

@@ -1,8 +1,9 @@
 """portattn masks as JAX pytrees, so a mask can be an argument of a jitted function.
 
-Arrays held by a mask (lengths, dense booleans) and the parts of a combined mask become
-pytree children; everything else (alignment, window sizes, shifts) is static structure.
-Rebuilding skips ``__init__``: JAX rebuilds with placeholder leaves that are not arrays.
+The arrays a mask holds (``Mask.arrays``: lengths, dense booleans) are the pytree's
+leaves; everything else (kinds, alignment, window sizes, shifts) is static structure.
+Rebuilding goes through ``Mask.with_arrays``, which checks nothing: JAX rebuilds with
+placeholder leaves that are not arrays.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def register_mask_pytrees() -> None:
     for cls in _mask_classes(masks.Mask):
         if cls in _registered:
             continue
-        tree_util.register_pytree_node(cls, _flatten, _unflatten_for(cls))
+        tree_util.register_pytree_node(cls, _flatten, _unflatten)
         _registered.add(cls)
 
 
@@ -47,27 +48,25 @@ def _mask_classes(root: type) -> list[type]:
     return found
 
 
-def _is_child(value: Any) -> bool:
-    if isinstance(value, masks.Mask):
-        return True
-    if isinstance(value, tuple) and value and all(isinstance(v, masks.Mask) for v in value):
-        return True
-    return hasattr(value, "shape") and hasattr(value, "dtype")
+class _Template:
+    """A mask with its arrays taken out: the static part of the pytree, equal for
+    masks of one structure (so jit reuses its compilation) and holding no array."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: masks.Mask) -> None:
+        self.mask = mask.with_arrays((None,) * len(mask.arrays))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Template) and other.mask.structure() == self.mask.structure()
+
+    def __hash__(self) -> int:
+        return hash(self.mask.structure())
 
 
-def _flatten(mask: masks.Mask) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    fields = sorted(vars(mask).items())
-    names = tuple(n for n, v in fields if _is_child(v))
-    static = tuple((n, v) for n, v in fields if not _is_child(v))
-    return tuple(vars(mask)[n] for n in names), (names, static)
+def _flatten(mask: masks.Mask) -> tuple[tuple[Any, ...], _Template]:
+    return mask.arrays, _Template(mask)
 
 
-def _unflatten_for(cls: type) -> Any:
-    def unflatten(aux: tuple[Any, ...], children: Any) -> masks.Mask:
-        names, static = aux
-        mask = cls.__new__(cls)
-        vars(mask).update(static)
-        vars(mask).update(zip(names, children, strict=True))
-        return mask
-
-    return unflatten
+def _unflatten(template: _Template, children: Any) -> masks.Mask:
+    return template.mask.with_arrays(tuple(children))

@@ -2,9 +2,9 @@
 
 JAX places query ``i`` at position ``i`` (top-left) and describes positional masks as
 one band: query ``i`` sees keys ``i - left <= j <= i + right`` (``local_window_size``;
-``is_causal`` is the band with ``right = 0``). Every causal or sliding-window part of a
-portattn mask is such a band once its alignment offset is folded in, and bands
-intersect into a band, so any combination of them becomes one ``(left, right)`` pair.
+``is_causal`` is the band with ``right = 0``). portattn folds every causal and
+sliding-window part of a mask into one such band (``Mask.band``), which is only
+re-signed here.
 Lengths and dense masks map to their JAX arguments one to one.
 
 Everything here is static (Python ints) or a plain pass-through of the mask's arrays
@@ -30,9 +30,6 @@ class Band:
 
     left: int | None
     right: int | None
-
-    def __and__(self, other: Band) -> Band:
-        return Band(_tighter(self.left, other.left), _tighter(self.right, other.right))
 
     def normalized(self, lq: int, lk: int) -> Band | None:
         """The same band with bounds that exclude nothing dropped; None if it is all keys."""
@@ -61,12 +58,6 @@ class Band:
         return (start, stop) if start < stop else (0, 0)
 
 
-def _tighter(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    return a if b is None else min(a, b)
-
-
 @dataclass(frozen=True, eq=False)
 class MaskSpec:
     """A portattn mask as JAX's arguments (arrays still in portattn's batch layout)."""
@@ -93,31 +84,11 @@ def fold_mask(inputs: AttentionInputs) -> MaskSpec:
     if mask is None:
         return MaskSpec()
     lq, lk = inputs.q_len, inputs.kv_len
-    band: Band | None = None
-    arrays: dict[str, list[Any]] = {"key_lengths": [], "query_lengths": [], "dense": []}
-    for part in mask.parts:
-        kind = part.kind
-        if kind in ("causal", "sliding_window"):
-            part_band = _band_of(part, lq, lk)
-            band = part_band if band is None else band & part_band
-        elif kind in ("key_lengths", "query_lengths"):
-            arrays[kind].append(part.lengths)
-        elif kind == "dense":
-            arrays[kind].append(part.allowed)
-        else:  # a new kind the kernel does not declare: dispatch never sends it here
-            msg = f"mask kind {kind!r} has no JAX translation"
-            raise NotImplementedError(msg)
+    band = mask.band(lq, lk)
     if band is not None:
-        band = band.normalized(lq, lk)
-    return MaskSpec(band, *(tuple(arrays[k]) for k in ("key_lengths", "query_lengths", "dense")))
-
-
-def _band_of(part: Mask, lq: int, lk: int) -> Band:
-    # The part's query offset (its alignment plus any shift from restrict()) moves the
-    # band: query i at absolute position i + offset sees j <= i + offset for causal.
-    offset = part.offset(lq, lk)
-    if part.kind == "causal":
-        return Band(None, offset)
-    left, right = part.left, part.right
-    return Band(None if left is None else left - offset,
-                None if right is None else right + offset)
+        # portattn's band is lower <= j - i <= upper; JAX's is i - left <= j <= i + right.
+        band = Band(None if band.lower is None else -band.lower, band.upper).normalized(lq, lk)
+    return MaskSpec(band,
+                    tuple(p.lengths for p in mask.parts_of("key_lengths")),
+                    tuple(p.lengths for p in mask.parts_of("query_lengths")),
+                    tuple(p.allowed for p in mask.parts_of("dense")))

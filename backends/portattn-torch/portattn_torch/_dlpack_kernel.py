@@ -91,16 +91,7 @@ def give_back(out: Any, xp: Any) -> Any:
 
 def borrow_mask(mask: Mask | None) -> Mask | None:
     """``mask`` with its arrays (dense mask, lengths) borrowed into torch."""
-    if mask is None:
-        return None
-    parts = []
-    for part in mask.parts:
-        if part.kind == "dense":
-            part = masks.dense(borrow(part.allowed))
-        elif part.kind in ("key_lengths", "query_lengths"):
-            part = getattr(masks, part.kind)(borrow(part.lengths))
-        parts.append(part)
-    return functools.reduce(lambda a, b: a & b, parts)
+    return None if mask is None else mask.with_arrays([borrow(a) for a in mask.arrays])
 
 
 def borrow_inputs(inputs: AttentionInputs) -> AttentionInputs:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from portattn.kernel import ANY, Kernel
 
 from ._availability import torch_unavailable
-from ._translate import as_4d, bias_reasons, relevant_parts, sdpa_mask, structured_form
+from ._translate import as_4d, band_of, bias_reasons, restricts, sdpa_mask, structured_form
 
 if TYPE_CHECKING:
     from portattn import AttentionInputs
@@ -75,7 +75,7 @@ class TorchSDPAKernel(Kernel):
 def _builds_dense_mask(inputs: AttentionInputs) -> bool:
     """Whether SDPA would get a ``(Lq, Lk)`` mask made here from a structured mask
     (a dense mask or a bias given by the caller is there already)."""
-    return ("dense" not in inputs.mask_kinds and bool(relevant_parts(inputs.mask))
+    return ("dense" not in inputs.mask_kinds and restricts(inputs)
             and structured_form(inputs) is None)
 
 
@@ -84,8 +84,8 @@ def _dense_grad_reason(inputs: AttentionInputs) -> str | None:
     if not _builds_dense_mask(inputs):
         return None
     scores = inputs.q_len * inputs.kv_len
-    windowed = any(p.kind == "sliding_window" and p.left is not None
-                   for p in relevant_parts(inputs.mask))
+    band = band_of(inputs)
+    windowed = band is not None and band.lower is not None
     if windowed and scores > DENSE_GRAD_SCORES_WINDOW:
         return (f"gradients through a sliding window as a dense {inputs.q_len}x"
                 f"{inputs.kv_len} mask (the flash backward skips the tiles outside it)")

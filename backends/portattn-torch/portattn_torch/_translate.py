@@ -21,9 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from portattn.masks import POSITIONAL
+
 if TYPE_CHECKING:
     from portattn import AttentionInputs
-    from portattn.masks import Mask
+    from portattn.masks import Band
 
 
 @dataclass(frozen=True)
@@ -36,23 +38,23 @@ class SDPAMask:
     """Boolean ``(..., Lq, 1)``, False on fully masked rows; None when there are none."""
 
 
-def relevant_parts(mask: Mask | None) -> list[Mask]:
-    """The parts of ``mask`` that restrict anything, unbounded windows dropped."""
-    if mask is None:
-        return []
-    return [p for p in mask.parts
-            if not (p.kind == "sliding_window" and p.left is None and p.right is None)]
+def band_of(inputs: AttentionInputs) -> Band | None:
+    """The mask's causal and sliding-window parts as one band, None when they exclude
+    nothing (no such part, or windows wider than the call)."""
+    band = None if inputs.mask is None else inputs.mask.band(inputs.q_len, inputs.kv_len)
+    if band is None:
+        return None
+    band = band.normalized(inputs.q_len, inputs.kv_len)
+    return None if band.lower is None and band.upper is None else band
 
 
-def _is_causal(part: Mask) -> bool:
-    # sliding_window(None, 0) is bottom-right causal under another name.
-    return part.kind == "causal" or (
-        part.kind == "sliding_window" and part.left is None and part.right == 0)
+def restricts(inputs: AttentionInputs) -> bool:
+    """Whether the mask excludes anything at all (known from its structure)."""
+    return band_of(inputs) is not None or bool(_array_kinds(inputs))
 
 
-def _causal_offset(part: Mask, lq: int, lk: int) -> int:
-    """Absolute position of query 0 (alignment and any shift from ``restrict``)."""
-    return part.offset(lq, lk)
+def _array_kinds(inputs: AttentionInputs) -> frozenset[str]:
+    return inputs.mask_kinds - POSITIONAL
 
 
 _HALF = ("float16", "bfloat16")
@@ -86,42 +88,44 @@ def _mask_dtype(inputs: AttentionInputs) -> Any:
 def sdpa_mask(inputs: AttentionInputs) -> SDPAMask:
     """SDPA's ``attn_mask``/``is_causal`` for ``inputs`` (requires ``Lq, Lk > 0``)."""
     form = structured_form(inputs)
-    return form if form is not None else _dense_mask(inputs, relevant_parts(inputs.mask))
+    return form if form is not None else _dense_mask(inputs)
 
 
 def structured_form(inputs: AttentionInputs) -> SDPAMask | None:
     """SDPA's mask arguments when no mask tensor has to be built here, else None."""
-    parts = relevant_parts(inputs.mask)
+    band = band_of(inputs)
     lq, lk = inputs.q_len, inputs.kv_len
-    if inputs.bias is None and not parts:
+    if inputs.bias is not None or _array_kinds(inputs):
+        return None
+    if band is None:
         return SDPAMask()
-    # torch's CPU flash kernel gives NaN under is_causal with a scale <= 0.
-    if inputs.bias is None and len(parts) == 1 and _is_causal(parts[0]) and inputs.scale > 0:
-        # SDPA's causal forms place query 0 at position 0 (is_causal) or Lk - Lq (the
-        # lower-right bias); a mask cut by restrict() may sit elsewhere: dense then.
-        offset = _causal_offset(parts[0], lq, lk)
-        if offset == 0:
-            # Top-left causal leaves every row at least key 0: no empty rows.
-            return SDPAMask(is_causal=True)
-        if (offset == lk - lq and lq < lk and inputs.device != "cpu"
-                and inputs.num_heads == inputs.num_kv_heads):
-            # Lq < Lk leaves no row empty. torch applies this bias inside its fused CUDA
-            # kernels (on CPU it would only build the same boolean mask we build below);
-            # its fused path ignores enable_gqa, hence equal head counts only.
-            from torch.nn.attention.bias import causal_lower_right
+    # A band open to the left is causal with query 0 at position band.upper. SDPA's
+    # causal forms place it at 0 (is_causal) or Lk - Lq (the lower-right bias); a mask
+    # cut by restrict() may sit elsewhere: dense then. torch's CPU flash kernel gives
+    # NaN under is_causal with a scale <= 0.
+    if band.lower is not None or inputs.scale <= 0:
+        return None
+    if band.upper == 0:
+        # Top-left causal leaves every row at least key 0: no empty rows.
+        return SDPAMask(is_causal=True)
+    if (band.upper == lk - lq and lq < lk and inputs.device != "cpu"
+            and inputs.num_heads == inputs.num_kv_heads):
+        # Lq < Lk leaves no row empty. torch applies this bias inside its fused CUDA
+        # kernels (on CPU it would only build the same boolean mask we build below);
+        # its fused path ignores enable_gqa, hence equal head counts only.
+        from torch.nn.attention.bias import causal_lower_right
 
-            return SDPAMask(attn_mask=causal_lower_right(lq, lk))
+        return SDPAMask(attn_mask=causal_lower_right(lq, lk))
     return None
 
 
-def _dense_mask(inputs: AttentionInputs, parts: list[Mask]) -> SDPAMask:
+def _dense_mask(inputs: AttentionInputs) -> SDPAMask:
     import torch
 
     lq, lk = inputs.q_len, inputs.kv_len
-    allowed = None
-    for part in parts:
-        tile = part.tile(inputs.xp, 0, lq, 0, lk, lq, lk, inputs.device_obj)
-        allowed = tile if allowed is None else allowed & tile
+    allowed = None  # None: the mask excludes nothing
+    if restricts(inputs):
+        allowed = inputs.mask.tile(inputs.xp, 0, lq, 0, lk, lq, lk, inputs.device_obj)
     if inputs.bias is None:
         keep = allowed.any(dim=-1, keepdim=True)
         return SDPAMask(attn_mask=allowed | ~keep, keep=keep)

@@ -120,28 +120,14 @@ def _to_torch(namespace: str) -> Any:
 def _mask_options(inputs: AttentionInputs, to_torch: Any) -> dict[str, Any]:
     """The launcher's mask arguments for ``inputs.mask`` (parts combined with ``&``)."""
     options: dict[str, Any] = {}
-    if inputs.mask is None:
+    mask = inputs.mask
+    if mask is None:
         return options
-    lower: int | None = None
-    upper: int | None = None
-    for part in inputs.mask:
-        # Query i sits at position i + offset (alignment plus any shift from restrict()).
-        shift = getattr(part, "shift", 0)
-        if part.kind == "causal":
-            offset = shift + (inputs.kv_len - inputs.q_len
-                              if part.alignment == "bottom_right" else 0)
-            upper = offset if upper is None else min(upper, offset)
-        elif part.kind == "sliding_window":
-            offset = shift + inputs.kv_len - inputs.q_len
-            if part.left is not None:
-                low = offset - part.left
-                lower = low if lower is None else max(lower, low)
-            if part.right is not None:
-                high = offset + part.right
-                upper = high if upper is None else min(upper, high)
-        elif part.kind in ("key_lengths", "query_lengths"):
-            name = part.kind
+    for name in ("key_lengths", "query_lengths"):
+        for part in mask.parts_of(name):
             lengths = to_torch(part.lengths)
             options[name] = lengths if name not in options else options[name].minimum(lengths)
-    options["band_offsets"] = (lower, upper)
+    # Query row i sees keys i + lower <= j <= i + upper (alignment and shifts folded in).
+    band = mask.band(inputs.q_len, inputs.kv_len)
+    options["band_offsets"] = (None, None) if band is None else (band.lower, band.upper)
     return options
