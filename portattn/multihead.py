@@ -25,7 +25,6 @@ from ._mha_checks import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
 
     from .kv_cache import KVCache
     from .masks import Mask
@@ -120,8 +119,8 @@ class MultiHeadAttention:
 
     ``layer(x, context=None, mask=None, cache=None)`` is
     :func:`multi_head_attention` with the layer's weights. Make one from a seed with
-    :meth:`init`, from arrays with the constructor, or from a torch
-    ``nn.MultiheadAttention`` with :meth:`from_torch_state_dict`.
+    :meth:`init` or from arrays with the constructor; ``portattn_torch`` converts it
+    from and to a torch ``nn.MultiheadAttention``.
     """
 
     def __init__(self, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
@@ -210,34 +209,6 @@ class MultiHeadAttention:
         return KVCache.empty(batch_shape, self.num_kv_heads, self.head_dim, capacity,
                              value_head_dim=self.value_head_dim, xp=self.xp,
                              dtype=self.dtype, device=self.device)
-
-    @classmethod
-    def from_torch_state_dict(cls, state_dict: Mapping[str, Any], num_heads: int, *,
-                              xp: Any = None, device: Any = None, dtype: Any = None,
-                              ) -> MultiHeadAttention:
-        """A layer equal to a torch ``nn.MultiheadAttention`` with this state dict.
-
-        The module must have been made with ``batch_first=True`` for ``layer(x)`` to
-        take the same input; its weights may live in any library. ``xp``, ``device``
-        and ``dtype`` default to the state dict's own.
-        """
-        from ._torch_state import params_from_torch
-
-        params = params_from_torch(state_dict, num_heads)
-        ns = namespace_of(params["w_q"], "w_q", 2)[0] if xp is None else namespace(xp)
-        params = {n: place(a, ns, device=device, dtype=dtype) for n, a in params.items()}
-        return cls(**params, num_heads=num_heads)
-
-    def to_torch_state_dict(self) -> dict[str, Any]:
-        """The state dict of an equivalent torch ``nn.MultiheadAttention``.
-
-        Load it into ``nn.MultiheadAttention(d_model, num_heads, bias=..., kdim=...,
-        vdim=..., batch_first=True)``; torch has no grouped-query form, so this needs
-        ``num_kv_heads == num_heads``.
-        """
-        from ._torch_state import params_to_torch
-
-        return params_to_torch(self)
 
     def __repr__(self) -> str:
         kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"

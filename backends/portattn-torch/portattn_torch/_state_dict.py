@@ -1,4 +1,4 @@
-"""Conversion between :class:`MultiHeadAttention` weights and the state dict of a torch
+"""Conversion between a :class:`portattn.MultiHeadAttention` and the state dict of a torch
 ``nn.MultiheadAttention``.
 
 torch stores ``W^T`` (``nn.Linear`` convention, ``y = x @ W.T + b``) and packs the three
@@ -10,22 +10,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from array_api_compat import array_namespace, is_torch_array
+from array_api_compat import array_namespace
 
-from ._convert import to_host
-from ._inputs import dtype_name
+from portattn import MultiHeadAttention
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .multihead import MultiHeadAttention
-
-__all__ = ["params_from_torch", "params_to_torch"]
+__all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
-def params_from_torch(state_dict: Mapping[str, Any], num_heads: int) -> dict[str, Any]:
+def from_torch_state_dict(state_dict: Mapping[str, Any], num_heads: int, *, xp: Any = None,
+                          device: Any = None, dtype: Any = None) -> MultiHeadAttention:
+    """A layer equal to a torch ``nn.MultiheadAttention`` with this state dict.
+
+    The module must have been made with ``batch_first=True`` for ``layer(x)`` to take
+    the same input; its weights may live in any library. ``xp``, ``device`` and
+    ``dtype`` default to the state dict's own.
+    """
+    layer = MultiHeadAttention(**_params(state_dict), num_heads=num_heads)
+    return layer.to(layer.xp if xp is None else xp, device=device, dtype=dtype)
+
+
+def _params(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``w_q, w_k, w_v, w_o`` (and biases) as ``x @ W`` arrays in the state dict's library."""
     sd = dict(state_dict)
     extra = sorted(k for k in ("bias_k", "bias_v") if k in sd)
@@ -63,8 +72,14 @@ def params_from_torch(state_dict: Mapping[str, Any], num_heads: int) -> dict[str
     return params
 
 
-def params_to_torch(layer: MultiHeadAttention) -> dict[str, Any]:
-    """The state dict of the equivalent ``nn.MultiheadAttention`` (torch tensors)."""
+def to_torch_state_dict(layer: MultiHeadAttention) -> dict[str, Any]:
+    """The state dict of an equivalent torch ``nn.MultiheadAttention`` (torch tensors).
+
+    Load it into ``nn.MultiheadAttention(d_model, num_heads, bias=..., kdim=...,
+    vdim=..., batch_first=True)``; torch has no grouped-query form, so this needs
+    ``num_kv_heads == num_heads``. Tensors of a torch layer stay on its device; those of
+    another library's layer are copied to the CPU.
+    """
     embed = layer.num_heads * layer.head_dim
     problems = []
     if layer.num_kv_heads != layer.num_heads:
@@ -81,6 +96,8 @@ def params_to_torch(layer: MultiHeadAttention) -> dict[str, Any]:
         raise ValueError(msg)
     import torch
 
+    # The layer's own copy in torch (fresh tensors, on the layer's device when it is torch).
+    layer = layer.to(array_namespace(torch.empty(0)))
     xp, p = layer.xp, layer.params
     w = {n: _t(xp, p[n]) for n in ("w_q", "w_k", "w_v", "w_o")}
     sd: dict[str, Any] = {}
@@ -98,17 +115,8 @@ def params_to_torch(layer: MultiHeadAttention) -> dict[str, Any]:
         sd["in_proj_bias"] = xp.concat([bias(n, embed) for n in ("b_q", "b_k", "b_v")])
         sd["out_proj.bias"] = bias("b_o", embed)
     sd["out_proj.weight"] = w["w_o"]
-    return {name: _to_torch(torch, a) for name, a in sd.items()}
+    return {name: a.detach().contiguous() for name, a in sd.items()}
 
 
 def _t(xp: Any, a: Any) -> Any:
     return xp.permute_dims(a, (1, 0))
-
-
-def _to_torch(torch: Any, a: Any) -> Any:
-    if is_torch_array(a):
-        return a.detach().clone().contiguous()
-    import numpy as np
-
-    host = np.array(to_host(a), copy=True)  # writable, owned by the tensor
-    return torch.from_numpy(host).to(getattr(torch, dtype_name(a.dtype)))
