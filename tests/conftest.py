@@ -1,8 +1,13 @@
-"""Test-suite hooks: the fuzzer's counts in the terminal summary."""
+"""The core suite's fixtures (``backend``, ``xp``: the harness in portattn.testing) and
+the fuzzer's counts in the terminal summary."""
 
 from __future__ import annotations
 
 from fuzz_oracle import COUNTS
+
+from portattn.testing.plugin import backend, xp
+
+__all__ = ["backend", "xp"]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -10,13 +15,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     terminalreporter.section("differential fuzzer")
     backends = sorted({b for b, _, _ in COUNTS})
-    for backend in backends:
-        calls = COUNTS[backend, "*", "calls"]
-        terminalreporter.write_line(f"{backend}: {calls} calls")
-        kernels = sorted({k for b, k, _ in COUNTS if b == backend and k != "*"})
+    for name in backends:
+        calls = COUNTS[name, "*", "calls"]
+        terminalreporter.write_line(f"{name}: {calls} calls")
+        kernels = sorted({k for b, k, _ in COUNTS if b == name and k != "*"})
         for kernel in kernels:
-            agreed, refused = COUNTS[backend, kernel, "agreed"], COUNTS[backend, kernel, "refused"]
+            agreed, refused = COUNTS[name, kernel, "agreed"], COUNTS[name, kernel, "refused"]
             line = f"    {kernel:<20} agreed {agreed:>6}  refused {refused:>6}"
-            if COUNTS[backend, kernel, "known"]:
-                line += f"  known defect {COUNTS[backend, kernel, 'known']:>6}"
+            if COUNTS[name, kernel, "known"]:
+                line += f"  known defect {COUNTS[name, kernel, 'known']:>6}"
             terminalreporter.write_line(line)

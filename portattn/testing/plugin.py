@@ -1,23 +1,46 @@
-"""pytest plugin: the ``backend`` and ``xp`` fixtures.
+"""pytest plugin: the ``backend`` and ``xp`` fixtures, and the one backend-selection rule.
 
-Load it from a conftest (``pytest_plugins = ["portattn.testing.plugin"]``). Tests that
-take ``backend`` or ``xp`` run once per backend, ids like ``test_causal[torch]``.
-``PORTATTN_TEST_BACKENDS=numpy,torch`` selects backends; a selected backend that cannot
-be loaded fails the test instead of skipping it.
+Load it from the top-level conftest (``pytest_plugins = ["portattn.testing.plugin"]``),
+or import the fixtures into any conftest (``from portattn.testing.plugin import backend,
+xp``), which is how each plugin's own suite gets them. Tests that take ``backend`` or
+``xp`` run once per backend, ids like ``test_causal[torch]``.
+
+The rule, the same in every suite: ``PORTATTN_TEST_BACKENDS=numpy,torch`` selects
+backends (default: every backend, each skipped when its library or device is missing).
+A selected backend that cannot be loaded fails, never skips; so does a library a
+selected backend stands on (:func:`require_library`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from .backends import BACKEND_NAMES, get_backend
 
+if TYPE_CHECKING:
+    from .backends import Backend
+
+__all__ = ["ENV", "backend", "require_backend", "require_library", "selected_backends", "xp"]
+
 ENV = "PORTATTN_TEST_BACKENDS"
+
+#: The backends whose selection promises that a library is importable.
+_LIBRARY_BACKENDS = {
+    "numpy": ("numpy", "dask"),
+    "array_api_strict": ("array_api_strict",),
+    "torch": ("torch", "torch_cuda"),
+    "jax": ("jax", "jax_cuda"),
+    "dask": ("dask",),
+    "cupy": ("cupy",),
+}
 
 
 def selected_backends() -> tuple[str, ...] | None:
+    """The backends named by ``PORTATTN_TEST_BACKENDS``; None when it is unset."""
     value = os.environ.get(ENV, "").strip()
     if not value:
         return None
@@ -29,28 +52,54 @@ def selected_backends() -> tuple[str, ...] | None:
     return names
 
 
+def require_backend(name: str) -> Backend:
+    """The test backend ``name`` for a test that needs that one backend.
+
+    Skips when a selection leaves it out or, with no selection, when it cannot be
+    loaded here; fails when it is selected but cannot be loaded.
+    """
+    chosen = selected_backends()
+    if chosen is not None and name not in chosen:
+        pytest.skip(f"backend {name} is not selected by {ENV}={','.join(chosen)}")
+    try:
+        return get_backend(name)
+    except ImportError as e:
+        if chosen is not None:
+            pytest.fail(f"backend {name} is selected by {ENV} but cannot be loaded: {e}",
+                        pytrace=False)
+        pytest.skip(f"backend {name} not available: {e}")
+
+
+def require_library(module: str, *, backend: str | None = None) -> Any:
+    """Import ``module`` for a test module (call at module level) or a test.
+
+    It must import when a selected backend stands on it (``backend``, or by default the
+    backends of the library ``module`` belongs to): a missing one then fails the run.
+    Otherwise a missing module skips, like ``pytest.importorskip``.
+    """
+    chosen = selected_backends() or ()
+    owners = (backend,) if backend else _LIBRARY_BACKENDS.get(module.split(".")[0], ())
+    needed_by = [b for b in owners if b in chosen]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if needed_by:
+            pytest.fail(f"{module} cannot be imported, but backend {needed_by[0]} needs it "
+                        f"and is selected by {ENV}: {e}", pytrace=False)
+        pytest.skip(f"{module} is not installed: {e}", allow_module_level=True)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     chosen = selected_backends()
     return f"portattn test backends: {', '.join(chosen) if chosen else 'all installed'}"
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
-        names = selected_backends() or BACKEND_NAMES
-        metafunc.parametrize("backend", names, indirect=True, ids=names, scope="session")
-
-
-@pytest.fixture(scope="session")
-def backend(request: pytest.FixtureRequest):
-    name = request.param
-    try:
-        return get_backend(name)
-    except ImportError as e:
-        if selected_backends() is not None:
-            pytest.fail(f"backend {name} is selected by {ENV} but cannot be loaded: {e}")
-        pytest.skip(f"backend {name} not available: {e}")
+@pytest.fixture(scope="session", params=selected_backends() or BACKEND_NAMES)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each selected backend in turn (ids are the backend names)."""
+    return require_backend(request.param)
 
 
 @pytest.fixture
-def xp(backend):
+def xp(backend: Backend) -> Any:
     return backend.xp

@@ -1,10 +1,15 @@
-"""Dask backends with chosen chunkings, for the conformance cases."""
+"""Dask backends with chosen chunkings, for the conformance cases, and the
+``backend``/``xp`` harness of portattn.testing."""
 
 from __future__ import annotations
 
 import pytest
 
-from portattn.testing import Backend, get_backend
+from portattn.testing import Backend
+from portattn.testing.plugin import backend, require_backend, xp
+
+__all__ = ["CHUNKINGS", "backend", "chunked", "chunked_backend", "chunks_for", "make_chunked",
+           "xp"]
 
 #: Chunk length per axis kind (batch, heads, sequence, last), None = whole axis. The
 #: last axis is the head dim of Q/K/V (split on purpose: the kernel must rejoin it)
@@ -30,7 +35,7 @@ def chunked_backend(name: str, spec: tuple[int | None, ...] | None = None) -> Ba
     import dask.array as da
     import numpy as np
 
-    base = get_backend("dask")
+    base = require_backend("dask")  # fails when selected but missing, else skips
     spec = CHUNKINGS[name] if spec is None else spec
 
     def make(a, dtype):
@@ -42,14 +47,11 @@ def chunked_backend(name: str, spec: tuple[int | None, ...] | None = None) -> Ba
 
 @pytest.fixture(params=sorted(CHUNKINGS), scope="session")
 def chunked(request: pytest.FixtureRequest) -> Backend:
-    try:
-        return chunked_backend(request.param)
-    except ImportError as e:
-        pytest.skip(f"dask not available: {e}")
+    return chunked_backend(request.param)
 
 
 @pytest.fixture(scope="session")
 def make_chunked():
     """:func:`chunked_backend`, for tests that choose their own chunks."""
-    pytest.importorskip("dask.array")
+    require_backend("dask")
     return chunked_backend

@@ -1,4 +1,5 @@
-"""Shared fixtures for the numpy_fast tests."""
+"""Shared fixtures for the numpy_fast tests, and the ``backend``/``xp`` harness of
+portattn.testing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from portattn_numpy import _blocks, _plan, _scores, set_num_threads
 
 from portattn import attention
 from portattn.testing import assert_close, oracle
+from portattn.testing.plugin import backend, xp
+
+__all__ = ["backend", "check", "path", "results_of", "threads", "tiles", "tiny_tiles", "xp"]
 
 
 @pytest.fixture

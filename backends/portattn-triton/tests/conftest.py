@@ -1,4 +1,5 @@
-"""Run the kernel through Triton's CPU interpreter.
+"""Run the kernel through Triton's CPU interpreter; the ``backend``/``xp`` harness of
+portattn.testing.
 
 Triton's ``@jit`` reads ``TRITON_INTERPRET`` when the kernel module is imported, and the
 kernel class declares the ``cpu`` device from it at import, so the variable is set here,
@@ -19,3 +20,7 @@ if _too_late:
     msg = (f"{', '.join(_too_late)} was imported before TRITON_INTERPRET=1 was set; run "
            "the portattn-triton tests in their own pytest process")
     raise RuntimeError(msg)
+
+from portattn.testing.plugin import backend, xp  # noqa: E402
+
+__all__ = ["backend", "xp"]

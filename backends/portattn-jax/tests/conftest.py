@@ -1,0 +1,7 @@
+"""The portattn-jax suite's fixtures: the ``backend``/``xp`` harness of portattn.testing."""
+
+from __future__ import annotations
+
+from portattn.testing.plugin import backend, xp
+
+__all__ = ["backend", "xp"]
