@@ -7,8 +7,7 @@ distributed cluster import this module; they see plain chunks, never Dask arrays
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from operator import and_
 from typing import TYPE_CHECKING, Any
@@ -18,15 +17,15 @@ from array_api_compat import device as device_of
 
 import portattn
 from portattn import masks
+from portattn.overrides import KernelOverrides, kernel_overrides
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = ["ChunkCall", "attend", "empty", "local_mask", "merge_blocks"]
 
-#: This kernel's name (forcing it through the environment must not reach the chunks).
+#: This kernel's name (forcing it must not reach the chunks).
 NAME = "dask_blockwise"
-_FORCE_ENV = "PORTATTN_KERNEL"
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,9 @@ class ChunkCall:
     value_head_dim: int
     mask: tuple[masks.Mask | str, ...]
     """As in :class:`portattn_dask._layout.Layout`."""
+    overrides: KernelOverrides = field(default_factory=kernel_overrides)
+    """``use_kernel`` / ``disable_kernels`` / ``PORTATTN_KERNEL`` where the graph was
+    built (the client): the chunks run under them, wherever and whenever they run."""
 
 
 def local_mask(call: ChunkCall, xp: Any, q0: int, q1: int, k0: int, k1: int,
@@ -76,16 +78,23 @@ def attend(call: ChunkCall, q0: int, q1: int, k0: int, k1: int, need_lse: bool,
     xp = array_namespace(query, key, value)
     kwargs = {"mask": local_mask(call, xp, q0, q1, k0, k1, mask_arrays), "bias": bias,
               "scale": call.scale, "softcap": call.softcap, "return_lse": need_lse}
-    result = portattn.attention(query, key, value, **kwargs,
-                                kernel=_chunk_kernel(query, key, value, kwargs))
+    with portattn.disable_kernels(*call.overrides.disabled):
+        kernel = _chunk_kernel(call.overrides.forced, query, key, value, kwargs)
+        result = portattn.attention(query, key, value, **kwargs, kernel=kernel)
     return result if need_lse else (result, None)
 
 
-def _chunk_kernel(query: Any, key: Any, value: Any, kwargs: dict[str, Any]) -> str | None:
-    # PORTATTN_KERNEL=dask_blockwise (inherited by every worker) asks for this kernel
-    # on the Dask arrays; the chunks then get the best kernel that can run them.
-    if os.environ.get(_FORCE_ENV) != NAME:
+def _chunk_kernel(forced: str | None, query: Any, key: Any, value: Any,
+                  kwargs: dict[str, Any]) -> str | None:
+    """The kernel the chunks must run: the one forced on the client, unless that was
+    this kernel (it was asked for on the Dask arrays; the chunks get the best kernel
+    that can run them). None lets dispatch choose."""
+    if forced not in (None, NAME):
+        return forced
+    if kernel_overrides().forced is None:
         return None
+    # This process forces a kernel the client did not (a worker that inherited
+    # PORTATTN_KERNEL=dask_blockwise, or whose environment differs): choose here.
     plan = portattn.explain(query, key, value, **kwargs)
     return next((e.name for e, why in plan.candidates if not why and e.name != NAME), None)
 

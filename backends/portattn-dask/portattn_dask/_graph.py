@@ -41,7 +41,7 @@ def blockwise_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
                      inputs.value_head_dim, layout.mask)
     token = tokenize(layout.query, layout.key, layout.value, layout.bias, layout.mask_arrays,
                      [repr(m) for m in layout.mask], inputs.scale, inputs.softcap,
-                     inputs.return_lse)
+                     inputs.return_lse, tuple(call.overrides))
     names = {part: f"attention-{part}-{token}"
              for part in ("block", "merge", "zeros", "out", "lse")}
     blocks, outs, lses = _tasks(inputs, layout, call, names)

@@ -1,14 +1,19 @@
-"""Key cases on a two-process ``dask.distributed.LocalCluster`` (loopback only)."""
+"""Key cases on a two-process ``dask.distributed.LocalCluster`` (loopback only), and the
+client's kernel overrides travelling with the graph to the workers."""
 
 from __future__ import annotations
 
 import pytest
 from portattn_dask import DaskBlockwiseKernel
 
+import portattn
 from portattn._inputs import describe
+from portattn.errors import KernelNotUsableError, NoKernelError
 from portattn.testing import assert_close, conformance_cases, oracle
+from portattn.testing.plugin import require_library
 
-distributed = pytest.importorskip("distributed")
+# The dask env installs distributed: there a missing one fails instead of skipping.
+distributed = require_library("distributed", backend="dask")
 
 TIMEOUT = "60s"
 SECONDS = 60
@@ -49,8 +54,6 @@ def test_key_case_on_cluster(case, client, make_chunked):
 def test_blocks_run_on_both_workers(client):
     import dask.array as da
 
-    import portattn
-
     # inputs made on the workers, one batch element per block: nothing pins the work
     rng = da.random.default_rng(0)
     q, k, v = (rng.standard_normal((8, 2, 16, 8), chunks=(1, 2, 16, 8)) for _ in range(3))
@@ -61,3 +64,51 @@ def test_blocks_run_on_both_workers(client):
     assert len(holders) == 2
     want = oracle(*(f.result(timeout=SECONDS) for f in client.compute([q, k, v])))[0]
     assert_close(client.compute(out).result(timeout=SECONDS), want, "float64")
+
+
+def _inputs(make_chunked):
+    case = next(c for c in CASES if c.name == "basic")
+    args, _, np_args, _ = case.build(make_chunked("cluster", CHUNKS))
+    return args, oracle(*np_args)[0]
+
+
+@pytest.fixture(params=["threads", "cluster"])
+def compute(request):
+    """Compute a graph (after the override block closed) on threads or on the cluster."""
+    if request.param == "threads":
+        import dask
+
+        return lambda out: dask.compute(out, scheduler="threads")[0]
+    client = request.getfixturevalue("client")
+    return lambda out: client.compute(out).result(timeout=SECONDS)
+
+
+def test_forced_kernel_reaches_the_chunks(compute, make_chunked):
+    (q, k, v), want = _inputs(make_chunked)
+    with portattn.use_kernel("reference"):
+        out = portattn.attention(q, k, v, kernel="dask_blockwise")
+    assert_close(compute(out), want, "float32")
+    with portattn.use_kernel("torch_sdpa"):  # forced, so it must not fall back quietly
+        out = portattn.attention(q, k, v, kernel="dask_blockwise")
+    with pytest.raises(KernelNotUsableError, match=r"torch_sdpa"):
+        compute(out)
+
+
+def test_disabled_kernels_stay_disabled_in_the_chunks(compute, make_chunked):
+    (q, k, v), want = _inputs(make_chunked)
+    others = [e.name for e in portattn.kernels() if e.name != "dask_blockwise"]
+    with portattn.disable_kernels(*others):
+        out = portattn.attention(q, k, v)
+    with pytest.raises(NoKernelError, match=r"disabled by portattn.disable_kernels\(\)"):
+        compute(out)
+    assert_close(compute(portattn.attention(q, k, v)), want, "float32")
+
+
+def test_forcing_this_kernel_leaves_the_chunks_free(compute, make_chunked):
+    (q, k, v), want = _inputs(make_chunked)
+    with portattn.use_kernel("dask_blockwise"):
+        out = portattn.attention(q, k, v)
+        # the synchronous scheduler runs the chunks here, inside the block
+        inside = out.compute(scheduler="sync")
+    assert_close(inside, want, "float32")
+    assert_close(compute(out), want, "float32")

@@ -1,0 +1,36 @@
+"""The kernel choices a caller has overridden, read as data.
+
+A kernel that defers work (a lazy graph run later, on other threads or processes)
+reads them when it builds the work and applies them where the work runs, so that
+``use_kernel`` / ``disable_kernels`` around the call, not the place or time the work
+happens to run, decide the inner calls' kernels:
+
+>>> from portattn import use_kernel
+>>> with use_kernel("tiled"):
+...     kernel_overrides()
+KernelOverrides(forced='tiled', disabled=frozenset())
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._dispatch import current_overrides
+from ._registry import forced_by_environment
+
+__all__ = ["KernelOverrides", "kernel_overrides"]
+
+
+class KernelOverrides(NamedTuple):
+    forced: str | None
+    """The kernel a call without ``kernel=`` must run: ``use_kernel``, else
+    ``PORTATTN_KERNEL``; None when dispatch chooses freely."""
+    disabled: frozenset[str]
+    """The kernels ``disable_kernels`` removes (``PORTATTN_DISABLE_KERNELS`` removes
+    kernels from the registry itself, in every process that inherits it)."""
+
+
+def kernel_overrides() -> KernelOverrides:
+    """The overrides in force here and now (this thread's context managers)."""
+    forced, disabled = current_overrides()
+    return KernelOverrides(forced or forced_by_environment(), disabled)
