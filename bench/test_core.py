@@ -91,7 +91,7 @@ def test_dispatch_overhead(benchmark, path):
     kernel = choose(inputs).kernel
     fn = {"dispatch": lambda: choose(describe(q, k, v)),
           "repeated_dispatch": lambda: described_and_chosen(
-              q, k, v, None, None, None, None, False, False, 0.0, None),
+              q, k, v, {"mask": None, "scale": None}, None),
           "kernel_run": lambda: kernel.run(inputs),
           "attention": lambda: portattn.attention(q, k, v)}[path]
     benchmark.pedantic(fn, rounds=200, iterations=20, warmup_rounds=5)

@@ -89,8 +89,7 @@ def test_dispatch_only(benchmark, repeated):
     benchmark.group = "torch overhead N=64"
     if repeated:
         def dispatch():
-            return described_and_chosen(q, k, v, None, None, None, None, False, False, 0.0,
-                                        None)
+            return described_and_chosen(q, k, v, {"mask": None, "scale": None}, None)
     else:
         def dispatch():
             return choose(describe(q, k, v))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import masks
 from ._call_cache import described_and_chosen
-from ._dispatch import Plan, check_result, plan
+from ._dispatch import Plan, check_result, select
 from ._inputs import describe, dtype_name
 
 if TYPE_CHECKING:
@@ -43,8 +43,10 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     Returns:
         ``out``, or a tuple ``(out, lse, weights)`` holding only the requested parts.
     """
-    inputs, entry = described_and_chosen(query, key, value, mask, bias, scale, softcap,
-                                         return_lse, return_weights, dropout_p, kernel)
+    options = {"mask": mask, "bias": bias, "scale": scale, "softcap": softcap,
+               "return_lse": return_lse, "return_weights": return_weights,
+               "dropout_p": dropout_p}
+    inputs, entry = described_and_chosen(query, key, value, options, kernel)
     out, lse, weights = entry.kernel.run(inputs)
     check_result(entry, inputs, out, lse, weights)
     if not (return_lse or return_weights):
@@ -57,7 +59,7 @@ def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
     """The kernel :func:`attention` would run with these arguments, and why the others
     would not; computes nothing."""
     kernel = kwargs.pop("kernel", None)
-    return plan(describe(query, key, value, **kwargs), kernel)
+    return select(describe(query, key, value, **kwargs), kernel)
 
 
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,

@@ -17,14 +17,14 @@ from ._registry import (
     kernel_entries,
 )
 from .errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
-from .kernel import ANY
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ._inputs import AttentionInputs
+    from .kernel import Kernel
 
-__all__ = ["Plan", "check_result", "choose", "disable_kernels", "plan", "use_kernel"]
+__all__ = ["Plan", "check_result", "choose", "disable_kernels", "select", "use_kernel"]
 
 logger = logging.getLogger("portattn")
 
@@ -71,27 +71,36 @@ def current_overrides() -> tuple[str | None, frozenset[str]]:
     return _forced.get(), _disabled.get()
 
 
-def reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
+def _reasons(entry: KernelEntry, inputs: AttentionInputs,
+             disabled: frozenset[str]) -> list[str]:
     """Why ``entry`` cannot run ``inputs``; empty when it can."""
-    if entry.kernel is None:
+    kernel = entry.kernel
+    if kernel is None:
         return [entry.status or "unavailable"]
-    if _targets(entry, inputs):
-        return _targeted_reasons(entry, inputs)
-    # Availability may import the kernel's library: only kernels that target the call's
-    # library and device (whose library is then already imported) are asked for it.
-    if entry.name in current_overrides()[1]:
-        return ["disabled by portattn.disable_kernels()"]
-    return entry.kernel.not_supported_reasons(inputs)
-
-
-def _targeted_reasons(entry: KernelEntry, inputs: AttentionInputs) -> list[str]:
-    """:func:`reasons` for a loaded kernel known to target the call's library/device."""
-    if entry.name in current_overrides()[1]:
+    # A kernel for another library or device is refused on its declaration alone:
+    # asking it anything else (its availability) may import its library.
+    elsewhere = _elsewhere(kernel, inputs)
+    if elsewhere:
+        return list(elsewhere)
+    if entry.name in disabled:
         return ["disabled by portattn.disable_kernels()"]
     why = availability(entry)
     if why is not None:
         return [f"unavailable: {why}"]
-    return entry.kernel.not_supported_reasons(inputs)
+    return kernel.not_supported_reasons(inputs)
+
+
+_elsewhere_reasons: dict[tuple[type, str, str], tuple[str, ...]] = {}
+
+
+def _elsewhere(kernel: Kernel, inputs: AttentionInputs) -> tuple[str, ...]:
+    """``kernel.target_reasons(inputs)``, remembered: it depends on the call's library
+    and device kind alone, and most kernels target another library."""
+    key = (type(kernel), inputs.namespace, inputs.device)
+    why = _elsewhere_reasons.get(key)
+    if why is None:
+        why = _elsewhere_reasons[key] = tuple(kernel.target_reasons(inputs))
+    return why
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,9 @@ class Plan:
     candidates: tuple[tuple[KernelEntry, tuple[str, ...]], ...]
     inputs: AttentionInputs
     forced: str | None = None
+    note: str | None = None
+    """Why ``kernel`` was preferred over other kernels that can run the call, if not
+    for its priority (e.g. a measurement)."""
 
     def __str__(self) -> str:
         if self.kernel is not None:
@@ -110,65 +122,83 @@ class Plan:
             head = "kernel: none can run these inputs"
         lines = [head, "inputs:", self.inputs.block(), "kernels, in priority order:"]
         for entry, why in self.candidates:
-            verdict = "chosen" if entry is self.kernel else "; ".join(why) or "can run"
+            if entry is self.kernel:
+                verdict = "chosen" + (f" ({self.note})" if self.note else "")
+            else:
+                verdict = "; ".join(why) or "can run"
             lines.append(f"    {entry}: {verdict}")
         return "\n".join(lines)
 
+    def error(self) -> Exception:
+        """What :func:`portattn.attention` raises when no kernel was chosen."""
+        if self.forced is not None:
+            why = next(w for e, w in self.candidates if e.name == self.forced)
+            msg = (f"kernel {self.forced!r} cannot run attention with these inputs:\n"
+                   f"{self.inputs.block()}\nbecause:\n" + "\n".join(f"    {w}" for w in why))
+            return KernelNotUsableError(msg)
+        lines = ["no kernel can run attention with these inputs:", self.inputs.block(),
+                 "kernels tried, in priority order:"]
+        lines += [f"    {e}: {'; '.join(why)}" for e, why in self.candidates]
+        lines.append("run `python -m portattn info` to see every installed kernel")
+        return NoKernelError("\n".join(lines))
 
-def plan(inputs: AttentionInputs, kernel: str | None = None) -> Plan:
-    """Evaluate every kernel against ``inputs`` without running any."""
+
+def select(inputs: AttentionInputs, kernel: str | None = None, *,
+           every: bool = True) -> Plan:
+    """The one selection path of :func:`portattn.attention` and :func:`portattn.explain`.
+
+    Kernels are asked in priority order; the forced kernel (``kernel=``,
+    :func:`use_kernel`, ``PORTATTN_KERNEL``) runs if it can, else the measured fastest
+    of the kernels that can (``python -m portattn tune``), else the first of them.
+    ``every=False`` stops at the first kernel that can run when no measurement could
+    prefer another (what :func:`portattn.attention` needs); the kernels after it are
+    then left out of ``Plan.candidates``. What is decided follows from the
+    description of the call alone (the Kernel protocol), so it may be remembered.
+    """
     forced = _forced_name(kernel)
     entries = kernel_entries()
-    candidates = tuple((e, tuple(reasons(e, inputs))) for e in entries)
     if forced is not None:
-        chosen = [e for e, why in candidates if e.name == forced and not why]
-    else:
-        chosen = [e for e, why in candidates if not why]
-    return Plan(chosen[0] if chosen else None, candidates, inputs, forced)
+        _lookup(entries, forced)
+    measuring = forced is None and not _compiling() and tuned()  # a tracer reads no files
+    disabled = current_overrides()[1]
+    candidates: list[tuple[KernelEntry, tuple[str, ...]]] = []
+    runnable: list[KernelEntry] = []
+    for entry in entries:
+        if forced is not None and not every and entry.name != forced:
+            continue
+        why = tuple(_reasons(entry, inputs, disabled))
+        candidates.append((entry, why))
+        if not why:
+            runnable.append(entry)
+            if not (every or measuring):
+                break
+    chosen, note = (runnable[0] if runnable else None), None
+    if forced is not None:
+        chosen = next((e for e in runnable if e.name == forced), None)
+    elif measuring and len(runnable) > 1:
+        measured = measured_choice(inputs, [e.name for e in runnable])
+        if measured is not None:
+            chosen = next(e for e in runnable if e.name == measured[0])
+            note = measured[1]
+    return Plan(chosen, tuple(candidates), inputs, forced, note)
+
+
+def measured_choice(inputs: AttentionInputs, runnable: list[str]) -> tuple[str, str] | None:
+    return None
+
+
+def tuned() -> bool:
+    return False
 
 
 def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
-    """The kernel that runs ``inputs``: the forced one, else the first that can."""
-    forced = _forced_name(kernel)
-    entries = kernel_entries()
-    if forced is not None:
-        entry = _lookup(entries, forced)
-        why = reasons(entry, inputs)
-        if why:
-            msg = (f"kernel {forced!r} cannot run attention with these inputs:\n"
-                   f"{inputs.block()}\nbecause:\n" + "\n".join(f"    {w}" for w in why))
-            raise KernelNotUsableError(msg)
-    else:
-        entry = next((e for e in _targeting(entries, inputs)
-                      if not _targeted_reasons(e, inputs)), None)
-        if entry is None:
-            raise NoKernelError(_nothing_fits(entries, inputs))
+    """The kernel that runs ``inputs``, or the error saying why none can."""
+    plan = select(inputs, kernel, every=False)
+    if plan.kernel is None:
+        raise plan.error()
     if not _compiling() and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("attention: %s@%s", entry.name, entry.version)
-    return entry
-
-
-_targeting_cache: dict[tuple[int, str, str], tuple[list[KernelEntry], list[KernelEntry]]] = {}
-
-
-def _targeting(entries: list[KernelEntry], inputs: AttentionInputs) -> list[KernelEntry]:
-    """The entries that target the call's library and device, in order (remembered per
-    registry snapshot, library and device)."""
-    key = (id(entries), inputs.namespace, inputs.device)
-    cached = _targeting_cache.get(key)
-    if cached is None or cached[0] is not entries:
-        cached = _targeting_cache[key] = (entries, [e for e in entries if _targets(e, inputs)])
-    return cached[1]
-
-
-def _targets(entry: KernelEntry, inputs: AttentionInputs) -> bool:
-    """Cheap pre-filter on the declared namespaces and devices: most kernels target
-    another library, and asking them for every reason would cost each call."""
-    kernel = entry.kernel
-    if kernel is None:
-        return False
-    return ((kernel.namespaces == ANY or inputs.namespace in kernel.namespaces)
-            and (kernel.devices == ANY or inputs.device in kernel.devices))
+        logger.debug("attention: %s@%s", plan.kernel.name, plan.kernel.version)
+    return plan.kernel
 
 
 def _compiling() -> bool:
@@ -190,14 +220,6 @@ def _lookup(entries: list[KernelEntry], name: str) -> KernelEntry:
     if name in KNOWN_PLUGINS:
         msg += f"\n{name} comes with `pip install {KNOWN_PLUGINS[name]}`"
     raise UnknownKernelError(msg)
-
-
-def _nothing_fits(entries: list[KernelEntry], inputs: AttentionInputs) -> str:
-    lines = ["no kernel can run attention with these inputs:", inputs.block(),
-             "kernels tried, in priority order:"]
-    lines += [f"    {e}: {'; '.join(reasons(e, inputs))}" for e in entries]
-    lines.append("run `python -m portattn info` to see every installed kernel")
-    return "\n".join(lines)
 
 
 def check_result(entry: KernelEntry, inputs: AttentionInputs, out: Any, lse: Any,

@@ -82,6 +82,17 @@ class Kernel:
         return None
 
     @classmethod
+    def target_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        """Why the call's library or device is not one this kernel declares (dispatch
+        asks a kernel nothing else, not even its availability, until this is empty)."""
+        reasons: list[str] = []
+        if cls.namespaces != ANY and inputs.namespace not in cls.namespaces:
+            reasons.append(f"namespace={inputs.namespace} (supported: {_listed(cls.namespaces)})")
+        if cls.devices != ANY and inputs.device not in cls.devices:
+            reasons.append(f"device={inputs.device} (supported: {_listed(cls.devices)})")
+        return reasons
+
+    @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         """Why this kernel cannot run ``inputs`` (empty when it can). Never allocates.
 
@@ -89,11 +100,7 @@ class Kernel:
         shapes, mask structure, options), never from array values or memory layout:
         dispatch remembers it for calls that repeat that description.
         """
-        reasons: list[str] = []
-        if cls.namespaces != ANY and inputs.namespace not in cls.namespaces:
-            reasons.append(f"namespace={inputs.namespace} (supported: {_listed(cls.namespaces)})")
-        if cls.devices != ANY and inputs.device not in cls.devices:
-            reasons.append(f"device={inputs.device} (supported: {_listed(cls.devices)})")
+        reasons = cls.target_reasons(inputs)
         if inputs.dtype not in cls.dtypes:
             reasons.append(f"dtype={inputs.dtype} (supported: {_listed(cls.dtypes)})")
         low, high = cls.head_dim

@@ -185,3 +185,28 @@ def test_numpy_call_imports_no_other_library():
         print(sorted(m for m in {HEAVY!r} if m in sys.modules and m != "numpy"))
     """, PORTATTN_DISABLE_KERNELS="torch_sdpa_dlpack")
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"mask": masks.causal()}, {"return_weights": True}, {"return_lse": True},
+    {"kernel": "reference"}, {"mask": masks.key_lengths(np.array([3]))}])
+def test_attention_and_explain_take_one_path(options):
+    """explain() asks every kernel; attention() stops at the first that can run; both
+    are select() and so choose the same kernel for the same call."""
+    from portattn._dispatch import choose, select
+    from portattn._inputs import describe
+
+    kernel = options.pop("kernel", None)
+    inputs = describe(Q, K, V, **options)
+    thorough = select(inputs, kernel)
+    quick = select(inputs, kernel, every=False)
+    assert quick.kernel is thorough.kernel is choose(inputs, kernel)
+    assert thorough.kernel is portattn.explain(Q, K, V, kernel=kernel, **options).kernel
+    assert len(thorough.candidates) == len(portattn.kernels())
+    # what the quick path asked, it asked the same way
+    assert set(quick.candidates) <= set(thorough.candidates)
+
+
+def test_explain_of_an_unknown_kernel_says_so(only_builtins):
+    with pytest.raises(UnknownKernelError, match="unknown kernel 'nope'"):
+        portattn.explain(Q, K, V, kernel="nope")
