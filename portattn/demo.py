@@ -1,30 +1,21 @@
 """The main job: attention on every installed array library, checked against NumPy.
 
-For each library it runs a causal, grouped-query call, names the kernel that ran and
-prints the largest difference from the float64 NumPy reference.
+For each backend of the test suite (:mod:`portattn.testing`: the one list of libraries
+and devices, so this module names none) it runs a causal, grouped-query call, names the
+kernel that ran and prints the largest difference from the float64 NumPy reference.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from . import attention, explain, masks
 
-LIBRARIES = ("numpy", "array_api_strict", "torch", "jax.numpy", "dask.array", "cupy")
 SHAPE_Q, SHAPE_KV = (2, 8, 256, 64), (2, 2, 256, 64)
-
-
-def _convert(name: str, module: Any, array: Any) -> Any:
-    if name == "dask.array":
-        return module.from_array(array, chunks=(1, -1, -1, -1))
-    return module.asarray(array)
 
 
 def run_demo() -> int:
     import numpy as np
 
-    from .testing.backends import to_numpy
+    from .testing import BACKEND_NAMES, get_backend, to_numpy
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (SHAPE_Q, SHAPE_KV, SHAPE_KV))
@@ -33,16 +24,17 @@ def run_demo() -> int:
     print(f"causal grouped-query attention, query {SHAPE_Q}, key/value {SHAPE_KV}, float32")
     print(f"{'library':<18}{'kernel':<22}{'max |out - reference|':>22}")
     worst = 0.0
-    for name in LIBRARIES:
+    for name in BACKEND_NAMES:
         try:
-            module = importlib.import_module(name)
-            args = [_convert(name, module, a) for a in (q, k, v)]
+            backend = get_backend(name)
+        except ImportError as e:  # the library, or its device, is not here
+            print(f"{name:<18}{'(not available)':<22}{e}")
+            continue
+        try:
+            args = [backend.asarray(a) for a in (q, k, v)]
             chosen = explain(*args, mask=masks.causal()).kernel
             out = attention(*args, mask=masks.causal())
             error = float(np.max(np.abs(to_numpy(out).astype(np.float64) - want)))
-        except ImportError:
-            print(f"{name:<18}{'(not installed)':<22}")
-            continue
         except Exception as e:  # a broken library should not hide the others
             print(f"{name:<18}{'failed':<22}{type(e).__name__}: {e}")
             worst = float("inf")
