@@ -69,6 +69,9 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
         # Key blocks on a fixed grid, so each one's dK/dV accumulates across query blocks.
         for k0 in range(lo - lo % block_k, hi, block_k):
             k1 = min(inputs.kv_len, k0 + block_k)
+            if inputs.mask is not None and inputs.mask.hides(q0, q1, k0, k1, inputs.q_len,
+                                                             inputs.kv_len):
+                continue  # skipped by the forward too (e.g. another document)
             s, t = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, keep_tanh=True)
             p = xp.exp(s - m)
             dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(p), do), axis=-3)

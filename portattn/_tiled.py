@@ -3,7 +3,8 @@
 Queries are processed in blocks; for each block the keys are visited in blocks with an
 online softmax (running max ``m``, running denominator ``l``, rescaled accumulator), so
 memory is O(L * block) rather than O(L^2). The structured mask tells which key blocks
-a query block can reach at all (causal: about half) and which tiles need no mask.
+a query block can reach at all (causal: about half), which tiles inside that range it
+hides (packed documents) and which tiles need no mask.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, q0: int, q1: i
     acc = denom = m = m_safe = None
     for k0 in range(lo, hi, block_k):
         k1 = min(hi, k0 + block_k)
+        if inputs.mask is not None and inputs.mask.hides(q0, q1, k0, k1, inputs.q_len,
+                                                         inputs.kv_len):
+            continue  # e.g. a key block of another document
         s = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1)
         m_tile = xp.max(s, axis=-1, keepdims=True)
         m_new = m_tile if m is None else xp.maximum(m, m_tile)

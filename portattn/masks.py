@@ -14,7 +14,9 @@ What a kernel may ask, for a call of ``Lq`` queries and ``Lk`` keys:
 
 - :attr:`Mask.parts` and :attr:`Mask.kinds`: the public kinds below, with their
   parameters as attributes (:class:`Causal`, :class:`SlidingWindow`,
-  :class:`KeyLengths`, :class:`QueryLengths`, :class:`Dense`);
+  :class:`KeyLengths`, :class:`QueryLengths`, :class:`Dense`, and for real batches
+  :class:`KeyRanges`, :class:`QueryRanges`, :class:`SequenceWindow`,
+  :class:`Documents`);
 - :meth:`Mask.band`: every causal and sliding-window part folded into one
   :class:`Band` (``lower <= j - i <= upper`` for query row ``i``, key ``j``);
 - :meth:`Mask.parts_of`: the parts of one kind, e.g. the length arrays;
@@ -43,22 +45,33 @@ __all__ = [
     "Band",
     "Causal",
     "Dense",
+    "Documents",
     "Intersection",
     "KeyLengths",
+    "KeyRanges",
     "Mask",
     "QueryLengths",
+    "QueryRanges",
+    "SequenceWindow",
     "SlidingWindow",
     "causal",
     "check_range",
     "dense",
+    "documents",
+    "documents_from_cu_seqlens",
     "key_lengths",
+    "key_ranges",
     "on_mask_created",
     "query_lengths",
+    "query_ranges",
+    "sequence_causal",
+    "sequence_window",
     "slice_tile",
     "sliding_window",
 ]
 
-KINDS = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense")
+KINDS = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense", "key_ranges",
+         "query_ranges", "sequence_window", "documents")
 """The kinds a kernel may declare in ``Kernel.masks``."""
 
 POSITIONAL = frozenset({"causal", "sliding_window"})
@@ -587,3 +600,67 @@ def dense(allowed: Any) -> Dense:
     """An explicit boolean mask (True = attend), broadcastable to ``(..., Hq, Lq, Lk)``."""
     _before_creating()
     return Dense(allowed)
+
+
+# Kinds for real batches (padding on either side, per-sequence alignment, packed
+# documents) live in their own modules; they subclass Mask, defined above.
+from ._documents import Documents, ids_from_cu_seqlens  # noqa: E402
+from ._ranges import KeyRanges, QueryRanges, SequenceWindow  # noqa: E402
+
+
+def key_ranges(start: Any, stop: Any) -> KeyRanges:
+    """Batch element ``b`` attends keys ``start[b] <= j < stop[b]`` only (left padding:
+    ``start`` = number of pad tokens, ``stop`` = ``Lk``). Integer arrays with the batch
+    shape, values in ``[0, Lk]``."""
+    _before_creating()
+    return KeyRanges(start, stop)
+
+
+def query_ranges(start: Any, stop: Any) -> QueryRanges:
+    """Queries outside ``start[b] <= i < stop[b]`` are padding: their rows are fully
+    masked (output 0)."""
+    _before_creating()
+    return QueryRanges(start, stop)
+
+
+def sequence_window(left: int | None, right: int | None = 0, *, query_lengths: Any,
+                    key_lengths: Any) -> Mask:
+    """A sliding window aligned to each sequence's own lengths (flash-attn's varlen).
+
+    Query ``i`` of batch element ``b`` sits at ``p = i + key_lengths[b] -
+    query_lengths[b]`` and attends ``p - left <= j <= p + right``; queries
+    ``i >= query_lengths[b]`` and keys ``j >= key_lengths[b]`` are padding. With equal
+    lengths everywhere this is :func:`sliding_window` and :func:`key_lengths`.
+    """
+    _before_creating()
+    return Intersection((SequenceWindow(query_lengths, key_lengths, left, right),
+                         QueryLengths(query_lengths), KeyLengths(key_lengths)))
+
+
+def sequence_causal(query_lengths: Any, key_lengths: Any) -> Mask:
+    """Causal attention aligned to each sequence's own lengths (flash-attn's varlen
+    ``causal=True``): ``sequence_window(None, 0, ...)``. Decoding a batch of caches of
+    different lengths is ``sequence_causal(ones, cache_lengths)``."""
+    return sequence_window(None, 0, query_lengths=query_lengths, key_lengths=key_lengths)
+
+
+def documents(segment_ids: Any, key_segment_ids: Any = None) -> Documents:
+    """Packed sequences: query ``i`` attends key ``j`` only when their segment ids are
+    equal; negative ids are padding and attend nothing.
+
+    ``segment_ids`` is ``(*batch, Lq)`` or ``(Lq,)``; ``key_segment_ids`` (default: the
+    same array, for ``Lq == Lk``) is ``(*batch, Lk)`` or ``(Lk,)``. Combine with
+    ``causal()`` for causal packed training.
+    """
+    _before_creating()
+    return Documents(segment_ids, segment_ids if key_segment_ids is None else key_segment_ids)
+
+
+def documents_from_cu_seqlens(cu_seqlens: Any, length: int) -> Documents:
+    """:func:`documents` from cumulative lengths ``(*batch, n + 1)`` or ``(n + 1,)``
+    (flash-attn's ``cu_seqlens``): document ``d`` holds positions
+    ``cu_seqlens[d] <= j < cu_seqlens[d + 1]`` of a row of ``length`` tokens; positions
+    past the last document are padding."""
+    _before_creating()
+    ids = ids_from_cu_seqlens(cu_seqlens, length)
+    return Documents(ids, ids)

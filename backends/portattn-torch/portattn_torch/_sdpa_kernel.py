@@ -29,7 +29,8 @@ from ._translate import as_4d, band_of, bias_reasons, restricts, sdpa_mask, stru
 if TYPE_CHECKING:
     from portattn import AttentionInputs
 
-_MASKS = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+_MASKS = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense",
+                    "key_ranges", "query_ranges", "sequence_window", "documents"})
 
 #: Above this many scores per head (2048 x 2048), a dense mask built for a backward
 #: pass is slower than the tiled flash backward (measured with causal & key_lengths);

@@ -1,0 +1,176 @@
+"""Document masks for packed sequences: several documents share one row of the batch.
+
+Query ``i`` and key ``j`` of batch element ``b`` attend only when they carry the same
+segment id (``query_ids[b, i] == key_ids[b, j]``); a negative id marks padding, which
+attends nothing. Combined with ``causal()`` through ``&`` it is the usual mask for
+training on packed batches.
+
+Skipping the tiles across documents needs the ids' values: when the mask is bound to a
+call whose ids can be read, a :class:`DocumentPlan` keeps, per position, the smallest
+and largest id over the batch. A tile whose key ids all lie outside the range of its
+query ids is hidden, and a tile of one document everywhere needs no mask. Traced or
+lazy ids get no plan: every tile is visited, which stays correct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ._host_values import host_copy
+from ._mask_values import dtype_text, signed
+from .masks import Mask, _replaced
+
+__all__ = ["DocumentPlan", "Documents", "ids_from_cu_seqlens"]
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentPlan:
+    """Per position, over the batch: smallest and largest non-negative id and whether
+    some batch element has padding (a negative id) there. NumPy arrays on the host."""
+
+    q_lo: Any
+    q_hi: Any
+    q_pad: Any
+    k_lo: Any
+    k_hi: Any
+    k_pad: Any
+
+    @classmethod
+    def of(cls, query_ids: Any, key_ids: Any) -> DocumentPlan | None:
+        q, k = host_copy(query_ids), host_copy(key_ids)
+        if q is None or k is None:
+            return None
+        return cls(*_extremes(q), *_extremes(k))
+
+    def _query_span(self, q0: int, q1: int) -> tuple[int, int]:
+        return int(self.q_lo[q0:q1].min()), int(self.q_hi[q0:q1].max())
+
+    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        lo, hi = self._query_span(q0, q1)
+        reachable = (self.k_hi >= lo) & (self.k_lo <= hi)
+        found = reachable.nonzero()[0]
+        return (0, 0) if lo > hi or not found.size else (int(found[0]), int(found[-1]) + 1)
+
+    def hides(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        lo, hi = self._query_span(q0, q1)
+        return lo > hi or int(self.k_hi[k0:k1].max()) < lo or int(self.k_lo[k0:k1].min()) > hi
+
+    def covers(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        if self.q_pad[q0:q1].any() or self.k_pad[k0:k1].any():
+            return False
+        ids = {int(self.q_lo[q0:q1].min()), int(self.q_hi[q0:q1].max()),
+               int(self.k_lo[k0:k1].min()), int(self.k_hi[k0:k1].max())}
+        return len(ids) == 1
+
+    def sliced(self, q0: int, q1: int, k0: int, k1: int) -> DocumentPlan:
+        qs, ks = slice(q0, q1), slice(k0, k1)
+        return DocumentPlan(self.q_lo[qs], self.q_hi[qs], self.q_pad[qs],
+                            self.k_lo[ks], self.k_hi[ks], self.k_pad[ks])
+
+
+def _extremes(ids: Any) -> tuple[Any, Any, Any]:
+    import numpy as np
+
+    flat = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
+    pad = flat < 0
+    big = np.iinfo(np.int64).max
+    # padding leaves the range: a position that is padding everywhere gets lo > hi
+    lo = np.where(pad, big, flat).min(axis=0)
+    hi = np.where(pad, -1, flat).max(axis=0)
+    return lo, hi, pad.any(axis=0)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Documents(Mask):
+    """Pairs whose segment ids are equal and non-negative: ``query_ids`` is
+    ``(*batch, Lq)`` or ``(Lq,)`` (shared by the batch), ``key_ids`` likewise with
+    ``Lk``."""
+
+    kind: ClassVar[str] = "documents"
+    query_ids: Any
+    key_ids: Any
+    plan: DocumentPlan | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("query_ids", "key_ids"):
+            a = getattr(self, name)
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                msg = f"documents expects integer arrays of segment ids; got {name} of type " \
+                      f"{type(a).__name__}"
+                raise TypeError(msg)
+
+    @property
+    def arrays(self):
+        return (self.query_ids, self.key_ids)
+
+    def with_arrays(self, arrays):
+        query_ids, key_ids = arrays
+        return _replaced(self, query_ids=query_ids, key_ids=key_ids, plan=None)
+
+    def bind(self, xp, batch_shape, num_heads, lq, lk):
+        ids = []
+        for name, a, length, length_name in (("query_ids", self.query_ids, lq, "Lq"),
+                                             ("key_ids", self.key_ids, lk, "Lk")):
+            if not xp.isdtype(a.dtype, "integral"):
+                msg = (f"documents {name} must have an integer dtype; got "
+                       f"{name}.dtype={dtype_text(a.dtype)}")
+                raise TypeError(msg)
+            shape = tuple(a.shape)
+            if shape not in ((length,), (*batch_shape, length)):
+                msg = (f"documents {name} must have shape ({length_name},) = ({length},) or "
+                       f"(*batch, {length_name}) = {(*batch_shape, length)}; got "
+                       f"{name}.shape={shape}")
+                raise ValueError(msg)
+            ids.append(xp.reshape(signed(xp, a), (1,) * (len(batch_shape) + 1 - len(shape))
+                                  + shape))
+        query_ids, key_ids = ids
+        return _replaced(self, query_ids=query_ids, key_ids=key_ids,
+                         plan=DocumentPlan.of(query_ids, key_ids))
+
+    def key_range(self, q0, q1, lq, lk):
+        return (0, lk) if self.plan is None else self.plan.key_range(q0, q1)
+
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        return q0 >= q1 or k0 >= k1 or (self.plan is not None
+                                         and self.plan.hides(q0, q1, k0, k1))
+
+    def covers(self, q0, q1, k0, k1, lq, lk):
+        return self.plan is not None and self.plan.covers(q0, q1, k0, k1)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        q = self.query_ids[..., q0:q1]
+        k = self.key_ids[..., k0:k1]
+        q = xp.reshape(q, (*q.shape[:-1], 1, q1 - q0, 1))
+        k = xp.reshape(k, (*k.shape[:-1], 1, 1, k1 - k0))
+        return xp.logical_and(q == k, q >= 0)
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        plan = None if self.plan is None else self.plan.sliced(q0, q1, k0, k1)
+        return _replaced(self, query_ids=self.query_ids[..., q0:q1],
+                         key_ids=self.key_ids[..., k0:k1], plan=plan)
+
+    def __repr__(self) -> str:
+        return (f"documents(query_ids.shape={tuple(self.query_ids.shape)}, "
+                f"key_ids.shape={tuple(self.key_ids.shape)})")
+
+
+def ids_from_cu_seqlens(cu_seqlens: Any, length: int) -> Any:
+    """Segment ids ``(*batch, length)`` from cumulative lengths ``(*batch, n + 1)``:
+    document ``d`` holds positions ``cu[d] <= j < cu[d + 1]``; positions outside
+    ``[cu[0], cu[n])`` get id -1 (padding)."""
+    from array_api_compat import array_namespace, device
+
+    xp = array_namespace(cu_seqlens)
+    if not xp.isdtype(cu_seqlens.dtype, "integral") or cu_seqlens.ndim < 1 \
+            or cu_seqlens.shape[-1] < 1:
+        msg = ("cu_seqlens must be an integer array (*batch, n + 1) of cumulative "
+               f"lengths; got cu_seqlens.shape={tuple(cu_seqlens.shape)}, "
+               f"dtype={dtype_text(cu_seqlens.dtype)}")
+        raise ValueError(msg)
+    cu = signed(xp, cu_seqlens)
+    positions = xp.arange(length, device=device(cu))
+    ends = cu[..., 1:, None]
+    ids = xp.sum(xp.astype(ends <= positions, cu.dtype), axis=-2)
+    inside = xp.logical_and(positions >= cu[..., :1], positions < cu[..., -1:])
+    return xp.where(inside, ids, xp.full_like(ids, -1))
