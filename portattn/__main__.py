@@ -70,18 +70,21 @@ def demo() -> int:
     return run_demo()
 
 
-def bench(argv: list[str]) -> int:
-    """Hand over to the ``portattn-bench`` distribution (imported only here)."""
-    try:
-        from portattn_bench import main as bench_main
-    except ImportError as e:
-        if e.name != "portattn_bench":
-            raise
-        print("portattn bench: the benchmark report is its own distribution, "
-              "portattn-bench, which is not installed; install it with "
-              "`pip install ./bench/portattn-bench` (from a portattn checkout)", file=sys.stderr)
+COMMANDS = "portattn.commands"
+"""Entry-point group of subcommands that other distributions add (``bench``)."""
+
+
+def delegated(name: str, argv: list[str]) -> int:
+    """Run the subcommand ``name`` that another distribution provides."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=COMMANDS) if ep.name == name]
+    if not found:
+        print(f"portattn {name}: no installed distribution provides this command; the "
+              "benchmark report comes with `pip install ./bench/portattn-bench` (from a "
+              "portattn checkout)", file=sys.stderr)
         return 2
-    return bench_main(argv)
+    return found[0].load()(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmark the installed kernels", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        return bench(rest)
+        return delegated("bench", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return info() if args.command == "info" else demo()

@@ -1,4 +1,6 @@
-"""The base class every attention kernel derives from.
+"""What a kernel author needs: the base class every kernel derives from, and the
+description of a call it receives (:class:`AttentionInputs`, whose ``mask`` speaks the
+public protocol of :mod:`portattn.masks`).
 
 A kernel declares what it supports as plain class data; the base class turns that
 data into rejection reasons, one short fact each. ``namespaces`` and ``devices`` are
@@ -19,12 +21,12 @@ override :meth:`Kernel.check_available` to say why they cannot run at all here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
+from ._inputs import AttentionInputs
+from .masks import Band, Mask
 
-__all__ = ["ANY", "Kernel"]
+__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask"]
 
 ANY = "*"
 """Wildcard for ``namespaces`` and ``devices``."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from portattn.kernel import Kernel
 
 if TYPE_CHECKING:
-    from portattn._inputs import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 __all__ = ["TritonFlashKernel"]
 
