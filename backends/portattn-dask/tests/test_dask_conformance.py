@@ -6,8 +6,9 @@ import pytest
 from portattn_dask import DaskBlockwiseKernel
 
 from portattn.testing import check_case, conformance_cases
+from portattn.testing.plugin import require_library
 
-dask = pytest.importorskip("dask")
+dask = require_library("dask")
 
 CASES = conformance_cases(DaskBlockwiseKernel)
 

@@ -10,9 +10,10 @@ from portattn_dask._layout import group_aligned
 import portattn
 from portattn import masks
 from portattn.testing import assert_close, oracle
+from portattn.testing.plugin import require_library
 
-da = pytest.importorskip("dask.array")
-dask = pytest.importorskip("dask")
+da = require_library("dask.array")
+dask = require_library("dask")
 
 
 class ComputeCalled(RuntimeError):

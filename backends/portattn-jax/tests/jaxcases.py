@@ -6,24 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pytest
 
 from portattn import masks
-from portattn.testing import get_backend
-from portattn.testing.plugin import selected_backends
+from portattn.testing.plugin import require_backend
 
 
 def jax_backend() -> Any:
-    """The test backend ``jax`` (x64 enabled); skips when JAX is absent or unselected."""
-    chosen = selected_backends()
-    if chosen is not None and "jax" not in chosen:
-        pytest.skip("backend jax is not selected")
-    try:
-        return get_backend("jax")
-    except ImportError as e:
-        if chosen is not None:
-            pytest.fail(f"backend jax is selected but cannot be loaded: {e}")
-        pytest.skip(f"backend jax not available: {e}")
+    """The test backend ``jax`` (x64 enabled), by the harness's rule: skips when JAX is
+    unselected (or absent with no selection), fails when selected but absent."""
+    return require_backend("jax")
 
 
 @dataclass(frozen=True)

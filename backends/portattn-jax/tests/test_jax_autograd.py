@@ -12,10 +12,11 @@ from portattn_jax import _autograd, attach_autograd, register_mask_pytrees
 
 import portattn
 from portattn import masks
+from portattn.testing.plugin import require_library
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-autograd = pytest.importorskip("portattn.autograd")
+jax = require_library("jax")
+jnp = require_library("jax.numpy")
+autograd = require_library("portattn.autograd")
 from textbook import allowed_of, textbook, weighted_loss  # noqa: E402
 
 

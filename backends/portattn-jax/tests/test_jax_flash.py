@@ -16,9 +16,10 @@ from portattn_jax import JaxFlashKernel, register_mask_pytrees
 import portattn
 from portattn import masks
 from portattn.testing import assert_close, check_case, conformance_cases, oracle
+from portattn.testing.plugin import require_library
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+jax = require_library("jax")
+jnp = require_library("jax.numpy")
 from textbook import allowed_of, textbook, weighted_loss  # noqa: E402
 
 #: Gradient tolerances (rtol, atol) relative to gradients of magnitude ~1.

@@ -13,9 +13,10 @@ from portattn_jax import JaxFlashKernel, register_mask_pytrees
 import portattn
 from portattn import masks
 from portattn.testing import assert_close, oracle
+from portattn.testing.plugin import require_library
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+jax = require_library("jax")
+jnp = require_library("jax.numpy")
 from portattn_jax._flash import backward, forward  # noqa: E402
 from portattn_jax._flash_kernel import flash_plan, flat_arguments  # noqa: E402
 from textbook import allowed_of, textbook  # noqa: E402

@@ -13,9 +13,10 @@ from portattn_jax import JaxDpaKernel
 import portattn
 from portattn import masks
 from portattn.testing import assert_close, oracle
+from portattn.testing.plugin import require_library
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+jax = require_library("jax")
+jnp = require_library("jax.numpy")
 
 SHAPES = Shapes(batch=(2,), hq=4, hkv=2, lq=6, lk=5, d=8, dv=8)
 

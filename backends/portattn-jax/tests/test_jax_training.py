@@ -14,9 +14,10 @@ from jaxcases import jax_backend
 
 import portattn
 from portattn import masks
+from portattn.testing.plugin import require_library
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+jax = require_library("jax")
+jnp = require_library("jax.numpy")
 
 VOCAB, D_MODEL, HEADS, SEQ, BATCH, LAYERS, STEPS = 12, 32, 2, 16, 4, 2, 50
 

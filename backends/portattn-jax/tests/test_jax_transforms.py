@@ -15,9 +15,10 @@ from portattn_jax import register_mask_pytrees
 
 import portattn
 from portattn.testing import assert_close, oracle
+from portattn.testing.plugin import require_library
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+jax = require_library("jax")
+jnp = require_library("jax.numpy")
 from jax.test_util import check_grads  # noqa: E402
 
 #: (kernel, dtype): the kernels that must survive tracing, each in a dtype it runs.

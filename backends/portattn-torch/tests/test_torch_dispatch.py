@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from portattn.testing.plugin import require_library
+
+torch = require_library("torch")
 
 from portattn_torch import TorchSDPADLPackKernel, TorchSDPAKernel, _availability  # noqa: E402
 
@@ -66,7 +68,7 @@ def test_what_sdpa_cannot_do_falls_back(name):
 
 
 def test_numpy_arrays_are_borrowed_but_stay_below_native_kernels():
-    np = pytest.importorskip("numpy")
+    np = require_library("numpy")
     q = np.zeros((1, 2, 4, 8), dtype=np.float32)
     plan = portattn.explain(q, q, q)
     order = [e.name for e, _ in plan.candidates]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from portattn.testing.plugin import require_library
+
+torch = require_library("torch")
 
 from portattn_torch import TorchSDPADLPackKernel  # noqa: E402
 from portattn_torch._dlpack_kernel import borrow, give_back  # noqa: E402
@@ -96,7 +98,7 @@ def test_round_trip_shares_memory():
 
 
 def test_jax_round_trip():
-    jax = pytest.importorskip("jax")
+    jax = require_library("jax")
     jnp = jax.numpy
     x = jnp.arange(12.0).reshape(3, 4)
     t = borrow(x)
@@ -107,7 +109,7 @@ def test_jax_round_trip():
 
 
 def test_traced_jax_arrays_are_declined():
-    jax = pytest.importorskip("jax")
+    jax = require_library("jax")
     q, k, v = (jax.numpy.asarray(a) for a in _qkv())
     seen = []
 

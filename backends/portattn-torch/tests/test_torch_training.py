@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from portattn.testing.plugin import require_library
+
+torch = require_library("torch")
 
 import portattn  # noqa: E402
 from portattn import masks  # noqa: E402

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from portattn_triton import TritonFlashKernel
 
-from portattn.testing import check_case, conformance_cases, get_backend
+from portattn.testing import check_case, conformance_cases
+from portattn.testing.plugin import require_backend
 
 CASES = [c for c in conformance_cases(TritonFlashKernel) if c.dtype != "bfloat16"]
 #: A few cases through DLPack from JAX CPU arrays (the path CuPy and JAX take on GPU).
@@ -22,10 +23,9 @@ def test_cases_cover_float32_and_float16():
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_conformance_torch(case):
-    check_case(TritonFlashKernel, case, get_backend("torch"))
+    check_case(TritonFlashKernel, case, require_backend("torch"))
 
 
 @pytest.mark.parametrize("case", JAX_CASES, ids=str)
 def test_conformance_jax_through_dlpack(case):
-    pytest.importorskip("jax")
-    check_case(TritonFlashKernel, case, get_backend("jax"))
+    check_case(TritonFlashKernel, case, require_backend("jax"))
