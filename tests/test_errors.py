@@ -9,6 +9,7 @@ import pytest
 
 import portattn
 from portattn import masks
+from portattn.testing.plugin import require_library
 
 
 def arrays(q=(2, 4, 8, 16), k=(2, 4, 10, 16), v=None, dtype=np.float32):
@@ -89,14 +90,16 @@ def test_bad_input_message(name, call, error, words):
         assert word in str(info.value), f"{word!r} not in {info.value}"
 
 
+@pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
 def test_arrays_from_different_libraries():
-    torch = pytest.importorskip("torch")
+    torch = require_library("torch")
     with pytest.raises(TypeError, match="one array library"):
         portattn.attention(Q, torch.asarray(K), V)
 
 
+@pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
 def test_lengths_from_another_library():
-    torch = pytest.importorskip("torch")
+    torch = require_library("torch")
     with pytest.raises(TypeError, match=r"query's library \(numpy\); got torch"):
         portattn.attention(Q, K, V, mask=masks.key_lengths(torch.tensor([3, 4])))
 

@@ -12,6 +12,7 @@ from portattn import masks
 from portattn.errors import KernelNotUsableError
 from portattn.kernel import ANY
 from portattn.testing import tolerance
+from portattn.testing.plugin import require_library
 
 
 def _kernels(backend):
@@ -132,11 +133,13 @@ def test_zero_batch_with_lengths(backend, request):
     assert every_kernel(backend, args, want, mask=mask) >= 2
 
 
+@pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
 def test_borrowing_refuses_what_dlpack_cannot_carry():
     """Byte order is part of a NumPy dtype: a kernel borrowing through DLPack refuses
     byte-swapped arrays from the description, so another kernel runs; 0-d and shared
     length arrays are borrowed correctly."""
-    pytest.importorskip("torch")
+    require_library("torch")
+    require_library("portattn_torch", backend="torch")
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 5, 4)).astype(np.float32) for _ in range(3))
     swapped = k.astype(k.dtype.newbyteorder())

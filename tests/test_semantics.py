@@ -10,6 +10,7 @@ import pytest
 import portattn
 from portattn import masks
 from portattn.testing import assert_close, oracle, to_numpy
+from portattn.testing.plugin import require_library
 
 
 def make(backend, shapes, dtype="float32", seed=0):
@@ -85,9 +86,10 @@ SDPA_CASES = {
 }
 
 
+@pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
 @pytest.mark.parametrize("name", list(SDPA_CASES))
 def test_sdpa_wrapper_matches_torch(backend, name):
-    torch = pytest.importorskip("torch")
+    torch = require_library("torch")
     options = dict(SDPA_CASES[name])
     hkv = 2 if options.get("enable_gqa") else 4
     rng = np.random.default_rng(1)

@@ -89,6 +89,12 @@ def require_library(module: str, *, backend: str | None = None) -> Any:
         pytest.skip(f"{module} is not installed: {e}", allow_module_level=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cross: needs two array libraries (run with -m cross where both are "
+                   "selected: the cross tox env)")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     chosen = selected_backends()
     return f"portattn test backends: {', '.join(chosen) if chosen else 'all installed'}"

@@ -17,6 +17,7 @@ def test_torch_sdpa(case, backend):
 # Borrowing is about the other libraries: these are cross-library tests, run where the
 # other library is selected too (the ``cross`` tox env: numpy and torch), and failed
 # there, not skipped, when it is missing.
+@pytest.mark.cross
 @pytest.mark.parametrize("library", ["numpy", "jax", "cupy"])
 @pytest.mark.parametrize("case", conformance_cases(TorchSDPADLPackKernel), ids=str)
 def test_torch_sdpa_dlpack(case, library):

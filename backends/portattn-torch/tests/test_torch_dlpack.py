@@ -8,6 +8,7 @@ import pytest
 from portattn.testing.plugin import require_library
 
 torch = require_library("torch")
+pytestmark = pytest.mark.cross  # NumPy (and JAX) arrays borrowed into torch
 
 from portattn_torch import TorchSDPADLPackKernel  # noqa: E402
 from portattn_torch._dlpack_kernel import borrow, give_back  # noqa: E402

@@ -16,6 +16,7 @@ from portattn.testing import assert_close
 from portattn.testing.plugin import require_library
 
 torch = require_library("torch")
+pytestmark = pytest.mark.cross
 
 D_MODEL, HEADS, L = 16, 4, 6
 
