@@ -1,7 +1,7 @@
 """Fixtures for the benchmarks: ``in_turns`` (a ratio against a peer, timed in
 alternation) and the sweep's options (``test_sweep.py``).
 
-The sweep is configured with the same options as ``portattn bench``, passed in
+The sweep is configured with the same options as ``portattn-bench``, passed in
 ``PORTATTN_BENCH_ARGS`` (e.g. ``"--sizes 512,1024 --backends numpy,torch"``);
 ``--quick`` (or ``PORTATTN_BENCH_QUICK=1``) keeps it small. The sweep's fixtures
 are used only by tests that ask for a ``sweep_*`` fixture.
@@ -32,7 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("portattn sweep")
     group.addoption("--quick", action="store_true", default=False,
                     help=f"small attention sweep (also {QUICK_ENV}=1); more options "
-                         f"as `portattn bench` flags in {ARGS_ENV}")
+                         f"as `portattn-bench` flags in {ARGS_ENV}")
 
 
 def sweep_settings(config: pytest.Config) -> SweepConfig:

@@ -170,9 +170,11 @@ def test_core_command_hands_over(tmp_path) -> None:
 
 
 def test_core_command_without_the_bench(monkeypatch, capsys) -> None:
+    import importlib.metadata
+
     from portattn.__main__ import main as portattn_main
 
-    monkeypatch.setitem(sys.modules, "portattn_bench", None)  # as if not installed
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])  # not installed
     assert portattn_main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "portattn-bench" in err
