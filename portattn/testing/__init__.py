@@ -2,9 +2,13 @@
 
 - :func:`conformance_cases` / :func:`check_case`: check a kernel against the float64
   reference over cases generated from its declared capabilities.
-- :mod:`portattn.testing.plugin`: pytest fixtures ``backend`` and ``xp`` that run a test
-  on every installed array library (load with
-  ``pytest_plugins = ["portattn.testing.plugin"]``).
+- :func:`get_backend` / :data:`BACKEND_NAMES`: the one list of array libraries (and
+  devices) that the tests, the demo and the benchmark report share.
+- :mod:`portattn.testing.plugin`: the one pytest harness of every suite: fixtures
+  ``backend`` and ``xp`` that run a test on every selected array library (import them
+  into a ``conftest.py``, or load ``pytest_plugins = ["portattn.testing.plugin"]`` from
+  a top-level one), and ``require_backend`` / ``require_library`` for tests that need a
+  particular one. ``PORTATTN_TEST_BACKENDS`` selects; selected and missing fails.
 """
 
 from __future__ import annotations
