@@ -9,10 +9,16 @@ Attending the new queries to those keys with the bottom-right aligned
 :func:`portattn.masks.causal` places query ``i`` of ``n`` new tokens at absolute position
 ``length - n + i``: decoding one token at a time gives exactly the rows of one causal
 pass over the whole sequence.
+
+A *ragged* cache (:meth:`KVCache.ragged`) keeps one length per sequence, as batched
+decoding of prompts of different lengths needs: sequence ``b``'s new positions are
+written at ``lengths[b]``, and :meth:`KVCache.mask` aligns the causal mask to each
+sequence's own length (:func:`portattn.masks.sequence_causal`).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -52,6 +58,52 @@ class KVCache:
         self._key = key_buffer
         self._value = value_buffer
         self._length = length
+        self._lengths: Any = None  # per-sequence lengths of a ragged cache
+
+    @classmethod
+    def ragged(cls, key_buffer: Any, value_buffer: Any, lengths: Any) -> KVCache:
+        """A cache whose sequence ``b`` holds its first ``lengths[b]`` positions.
+
+        ``lengths`` is an integer array with the batch shape, values in
+        ``[0, capacity]``; it is read once here (the longest sequence sets how many
+        positions :attr:`keys` returns).
+        """
+        cache = cls(key_buffer, value_buffer)
+        xp = cache._xp
+        batch = tuple(key_buffer.shape[:-3])
+        if not hasattr(lengths, "shape") or not xp.isdtype(lengths.dtype, "integral") \
+                or tuple(lengths.shape) != batch:
+            shape = tuple(getattr(lengths, "shape", ()))
+            msg = (f"lengths must be an integer array of the batch shape {batch}; got "
+                   f"lengths of type {type(lengths).__name__} with shape {shape}")
+            raise ValueError(msg)
+        some = math.prod(batch) > 0
+        low = int(xp.min(lengths)) if some else 0
+        high = int(xp.max(lengths)) if some else 0
+        if low < 0 or high > cache.capacity:
+            msg = (f"lengths must lie in [0, capacity={cache.capacity}]; got lengths with "
+                   f"min={low}, max={high}")
+            raise ValueError(msg)
+        cache._lengths = xp.astype(lengths, xp.int64)
+        cache._length = high
+        return cache
+
+    @property
+    def lengths(self) -> Any:
+        """Per-sequence lengths ``(*batch)`` of a ragged cache; None otherwise."""
+        return self._lengths
+
+    def mask(self, num_queries: int) -> Any:
+        """The mask for ``num_queries`` new queries against :attr:`keys`: bottom-right
+        causal, or for a ragged cache causal aligned to each sequence's own length
+        (its padding past ``lengths[b]`` hidden)."""
+        from . import masks
+
+        if self._lengths is None:
+            return masks.causal()
+        queries = self._xp.full(self._lengths.shape, num_queries, dtype=self._lengths.dtype,
+                                device=safe_device(self._lengths))
+        return masks.sequence_causal(queries, self._lengths)
 
     @classmethod
     def empty(cls, batch_shape: int | tuple[int, ...], num_kv_heads: int, head_dim: int,
@@ -78,7 +130,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """Positions filled so far."""
+        """Positions filled so far (a ragged cache: by its longest sequence)."""
         return self._length
 
     @property
@@ -122,14 +174,32 @@ class KVCache:
             msg = (f"KVCache overflow: appending {n} positions at length={start} needs "
                    f"{stop} > capacity={self.capacity}; make the cache larger")
             raise ValueError(msg)
+        if self._lengths is not None:
+            return self._append_ragged(key, value, n)
         self._key = at(self._key)[..., start:stop, :].set(key)
         self._value = at(self._value)[..., start:stop, :].set(value)
         self._length = stop
         return self.keys, self.values
 
+    def _append_ragged(self, key: Any, value: Any, n: int) -> tuple[Any, Any]:
+        """Sequence ``b``'s ``n`` positions written at ``lengths[b]`` onwards: one
+        masked select per new position (functional, so immutable arrays work too)."""
+        xp = self._xp
+        slots = xp.arange(self.capacity, device=safe_device(self._key))
+        where = xp.reshape(self._lengths, (*self._lengths.shape, 1, 1, 1))
+        for t in range(n):
+            here = xp.reshape(slots, (self.capacity, 1)) == where + t
+            self._key = xp.where(here, key[..., t:t + 1, :], self._key)
+            self._value = xp.where(here, value[..., t:t + 1, :], self._value)
+        self._lengths = self._lengths + n
+        self._length += n
+        return self.keys, self.values
+
     def reset(self) -> None:
         """Forget every position (the buffers are reused)."""
         self._length = 0
+        if self._lengths is not None:
+            self._lengths = self._xp.zeros_like(self._lengths)
 
     def __repr__(self) -> str:
         return (f"KVCache(shape={tuple(self._key.shape)}, value_head_dim="
