@@ -41,6 +41,8 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         if inputs.return_weights:
             weights = xp.zeros((*inputs.batch_shape, inputs.num_heads, lq, lk),
                                dtype=inputs.query.dtype, device=inputs.device_obj)
+        if inputs.requires_grad:
+            out = out + _nothing_of(inputs, out.dtype)
         return out, lse if inputs.return_lse else None, weights
     ct = inputs.compute_dtype
     q = group_queries(xp, cast(xp, inputs.query, ct) * inputs.scale, inputs.num_kv_heads)
@@ -57,3 +59,12 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         ungroup(xp, lse, trailing=1) if inputs.return_lse else None,
         cast(xp, ungroup(xp, weights), inputs.query.dtype) if inputs.return_weights else None,
     )
+
+
+def _nothing_of(inputs: AttentionInputs, dtype: Any) -> Any:
+    """A 0 computed from no element of query, key and value: adding it ties an empty
+    call's zeros to the inputs, so autograd gives them (zero) gradients, as for any
+    other call."""
+    xp = inputs.xp
+    return sum(xp.sum(cast(xp, a[..., :0, :], dtype))
+               for a in (inputs.query, inputs.key, inputs.value))

@@ -16,12 +16,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("differential fuzzer")
     backends = sorted({b for b, _, _ in COUNTS})
     for name in backends:
-        calls = COUNTS[name, "*", "calls"]
-        terminalreporter.write_line(f"{name}: {calls} calls")
-        kernels = sorted({k for b, k, _ in COUNTS if b == name and k != "*"})
-        for kernel in kernels:
-            agreed, refused = COUNTS[name, kernel, "agreed"], COUNTS[name, kernel, "refused"]
-            line = f"    {kernel:<20} agreed {agreed:>6}  refused {refused:>6}"
-            if COUNTS[name, kernel, "known"]:
-                line += f"  known defect {COUNTS[name, kernel, 'known']:>6}"
-            terminalreporter.write_line(line)
+        for prefix in ("", "grad "):  # forward calls, then gradient calls
+            calls = COUNTS[name, "*", f"{prefix}calls"]
+            if not calls:
+                continue
+            terminalreporter.write_line(f"{name}: {calls} {prefix}calls")
+            kernels = sorted({k for b, k, v in COUNTS if b == name and k != "*"
+                              and v.startswith(prefix)})
+            for kernel in kernels:
+                agreed = COUNTS[name, kernel, f"{prefix}agreed"]
+                refused = COUNTS[name, kernel, f"{prefix}refused"]
+                line = f"    {kernel:<20} agreed {agreed:>6}  refused {refused:>6}"
+                if COUNTS[name, kernel, f"{prefix}known"]:
+                    line += f"  known defect {COUNTS[name, kernel, f'{prefix}known']:>6}"
+                terminalreporter.write_line(line)

@@ -112,5 +112,44 @@ def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray
     return out, lse
 
 
+def gradients64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | None,
+                bias: np.ndarray | None, scale: float | None, softcap: float | None,
+                dout: np.ndarray, dlse: np.ndarray | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dq, dk, dv)`` of ``sum(out * dout) + sum(lse * dlse)`` in float64, by the
+    chain rule written out (``dlse`` is ignored on fully masked rows)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    hkv, group = k.shape[-3], q.shape[-3] // k.shape[-3]
+    kk, vv = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    raw = np.einsum("...id,...jd->...ij", q, kk) * scale
+    s = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    if bias is not None:
+        s = s + np.asarray(bias, dtype=np.float64)
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    if s.shape[-1] == 0:
+        return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    total = p.sum(axis=-1, keepdims=True)
+    w = p / np.where(total == 0, 1.0, total)  # fully masked rows: all zeros
+    dw = np.einsum("...id,...jd->...ij", dout, vv)
+    ds = w * (dw - (dw * w).sum(axis=-1, keepdims=True))
+    if dlse is not None:
+        ds = ds + w * dlse[..., None]  # d lse / d s = the weights
+    if softcap is not None:
+        ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+    dq = np.einsum("...ij,...jd->...id", ds, kk) * scale
+    dk = np.einsum("...ij,...id->...jd", ds, q) * scale
+    dv = np.einsum("...ij,...id->...jd", w, dout)
+
+    def per_kv_head(g):  # the group's query heads share one key/value head
+        return g.reshape(*g.shape[:-3], hkv, group, *g.shape[-2:]).sum(axis=-3)
+
+    return dq, per_kv_head(dk), per_kv_head(dv)
+
+
 #: ``(backend, kernel, verdict) -> count``; the conftest prints it after the run.
 COUNTS: Counter[tuple[str, str, str]] = Counter()

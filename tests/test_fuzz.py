@@ -11,6 +11,10 @@ every dtype of the backend and ``return_lse``.
 A kernel that refuses a call (``KernelNotUsableError``) is counted as a refusal, never
 as agreement; the counts are printed at the end of the run. Profiles:
 
+Gradients get the same treatment on the libraries with autograd (torch, JAX): every
+kernel that declares ``grad``, forced in turn, against the chain rule written out in
+float64 (``fuzz_oracle.gradients64``), for ``sum(out * dout) + sum(lse * dlse)``.
+
 - ``PORTATTN_FUZZ=ci`` (default): a few dozen seeded calls per backend, for CI;
 - ``PORTATTN_FUZZ=long``: 2,000 calls per backend, to run by hand
   (``PORTATTN_FUZZ_SEED`` picks another seed, ``PORTATTN_FUZZ_EXAMPLES`` another count).
@@ -22,7 +26,7 @@ import os
 
 import numpy as np
 import pytest
-from fuzz_oracle import COUNTS, Spec, attention64, local_mask
+from fuzz_oracle import COUNTS, Spec, attention64, gradients64, local_mask
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -96,6 +100,14 @@ def _broadcast_shape(draw, full):
 
 def build(spec: Spec, backend):
     """``(args, kwargs)`` on ``backend``, and the oracle's ``(out, lse)``."""
+    args, kwargs, oracle_args = build_call(spec, backend)
+    out, lse = attention64(*oracle_args, spec.scale, spec.softcap)
+    return args, kwargs, out, lse
+
+
+def build_call(spec: Spec, backend):
+    """``(args, kwargs)`` on ``backend``, and what the oracle sees of them in float64:
+    ``(q, k, v, allowed, bias)``."""
     rng = np.random.default_rng(spec.seed)
     shapes = ((*spec.batch, spec.hq, spec.lq, spec.d), (*spec.batch, spec.hkv, spec.lk, spec.d),
               (*spec.batch, spec.hkv, spec.lk, spec.dv))
@@ -110,8 +122,7 @@ def build(spec: Spec, backend):
         bias64 = np.asarray(backend.to_numpy(kwargs["bias"]), dtype=np.float64)
     if spec.parts:
         kwargs["mask"] = _mask(spec, backend, dense)
-    out, lse = attention64(*seen, local_mask(spec, dense), bias64, spec.scale, spec.softcap)
-    return arrays, kwargs, out, lse
+    return arrays, kwargs, (*seen, local_mask(spec, dense), bias64)
 
 
 def _mask(spec: Spec, backend, dense):
@@ -196,6 +207,97 @@ def test_every_kernel_agrees_with_the_oracle(backend):
         failures = [f for name in _kernel_names(backend)
                     if (f := check(name, spec, backend, args, kwargs, out, lse))]
         COUNTS[backend.name, "*", "calls"] += 1
+        assert not failures, f"{spec}\n" + "\n".join(failures)
+
+    one_call()
+
+
+def _differentiate(backend, name, args, kwargs, lse, douts):
+    """``(dq, dk, dv)`` of kernel ``name`` through the library's own autograd."""
+    run = lambda *qkv: portattn.attention(*qkv, **kwargs, kernel=name)  # noqa: E731
+    if backend.namespace == "torch":
+        leaves = [a.detach().requires_grad_(True) for a in args]
+        result = run(*leaves)
+        outs = result if lse else (result,)
+        loss = sum((o * backend.asarray(d, str(o.dtype).rsplit(".", 1)[-1])).sum()
+                   for o, d in zip(outs, douts, strict=True))
+        grads = torch_autograd().grad(loss, leaves, allow_unused=True)
+        return [np.zeros(a.shape) if g is None else g for a, g in zip(args, grads, strict=True)]
+    import jax
+
+    result, pullback = jax.vjp(run, *args)
+    outs = result if lse else (result,)
+    cotangents = tuple(backend.asarray(d, str(o.dtype)) for o, d in zip(outs, douts,
+                                                                       strict=True))
+    return pullback(cotangents if lse else cotangents[0])
+
+
+def torch_autograd():
+    import torch
+
+    return torch.autograd
+
+
+def check_gradients(name, spec, backend, args, kwargs, douts, want) -> str | None:
+    try:
+        grads = _differentiate(backend, name, args, kwargs, spec.lse, douts)
+        got = [np.asarray(backend.to_numpy(g), dtype=np.float64) for g in grads]
+    except KernelNotUsableError:
+        COUNTS[backend.name, name, "grad refused"] += 1
+        return None
+    except Exception as e:
+        return f"{name} gradients raised {type(e).__name__}: {e}"
+    rtol, atol = tolerance(spec.dtype)
+    problems = []
+    for what, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        # sums over many terms: the tolerance scales with the gradient's magnitude
+        scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+        if g.shape != w.shape:
+            problems.append(f"{what} shape {g.shape} != {w.shape}")
+        elif not np.allclose(g, w, rtol=rtol, atol=atol * scale):
+            problems.append(f"{what} differs by {np.nanmax(np.abs(g - w)):.3g} "
+                            f"(magnitude {scale:.3g})")
+    if problems:
+        return f"{name}: {', '.join(problems)}"
+    COUNTS[backend.name, name, "grad agreed"] += 1
+    return None
+
+
+def _grad_kernel_names(backend):
+    return [e.name for e in portattn.kernels() if e.kernel is not None and e.kernel.grad
+            and (e.kernel.namespaces == ANY or backend.namespace in e.kernel.namespaces)]
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+def test_every_grad_kernel_agrees_with_the_oracle(backend):
+    if backend.namespace not in ("torch", "jax"):
+        pytest.skip(f"{backend.name} has no autograd")
+
+    # in CI, half the forward count: every call differentiates each kernel too
+    count = int(EXAMPLES) if EXAMPLES else settings.get_profile(PROFILE).max_examples
+    count = count // 2 if PROFILE == "ci" and not EXAMPLES else count
+
+    @seed(SEED + 1)
+    @settings(settings.get_profile(PROFILE), max_examples=count)
+    @given(spec=specs(backend.dtypes))
+    def one_call(spec):
+        args, kwargs, oracle_args = build_call(spec, backend)
+        _, want_lse = attention64(*oracle_args, spec.scale, spec.softcap)
+        rng = np.random.default_rng(spec.seed + 1)
+        dout = rng.standard_normal((*spec.batch, spec.hq, spec.lq, spec.dv))
+        dlse = None
+        douts = (dout,)
+        if spec.lse:
+            dlse = np.where(np.isfinite(want_lse), rng.standard_normal(want_lse.shape), 0.0)
+            douts = (dout, dlse)
+        # the oracle sees the cotangents as the kernels do: rounded to the dtype
+        douts = tuple(np.asarray(backend.to_numpy(backend.asarray(d, spec.dtype)),
+                                 dtype=np.float64) for d in douts)
+        want = gradients64(*oracle_args, spec.scale, spec.softcap, douts[0],
+                           douts[1] if spec.lse else None)
+        failures = [f for name in _grad_kernel_names(backend)
+                    if (f := check_gradients(name, spec, backend, args, kwargs, douts, want))]
+        COUNTS[backend.name, "*", "grad calls"] += 1
         assert not failures, f"{spec}\n" + "\n".join(failures)
 
     one_call()

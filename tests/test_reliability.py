@@ -126,6 +126,29 @@ def test_zero_size_shapes(backend, q_shape, kv_shape, request):
     every_kernel(backend, args, want, mask=masks.causal())
 
 
+@pytest.mark.parametrize(("q_shape", "kv_shape"), ZERO_SIZE, ids=lambda s: str(s))
+def test_zero_size_shapes_get_zero_gradients(backend, q_shape, kv_shape):
+    """As torch's SDPA does: an empty call is still part of the graph."""
+    if backend.namespace != "torch":
+        pytest.skip(f"{backend.name}: the empty calls' gradients are checked through torch")
+    import torch
+
+    args, _ = _arrays(backend, [q_shape, kv_shape, kv_shape])
+    ran = 0
+    for e in portattn.kernels():
+        if e.kernel is None or not e.kernel.grad:
+            continue
+        leaves = [a.detach().requires_grad_(True) for a in args]
+        try:
+            out = portattn.attention(*leaves, mask=masks.causal(), kernel=e.name)
+        except KernelNotUsableError:
+            continue
+        grads = torch.autograd.grad(out.sum(), leaves)
+        assert all(g.shape == a.shape and not g.any() for g, a in zip(grads, args, strict=True))
+        ran += 1
+    assert ran >= 2  # tiled and reference at least
+
+
 def test_zero_batch_with_lengths(backend, request):
     args, _ = _arrays(backend, [(0, 2, 5, 8)] * 3)
     mask = masks.key_lengths(backend.asarray(np.zeros((0,), dtype=np.int64)))
