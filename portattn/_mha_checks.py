@@ -25,6 +25,9 @@ class Dims(NamedTuple):
     head_dim: int
     value_head_dim: int
     num_kv_heads: int
+    d_value_context: int
+    """Feature size of the values' input (torch's ``vdim``): ``d_context`` unless values
+    come from an input of their own."""
 
 
 def namespace_of(x: Any, name: str, min_ndim: int) -> tuple[Any, Any]:
@@ -89,8 +92,8 @@ def dimensions(w_q: Any, w_k: Any, w_v: Any, w_o: Any, num_heads: int,
         msg = (f"w_k must have shape (d_context, num_kv_heads * head_dim) = "
                f"({d_context}, {kv_heads * head_dim}); got w_k.shape={tuple(w_k.shape)}")
         raise ValueError(msg)
-    if w_v.shape[0] != d_context or w_v.shape[1] % kv_heads:
-        msg = (f"w_v must have shape (d_context={d_context}, num_kv_heads={kv_heads} * "
+    if w_v.shape[1] % kv_heads:
+        msg = (f"w_v must have shape (d_value_context, num_kv_heads={kv_heads} * "
                f"value_head_dim); got w_v.shape={tuple(w_v.shape)}")
         raise ValueError(msg)
     value_dim = w_v.shape[1] // kv_heads
@@ -103,4 +106,4 @@ def dimensions(w_q: Any, w_k: Any, w_v: Any, w_o: Any, num_heads: int,
         if b is not None and tuple(b.shape) != (sizes[name],):
             msg = f"{name} must have shape ({sizes[name]},); got {name}.shape={tuple(b.shape)}"
             raise ValueError(msg)
-    return Dims(d_model, d_context, head_dim, value_dim, kv_heads)
+    return Dims(d_model, d_context, head_dim, value_dim, kv_heads, w_v.shape[0])

@@ -34,7 +34,8 @@ __all__ = ["MultiHeadAttention", "multi_head_attention"]
 def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
                          num_kv_heads: int | None = None, b_q: Any = None, b_k: Any = None,
                          b_v: Any = None, b_o: Any = None, context: Any = None,
-                         mask: Mask | Any = None, scale: float | None = None,
+                         value_context: Any = None, mask: Mask | Any = None,
+                         bias: Any = None, scale: float | None = None,
                          kernel: str | None = None, cache: KVCache | None = None) -> Any:
     """Multi-head (grouped-query, multi-query, cross) attention of ``x``.
 
@@ -42,15 +43,21 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
     ``w_k (d_context, num_kv_heads * head_dim)``; ``w_v (d_context, num_kv_heads * dv)``;
     ``w_o (num_heads * dv, d_out)``; biases are 1-d with the projections' output size.
     ``d_context`` is ``d_model`` for self-attention. The result is ``(..., L, d_out)``.
+    With ``value_context``, ``w_v`` is ``(d_value_context, num_kv_heads * dv)``.
 
     Args:
         num_heads: query heads; ``w_q.shape[1]`` must be divisible by it.
         num_kv_heads: key/value heads (default ``num_heads``); must divide ``num_heads``.
         context: ``(..., S, d_context)``; keys and values come from it instead of ``x``
             (cross-attention). Same library, device and dtype as ``x``.
+        value_context: ``(..., S, d_value_context)``; values come from it instead of
+            ``context``, whose feature size may differ (torch's ``kdim``/``vdim``).
         mask: a :mod:`portattn.masks` mask or a boolean array (True = attend), over
             ``(..., num_heads, L, S)``; e.g. ``masks.causal()`` for a decoder or
-            ``masks.key_lengths(lengths)`` for padded keys.
+            ``masks.key_lengths(lengths)`` for padded keys. A float array is added to
+            the scores instead (torch's float ``attn_mask``), like ``bias``.
+        bias: a float array added to the scores, broadcastable to
+            ``(..., num_heads, L, S)`` (``-inf`` hides a pair).
         scale: score scale, default ``1/sqrt(head_dim)``.
         kernel: force an attention kernel by name.
         cache: a :class:`portattn.KVCache`; the new keys and values are appended to it
@@ -60,7 +67,7 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
     """
     xp, dev = namespace_of(x, "x", 2)
     arrays = {"w_q": w_q, "w_k": w_k, "w_v": w_v, "w_o": w_o, "b_q": b_q, "b_k": b_k,
-              "b_v": b_v, "b_o": b_o, "context": context}
+              "b_v": b_v, "b_o": b_o, "context": context, "value_context": value_context}
     for name, a in arrays.items():
         if a is not None:
             check_same(xp, dev, x, a, name, "x")
@@ -83,14 +90,53 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
         msg = (f"w_k.shape[0]={d_context} differs from d_model={d_model}; pass context= "
                "for cross-attention with a different feature size")
         raise ValueError(msg)
+    value_source = _value_source(source, context, value_context, dims.d_value_context,
+                                 d_context)
+    mask, bias = additive_mask(xp, mask, bias)
 
     q = _split_heads(xp, _project(xp, x, w_q, b_q), num_heads)
     k = _split_heads(xp, _project(xp, source, w_k, b_k), kv_heads)
-    v = _split_heads(xp, _project(xp, source, w_v, b_v), kv_heads)
+    v = _split_heads(xp, _project(xp, value_source, w_v, b_v), kv_heads)
     if cache is not None:
         k, v = cache.append(k, v)
-    out = attention(q, k, v, mask=mask, scale=scale, kernel=kernel)
+    out = attention(q, k, v, mask=mask, bias=bias, scale=scale, kernel=kernel)
     return _project(xp, _merge_heads(xp, out), w_o, b_o)
+
+
+def _value_source(source: Any, context: Any, value_context: Any, d_value: int,
+                  d_context: int) -> Any:
+    """The input the values are projected from: ``value_context`` when given."""
+    if value_context is None:
+        if d_value != d_context:
+            msg = (f"w_v.shape[0]={d_value} differs from w_k.shape[0]={d_context}; pass "
+                   "value_context= for values from an input of another feature size "
+                   "(torch's vdim)")
+            raise ValueError(msg)
+        return source
+    if context is None:
+        msg = "value_context needs context= too (the keys' input); got value_context only"
+        raise ValueError(msg)
+    check_features("value_context", value_context, d_value, "w_v.shape[0]")
+    if tuple(value_context.shape[:-1]) != tuple(context.shape[:-1]):
+        msg = (f"value_context must match context's batch dims and length; got "
+               f"context.shape={tuple(context.shape)}, "
+               f"value_context.shape={tuple(value_context.shape)}")
+        raise ValueError(msg)
+    return value_context
+
+
+def additive_mask(xp: Any, mask: Any, bias: Any) -> tuple[Any, Any]:
+    """``(mask, bias)`` with a float array given as ``mask`` moved to ``bias`` (torch's
+    float ``attn_mask`` is added to the scores)."""
+    from .masks import Mask
+
+    if mask is None or isinstance(mask, Mask) or not hasattr(mask, "dtype") \
+            or not xp.isdtype(mask.dtype, "real floating"):
+        return mask, bias
+    if bias is not None:
+        msg = "a float mask is added to the scores like bias; pass one of mask= and bias="
+        raise ValueError(msg)
+    return None, mask
 
 
 def _project(xp: Any, a: Any, w: Any, b: Any) -> Any:
@@ -135,13 +181,15 @@ class MultiHeadAttention:
                 check_same(xp, dev, w_q, a, name, "w_q")
         dims = dimensions(w_q, w_k, w_v, w_o, num_heads, num_kv_heads,
                           {n: params[n] for n in BIASES})
-        self.d_model, self.d_context, self.head_dim, self.value_head_dim, kv = dims
+        (self.d_model, self.d_context, self.head_dim, self.value_head_dim, kv,
+         self.d_value_context) = dims
         self.num_heads, self.num_kv_heads = num_heads, kv
         self.scale, self.kernel = scale, kernel
         self.params = {n: a for n, a in params.items() if a is not None}
 
     @classmethod
     def init(cls, d_model: int, num_heads: int, num_kv_heads: int | None = None, *,
+             kdim: int | None = None, vdim: int | None = None,
              bias: bool = True, seed: int = 0, xp: Any = None, device: Any = None,
              dtype: Any = "float32", scale: float | None = None,
              kernel: str | None = None) -> MultiHeadAttention:
@@ -149,7 +197,8 @@ class MultiHeadAttention:
 
         The weights come from ``numpy.random.default_rng(seed)``, so a seed gives the
         same layer in every library; they are then placed in ``xp`` (NumPy when None)
-        on ``device`` in ``dtype``.
+        on ``device`` in ``dtype``. ``kdim`` and ``vdim`` (default ``d_model``) are the
+        feature sizes of the keys' and the values' inputs, as in torch.
         """
         import numpy as np
 
@@ -160,8 +209,10 @@ class MultiHeadAttention:
             raise ValueError(msg)
         head_dim = d_model // heads
         rng = np.random.default_rng(seed)
-        shapes = {"w_q": (d_model, d_model), "w_k": (d_model, kv_heads * head_dim),
-                  "w_v": (d_model, kv_heads * head_dim), "w_o": (d_model, d_model)}
+        d_key = d_model if kdim is None else count("kdim", kdim)
+        d_value = d_model if vdim is None else count("vdim", vdim)
+        shapes = {"w_q": (d_model, d_model), "w_k": (d_key, kv_heads * head_dim),
+                  "w_v": (d_value, kv_heads * head_dim), "w_o": (d_model, d_model)}
         host = {}
         for name, (fan_in, fan_out) in shapes.items():
             limit = np.sqrt(6.0 / (fan_in + fan_out))
@@ -196,11 +247,12 @@ class MultiHeadAttention:
                           scale=self.scale, kernel=self.kernel)
 
     def __call__(self, x: Any, context: Any = None, mask: Mask | Any = None,
-                 cache: KVCache | None = None) -> Any:
+                 cache: KVCache | None = None, *, value_context: Any = None,
+                 bias: Any = None) -> Any:
         return multi_head_attention(x, **self.params, num_heads=self.num_heads,
                                     num_kv_heads=self.num_kv_heads, context=context,
-                                    mask=mask, scale=self.scale, kernel=self.kernel,
-                                    cache=cache)
+                                    value_context=value_context, mask=mask, bias=bias,
+                                    scale=self.scale, kernel=self.kernel, cache=cache)
 
     def new_cache(self, batch_shape: int | tuple[int, ...], capacity: int) -> KVCache:
         """An empty :class:`portattn.KVCache` for this layer's keys and values."""
