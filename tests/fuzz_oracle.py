@@ -114,10 +114,15 @@ def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray
 
 def gradients64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | None,
                 bias: np.ndarray | None, scale: float | None, softcap: float | None,
-                dout: np.ndarray, dlse: np.ndarray | None
+                dout: np.ndarray, dlse: np.ndarray | None,
+                stored_out: np.ndarray | None = None,
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` of ``sum(out * dout) + sum(lse * dlse)`` in float64, by the
-    chain rule written out (``dlse`` is ignored on fully masked rows)."""
+    chain rule written out (``dlse`` is ignored on fully masked rows).
+
+    ``stored_out``: the output as a flash backward reads it (rounded to a half dtype,
+    as FlashAttention stores it). ``Delta = rowsum(dO * O)`` is then taken from it, so
+    the result is what such a backward computes exactly."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     hkv, group = k.shape[-3], q.shape[-3] // k.shape[-3]
     kk, vv = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
@@ -135,8 +140,10 @@ def gradients64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray
     p = np.exp(s - m)
     total = p.sum(axis=-1, keepdims=True)
     w = p / np.where(total == 0, 1.0, total)  # fully masked rows: all zeros
+    out = np.einsum("...ij,...jd->...id", w, vv) if stored_out is None else stored_out
+    delta = (dout * out).sum(axis=-1, keepdims=True)  # = rowsum(w * dw) when exact
     dw = np.einsum("...id,...jd->...ij", dout, vv)
-    ds = w * (dw - (dw * w).sum(axis=-1, keepdims=True))
+    ds = w * (dw - delta)
     if dlse is not None:
         ds = ds + w * dlse[..., None]  # d lse / d s = the weights
     if softcap is not None:

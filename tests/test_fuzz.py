@@ -238,7 +238,9 @@ def torch_autograd():
     return torch.autograd
 
 
-def check_gradients(name, spec, backend, args, kwargs, douts, want) -> str | None:
+def check_gradients(name, spec, backend, args, kwargs, douts, wanted) -> str | None:
+    """Like :func:`check`, for ``(dq, dk, dv)``; ``wanted`` lists the float64 answers
+    accepted (for half inputs, also the one from the output as stored)."""
     try:
         grads = _differentiate(backend, name, args, kwargs, spec.lse, douts)
         got = [np.asarray(backend.to_numpy(g), dtype=np.float64) for g in grads]
@@ -247,6 +249,14 @@ def check_gradients(name, spec, backend, args, kwargs, douts, want) -> str | Non
         return None
     except Exception as e:
         return f"{name} gradients raised {type(e).__name__}: {e}"
+    verdicts = [_gradient_problems(spec, got, want) for want in wanted]
+    if all(verdicts):
+        return f"{name}: {', '.join(verdicts[0])}"
+    COUNTS[backend.name, name, "grad agreed"] += 1
+    return None
+
+
+def _gradient_problems(spec, got, want) -> list[str]:
     rtol, atol = tolerance(spec.dtype)
     problems = []
     for what, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
@@ -257,10 +267,7 @@ def check_gradients(name, spec, backend, args, kwargs, douts, want) -> str | Non
         elif not np.allclose(g, w, rtol=rtol, atol=atol * scale):
             problems.append(f"{what} differs by {np.nanmax(np.abs(g - w)):.3g} "
                             f"(magnitude {scale:.3g})")
-    if problems:
-        return f"{name}: {', '.join(problems)}"
-    COUNTS[backend.name, name, "grad agreed"] += 1
-    return None
+    return problems
 
 
 def _grad_kernel_names(backend):
@@ -293,8 +300,14 @@ def test_every_grad_kernel_agrees_with_the_oracle(backend):
         # the oracle sees the cotangents as the kernels do: rounded to the dtype
         douts = tuple(np.asarray(backend.to_numpy(backend.asarray(d, spec.dtype)),
                                  dtype=np.float64) for d in douts)
-        want = gradients64(*oracle_args, spec.scale, spec.softcap, douts[0],
-                           douts[1] if spec.lse else None)
+        dlse = douts[1] if spec.lse else None
+        want = [gradients64(*oracle_args, spec.scale, spec.softcap, douts[0], dlse)]
+        if spec.dtype in HALF:  # a flash backward reads the output as stored
+            out, _ = attention64(*oracle_args, spec.scale, spec.softcap)
+            stored = np.asarray(backend.to_numpy(backend.asarray(out, spec.dtype)),
+                                dtype=np.float64)
+            want.append(gradients64(*oracle_args, spec.scale, spec.softcap, douts[0], dlse,
+                                    stored))
         failures = [f for name in _grad_kernel_names(backend)
                     if (f := check_gradients(name, spec, backend, args, kwargs, douts, want))]
         COUNTS[backend.name, "*", "grad calls"] += 1
