@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "BackwardConfig", "Config", "block_dim",
-           "delta_rows", "is_even", "pick_backward_config", "pick_config"]
+__all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "DECODE_MAX_QUERIES", "DECODE_MAX_ROWS",
+           "BackwardConfig", "Config", "autotune_candidates", "block_dim", "decode_config",
+           "decode_splits", "delta_rows", "is_even", "pick_backward_config", "pick_config"]
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,12 @@ class Config:
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
+    """Split the key loop into producer and consumer warps (tensor-descriptor path)."""
 
     def __str__(self) -> str:
-        return f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+        text = f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+        return f"{text}-ws" if self.warp_specialize else text
 
 
 #: Generations with their own table: 80 (Ampere, Ada) and 90 (Hopper and newer).
@@ -141,3 +145,58 @@ def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
                f"{head_dim}, {value_head_dim} (at most {BACKWARD_MAX_DIM[size]})")
         raise ValueError(msg)
     return _BWD_TABLE[arch, size, dim]
+
+
+def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,
+                        head_dim: int, value_head_dim: int) -> list[Config]:
+    """The forward configurations ``flash_forward(..., autotune=True)`` times: the
+    table's entry first, then its neighbours in block sizes, warps and stages (and
+    warp specialization on Hopper). Those that do not fit a device fail to compile
+    there and are dropped by the autotuner."""
+    base = pick_config(capability, element_bytes, head_dim, value_head_dim)
+    hopper = capability is None or capability[0] >= 9
+    m, n = base.block_m, base.block_n
+    found = [base]
+    for block_m, block_n in ((m, n), (m, 2 * n), (m, n // 2), (m // 2, n), (2 * m, n)):
+        if not (16 <= block_m <= 256 and 16 <= block_n <= 256):
+            continue
+        for warps in sorted({base.num_warps, 4, 8}):
+            for stages in sorted({base.num_stages, 2, 3, 4}):
+                for ws in ((False, True) if hopper and element_bytes <= 2 else (False,)):
+                    c = Config(block_m, block_n, warps, stages, ws)
+                    if c not in found:
+                        found.append(c)
+    return found
+
+
+#: Decode: at most this many queries per head, and query rows per K/V head (the
+#: grouped-query group times the queries), so every row fits one tile.
+DECODE_MAX_QUERIES = 16
+DECODE_MAX_ROWS = 64
+
+
+def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_dim: int,
+                  value_head_dim: int, rows: int) -> Config:
+    """Block sizes of the split-KV decode kernel for ``rows`` packed query rows: the
+    tile is as tall as the rows (at least 16, the tensor cores' minimum) and the key
+    blocks as wide as the registers allow (compile tests: no spills)."""
+    del capability  # one table for sm_80 and sm_90: the kernel is bandwidth-bound
+    block_m = max(16, 1 << (max(rows, 1) - 1).bit_length())
+    dim = max(block_dim(head_dim), block_dim(value_head_dim))
+    if element_bytes > 2:  # three TF32 products per product: narrower tiles
+        return Config(block_m, 32 if dim <= 64 else 16, 4, 2)
+    if dim <= 64:
+        return Config(block_m, 128, 4, 3)
+    if dim <= 128:
+        return Config(block_m, 64, 4, 3)
+    return Config(block_m, 32, 8, 2)
+
+
+def decode_splits(programs: int, kv_len: int, block_n: int, sm_count: int | None) -> int:
+    """How many slices of the keys the decode spreads over: enough programs for about
+    two per multiprocessor, each slice at least four key blocks long."""
+    tiles = -(-kv_len // block_n)
+    if sm_count is None:  # the interpreter: a few splits, so the merge is exercised
+        sm_count = 2
+    want = -(-2 * sm_count // max(programs, 1))
+    return max(1, min(want, tiles // 4))

@@ -2,8 +2,8 @@
 
 :func:`flash_forward` is the direct entry point (no dispatch, no validation beyond
 shapes): it flattens the leading batch dims, turns the positional masks into a band on
-``j - i``, picks block sizes for the device (or takes ``config``) and launches one
-program per (batch x head, query block).
+``j - i``, picks a path (pointer kernel, tensor-descriptor kernel, split-KV decode)
+and block sizes for the device (or takes ``path`` and ``config``) and launches it.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._configs import Config, block_dim, is_even, pick_config
+from ._configs import DECODE_MAX_QUERIES, DECODE_MAX_ROWS, Config, block_dim, is_even, pick_config
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["band", "flash_forward"]
+__all__ = ["PATHS", "band", "flash_forward", "pick_path"]
 
 _ALIGNMENTS = ("bottom_right", "top_left")
 
@@ -47,6 +47,11 @@ def band(q_len: int, kv_len: int, causal: str | None = None,
     return lower, upper
 
 
+#: The forward's three paths: the pointer kernel (any strides, any generation), the
+#: tensor-descriptor kernel (Hopper, TMA-compatible strides) and split-KV decode.
+PATHS = ("pointer", "tma", "decode")
+
+
 def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                   scale: float | None = None, softcap: float | None = None,
                   causal: str | None = None,
@@ -54,7 +59,9 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
                   band_offsets: Band = (None, None),
                   key_lengths: torch.Tensor | None = None,
                   query_lengths: torch.Tensor | None = None,
-                  config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: Config | None = None, path: str | None = None,
+                  autotune: bool = False, num_splits: int | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward on torch tensors; returns ``(out, lse)``.
 
     ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``, ``value (..., Hkv, Lk, Dv)``
@@ -62,7 +69,11 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     ``(left, right)`` pair (bottom-right aligned, inclusive), ``band_offsets`` a
     ``(lower, upper)`` band on ``j - i`` (see :func:`band`), ``key_lengths`` /
     ``query_lengths`` integer tensors of the batch shape.
-    ``lse`` is float32. ``config`` fixes the block sizes instead of the table's.
+    ``lse`` is float32. ``path`` forces one of :data:`PATHS` (None: :func:`pick_path`);
+    ``config`` fixes the block sizes instead of the table's, ``autotune=True`` times
+    :func:`~portattn_triton.autotune_candidates` on the first call of each kind instead
+    (pointer and tensor-descriptor paths, on a GPU). ``num_splits`` fixes how many
+    key slices the decode path spreads over (None: enough to fill the device).
     """
     import torch
 
@@ -72,47 +83,93 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
         msg = (f"incompatible shapes: query.shape={tuple(query.shape)}, "
                f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
         raise ValueError(msg)
+    if path is not None and path not in PATHS:
+        msg = f"path must be None or one of {', '.join(PATHS)}; got path={path!r}"
+        raise ValueError(msg)
+    if autotune and config is not None:
+        msg = "pass either config or autotune=True, not both"
+        raise ValueError(msg)
     z = math.prod(batch)
     dev = query.device
     if z == 0 or hq == 0 or lq == 0 or lk == 0:  # nothing to attend: 0 and -inf
         return (torch.zeros((*batch, hq, lq, dv), dtype=query.dtype, device=dev),
                 torch.full((*batch, hq, lq), -math.inf, dtype=torch.float32, device=dev))
-    out = torch.empty((*batch, hq, lq, dv), dtype=query.dtype, device=dev)
-    lse = torch.empty((*batch, hq, lq), dtype=torch.float32, device=dev)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     lower, upper = band(lq, lk, causal, window, band_offsets)
-    if config is None:
-        capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-        config = pick_config(capability, query.element_size(), d, dv)
-
+    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     q = query.reshape(z, hq, lq, d)
     k = key.reshape(z, hkv, lk, d)
     v = value.reshape(z, hkv, lk, dv)
-    o = out.view(z, hq, lq, dv)
+    if path is None:
+        path = pick_path(capability, q, k, v)
     kl = _lengths(key_lengths, z)
     ql = _lengths(query_lengths, z)
-    dummy = q  # stands in for absent optional tensors; never read
+    if path == "decode":
+        from ._launch_decode import decode_forward
 
-    from ._triton_kernel import flash_forward_kernel
+        out, lse = decode_forward(q, k, v, scale, softcap, lower, upper, kl, ql,
+                                  capability, config, num_splits)
+        return out.view(*batch, hq, lq, dv), lse.view(*batch, hq, lq)
 
-    grid = (z * hq, math.ceil(lq / config.block_m))
+    out = torch.empty((*batch, hq, lq, dv), dtype=query.dtype, device=dev)
+    lse = torch.empty((*batch, hq, lq), dtype=torch.float32, device=dev)
+    o = out.view(z, hq, lq, dv)
+    if config is None and not autotune:
+        config = pick_config(capability, query.element_size(), d, dv)
+    dummy = lse  # stands in for absent optional tensors; never read
+    scalars = (hq, hq // hkv, lq, lk)
+    factors = (scale, 1.0 if softcap is None else float(softcap),
+               0 if lower is None else lower, 0 if upper is None else upper)
+    flags = {"BLOCK_D": block_dim(d), "BLOCK_DV": block_dim(dv),
+             "HAS_LOWER": lower is not None, "HAS_UPPER": upper is not None,
+             "HAS_KEY_LENGTHS": kl is not None, "HAS_QUERY_LENGTHS": ql is not None,
+             "SOFTCAP": softcap is not None,
+             "REVERSE": upper is not None and lower is None,
+             "INPUT_PRECISION": _precision(query.dtype)}
+    lengths = (dummy if kl is None else kl, dummy if ql is None else ql)
     with _on_device(dev):
-        flash_forward_kernel[grid](
-            q, k, v, o, lse, dummy if kl is None else kl, dummy if ql is None else ql,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            hq, hq // hkv, lq, lk, d, dv,
-            scale, 1.0 if softcap is None else float(softcap),
-            0 if lower is None else lower, 0 if upper is None else upper,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_dim(d),
-            BLOCK_DV=block_dim(dv), EVEN_D=is_even(d, dv),
-            HAS_LOWER=lower is not None, HAS_UPPER=upper is not None,
-            HAS_KEY_LENGTHS=kl is not None, HAS_QUERY_LENGTHS=ql is not None,
-            SOFTCAP=softcap is not None,
-            REVERSE=upper is not None and lower is None,
-            INPUT_PRECISION=_precision(query.dtype),
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        if path == "tma":
+            from ._launch_tma import launch_tma
+
+            launch_tma(q, k, v, o, lse, lengths, scalars, factors, flags, config,
+                       capability if autotune else None)
+            return out, lse
+        from ._triton_kernel import flash_forward_kernel
+
+        args = (q, k, v, o, lse, *lengths, *q.stride(), *k.stride(), *v.stride(),
+                *o.stride(), *scalars, d, dv, *factors)
+        flags["EVEN_D"] = is_even(d, dv)
+        if autotune:
+            from ._launch_tma import autotuned
+
+            kernel = autotuned(flash_forward_kernel, capability, query.element_size(), d, dv)
+            kernel[_grid(z * hq, lq)](*args, **flags)
+        else:
+            flash_forward_kernel[(z * hq * math.ceil(lq / config.block_m),)](
+                *args, **flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
+
+
+def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: Any) -> str:
+    """The forward path for these ``(Z, H, L, D)`` tensors on a device of
+    ``capability`` (None: the interpreter): ``decode`` for a few queries whose rows
+    per K/V head fit one tile, ``tma`` on Hopper when the strides allow tensor
+    descriptors, ``pointer`` otherwise."""
+    hq, lq = query.shape[-3], query.shape[-2]
+    rows = lq * (hq // key.shape[-3])
+    if lq <= DECODE_MAX_QUERIES and rows <= DECODE_MAX_ROWS:
+        return "decode"
+    if capability is not None and capability[0] >= 9:
+        from ._launch_tma import tma_reasons
+
+        if not tma_reasons(query, key, value):
+            return "tma"
+    return "pointer"
+
+
+def _grid(programs: int, q_len: int) -> Any:
+    return lambda meta: (programs * math.ceil(q_len / meta["BLOCK_M"]),)
 
 
 def _precision(dtype: Any) -> str:

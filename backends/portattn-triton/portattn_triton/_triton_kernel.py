@@ -19,9 +19,74 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["flash_forward_kernel", "key_tiles", "valid_lengths"]
+__all__ = ["block_order", "finish_rows", "flash_forward_kernel", "fold_tile", "key_tiles",
+           "valid_lengths"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, sm_scale, softcap,
+              lower_off, upper_off, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
+              HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+              INPUT_PRECISION: tl.constexpr):
+    """One step of the online softmax: scores of ``q`` against the key tile ``k``
+    (``[BLOCK_D, BLOCK_N]``) at key indices ``cols``, folded with ``v`` into the running
+    ``(acc, l_i, m_i)``. ``MASKED`` tiles may hold pairs outside the band or keys at or
+    past ``kv_valid``. Shared by every forward path (pointers, tensor descriptors)."""
+    qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+    if SOFTCAP:
+        # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
+        x = qk * (sm_scale / softcap)
+        s = (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)) * (softcap * LOG2E)
+    else:
+        s = qk * (sm_scale * LOG2E)
+    if MASKED:
+        keep = cols[None, :] < kv_valid
+        if HAS_LOWER:
+            keep &= (cols[None, :] - offs_m[:, None]) >= lower_off
+        if HAS_UPPER:
+            keep &= (cols[None, :] - offs_m[:, None]) <= upper_off
+        s = tl.where(keep, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing allowed so far keeps m = -inf; shift by 0 instead so
+    # exp2 sees -inf - 0 (= 0) rather than -inf - -inf (= nan).
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def finish_rows(acc, l_i, m_i, offs_m, q_valid):
+    """``(out, lse)`` of the running state; rows with no allowed key (or query
+    padding) give 0 and -inf."""
+    has_mass = (l_i > 0.0) & (offs_m < q_valid)
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out = tl.where(has_mass[:, None], out, 0.0)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(has_mass, (m_fin + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def block_order(num_heads, q_len, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr):
+    """``(pid_zh, pid_m)`` of this program in a one-dimensional grid whose consecutive
+    programs are query blocks of one (batch, head): they read the same K/V, which then
+    stays in L2 across them. ``REVERSE`` (causal-like bands) starts each head's last
+    query blocks, which do the most work, first."""
+    pid = tl.program_id(0)
+    num_m_blocks = tl.cdiv(q_len, BLOCK_M)
+    pid_zh = pid // num_m_blocks
+    pid_m = pid % num_m_blocks
+    if REVERSE:
+        pid_m = num_m_blocks - 1 - pid_m
+    return pid_zh, pid_m
 
 
 @triton.jit
@@ -31,8 +96,9 @@ def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
             HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
             INPUT_PRECISION: tl.constexpr):
-    """Fold key blocks ``[lo, hi)`` into the running state. ``MASKED`` tiles may hold
-    disallowed pairs or keys past the end; the others are fully inside the band."""
+    """Fold key blocks ``[lo, hi)`` into the running state, loading through pointers.
+    ``MASKED`` tiles may hold disallowed pairs or keys past the end; the others are
+    fully inside the band."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -55,32 +121,9 @@ def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
         else:
             k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
-
-        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
-        if SOFTCAP:
-            # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
-            x = qk * (sm_scale / softcap)
-            s = (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)) * (softcap * LOG2E)
-        else:
-            s = qk * (sm_scale * LOG2E)
-        if MASKED:
-            keep = cols[None, :] < kv_valid
-            if HAS_LOWER:
-                keep &= (cols[None, :] - offs_m[:, None]) >= lower_off
-            if HAS_UPPER:
-                keep &= (cols[None, :] - offs_m[:, None]) <= upper_off
-            s = tl.where(keep, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing allowed so far keeps m = -inf; shift by 0 instead so
-        # exp2 sees -inf - 0 (= 0) rather than -inf - -inf (= nan).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, sm_scale,
+                                  softcap, lower_off, upper_off, MASKED, HAS_LOWER,
+                                  HAS_UPPER, SOFTCAP, INPUT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -138,11 +181,9 @@ def flash_forward_kernel(
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr):
-    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``."""
-    pid_zh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
-        pid_m = tl.num_programs(1) - 1 - pid_m
+    """Grid ``(Z * num_heads * cdiv(q_len, BLOCK_M),)``, see :func:`block_order`; writes
+    ``Out`` and ``Lse``."""
+    pid_zh, pid_m = block_order(num_heads, q_len, BLOCK_M, REVERSE)
     off_z = (pid_zh // num_heads).to(tl.int64)
     off_h = (pid_zh % num_heads).to(tl.int64)
     off_kvh = off_h // group_size  # grouped-query: K/V head shared by the group
@@ -185,13 +226,7 @@ def flash_forward_kernel(
             value_head_dim, sm_scale, softcap, lower_off, upper_off,
             part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
 
-    # Rows with no allowed key (or query padding): output 0, lse -inf.
-    has_mass = (l_i > 0.0) & (offs_m < q_valid)
-    l_safe = tl.where(has_mass, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    out = tl.where(has_mass[:, None], out, 0.0)
-    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = tl.where(has_mass, (m_fin + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
+    out, lse = finish_rows(acc, l_i, m_i, offs_m, q_valid)
 
     in_q = offs_m < q_len
     tl.store(Lse + pid_zh.to(tl.int64) * q_len + offs_m, lse, mask=in_q)
