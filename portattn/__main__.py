@@ -1,4 +1,4 @@
-"""Command line: ``python -m portattn {info,demo,bench}``."""
+"""Command line: ``python -m portattn {info,demo,bench,tune}``."""
 
 from __future__ import annotations
 
@@ -95,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="list installed kernels and what they support")
     sub.add_parser("demo", help="run attention on every installed array library")
     sub.add_parser("bench", help="benchmark the installed kernels", add_help=False)
+    sub.add_parser("tune", help="time the kernels here; dispatch then prefers the fastest",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "tune":
+        from ._tune import main as tune_main
+
+        return tune_main(rest)
     if args.command == "bench":
         return delegated("bench", rest)
     if rest:
