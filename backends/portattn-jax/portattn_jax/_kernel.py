@@ -24,7 +24,7 @@ from portattn import Kernel
 from portattn.kernel import ANY
 
 from ._pytree import register_mask_pytrees
-from ._translate import fold_mask
+from ._translate import COMPUTED, fold_mask
 
 if TYPE_CHECKING:
     from portattn import AttentionInputs
@@ -47,7 +47,8 @@ class JaxDpaKernel(Kernel):
     namespaces = frozenset({"jax"})
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32"})
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense",
+                       *COMPUTED})
     bias = gqa = value_head_dim = empty = grad = True
     # cuDNN's backward pass may accumulate with atomics on GPUs.
     deterministic = False
@@ -126,7 +127,7 @@ def choose_implementation(inputs: AttentionInputs, spec: MaskSpec, cuda: bool) -
     head = max(inputs.head_dim, inputs.value_head_dim)
     if head % 8 or head > _CUDNN_MAX_HEAD_DIM:
         return "xla"
-    if inputs.bias is not None or spec.dense:
+    if inputs.bias is not None or spec.has_dense:
         return "xla"
     band = spec.band
     if band is not None:
@@ -143,13 +144,14 @@ def _attend(inputs: AttentionInputs, spec: MaskSpec, implementation: str) -> Any
 
     if spec.all_rows_have_keys(inputs.q_len, inputs.kv_len) and inputs.bias is None:
         fix_rows = "none"
-    elif spec.dense or inputs.bias is not None:
+    elif spec.has_dense or inputs.bias is not None:
         fix_rows = "full"
     else:
         fix_rows = "band"
     plan = Plan(batch_shape=inputs.batch_shape, scale=inputs.scale,
                 implementation=implementation, band=spec.band, fix_rows=fix_rows)
-    return attend(inputs.query, inputs.key, inputs.value, inputs.bias, spec.dense,
+    dense = spec.dense_arrays(inputs.q_len, inputs.kv_len)
+    return attend(inputs.query, inputs.key, inputs.value, inputs.bias, dense,
                   spec.key_lengths, spec.query_lengths, plan=plan)
 
 

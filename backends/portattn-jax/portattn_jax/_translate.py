@@ -5,7 +5,10 @@ one band: query ``i`` sees keys ``i - left <= j <= i + right`` (``local_window_s
 ``is_causal`` is the band with ``right = 0``). portattn folds every causal and
 sliding-window part of a mask into one such band (``Mask.band``), which is only
 re-signed here.
-Lengths and dense masks map to their JAX arguments one to one.
+Lengths and dense masks map to their JAX arguments one to one. Kinds JAX has no
+argument for (key/query ranges, per-sequence windows, documents) are kept as mask
+parts and become boolean arrays in the call (:meth:`MaskSpec.dense_arrays`): JAX's XLA
+path materialises the score matrix anyway.
 
 Everything here is static (Python ints) or a plain pass-through of the mask's arrays
 (several of one kind are combined later, inside the compiled call): folding a mask
@@ -68,10 +71,23 @@ class MaskSpec:
     query_lengths: tuple[Any, ...] = ()
     dense: tuple[Any, ...] = ()
     """Full rank ``(*batch|1, H|1, Lq|1, Lk|1)`` boolean arrays; a pair must be in all."""
+    computed: tuple[Mask, ...] = ()
+    """Parts whose boolean arrays are built only when the call runs."""
+
+    @property
+    def has_dense(self) -> bool:
+        """Whether the call takes a boolean mask array."""
+        return bool(self.dense or self.computed)
+
+    def dense_arrays(self, lq: int, lk: int) -> tuple[Any, ...]:
+        """:attr:`dense` and the boolean arrays of :attr:`computed` (allocates)."""
+        import jax.numpy as jnp
+
+        return self.dense + tuple(p.tile(jnp, 0, lq, 0, lk, lq, lk) for p in self.computed)
 
     def all_rows_have_keys(self, lq: int, lk: int) -> bool:
         """True when no query row can be left without keys, known without reading data."""
-        if self.key_lengths or self.query_lengths or self.dense:
+        if self.key_lengths or self.query_lengths or self.has_dense:
             return False
         if self.band is None:
             return lk > 0
@@ -91,4 +107,9 @@ def fold_mask(inputs: AttentionInputs) -> MaskSpec:
     return MaskSpec(band,
                     tuple(p.lengths for p in mask.parts_of("key_lengths")),
                     tuple(p.lengths for p in mask.parts_of("query_lengths")),
-                    tuple(p.allowed for p in mask.parts_of("dense")))
+                    tuple(p.allowed for p in mask.parts_of("dense")),
+                    tuple(p for kind in COMPUTED for p in mask.parts_of(kind)))
+
+
+COMPUTED = ("key_ranges", "query_ranges", "sequence_window", "documents")
+"""Mask kinds passed to JAX as boolean arrays built from their tiles."""
