@@ -117,3 +117,17 @@ def test_bad_ids_name_the_argument(ids, key_ids, error, text):
 def test_bad_cu_seqlens():
     with pytest.raises(ValueError, match=r"cu_seqlens must be an integer array"):
         masks.documents_from_cu_seqlens(np.array([0.0, 3.0]), 3)
+
+
+def test_under_jax_jit_the_ids_are_traced_and_the_result_the_same():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    ids, q, k, v = packed(np.random.default_rng(4), LENGTHS)
+    a = [jnp.asarray(x, dtype=jnp.float32) for x in (q, k, v)]
+    portattn.kernels()  # loads portattn-jax, which makes masks pytrees from then on
+    mask = masks.causal() & masks.documents(jnp.asarray(ids))
+    want = each_alone(ids, q, k, v, True)
+    for kernel in (None, "tiled"):
+        run = jax.jit(lambda q, k, v, m, kernel=kernel: portattn.attention(
+            q, k, v, mask=m, kernel=kernel))
+        assert_close(run(*a, mask), want, "float32")
