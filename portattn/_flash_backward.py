@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import array_api_extra as xpx
 
-from ._portable import cast, finite_or_zero, group_kv, group_queries, is_empty, scores, ungroup
+from ._portable import (
+    cast,
+    finite_or_zero,
+    group_kv,
+    group_queries,
+    is_empty,
+    scores,
+    split_nonfinite,
+    ungroup,
+)
 from ._tiled import block_sizes
 
 if TYPE_CHECKING:
@@ -46,7 +55,9 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     hkv = inputs.num_kv_heads
     block_q, block_k = block_sizes(inputs)
     k = group_kv(xp, cast(xp, inputs.key, ct))
-    v = group_kv(xp, cast(xp, inputs.value, ct))
+    # Non-finite values of masked keys must not reach the gradients through 0 * NaN; a
+    # row that attends one has a NaN output, hence a NaN Delta, already.
+    v, _ = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     lse = finite_or_zero(xp, cast(xp, lse, ct))
     # Written block by block in place (functionally where arrays are immutable), so
     # no list of blocks and its concatenation are ever alive at once.

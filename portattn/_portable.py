@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from ._mask_values import values_readable
 from .kernel import ANY, Kernel
 from .masks import KINDS, slice_tile
 
@@ -94,6 +95,30 @@ def safe_max(xp: Any, s: Any) -> Any:
 def finite_or_zero(xp: Any, m: Any) -> Any:
     """``m`` with ``-inf`` (a row with nothing allowed yet) replaced by 0."""
     return xp.where(m == -math.inf, xp.zeros_like(m), m)
+
+
+def split_nonfinite(xp: Any, v: Any) -> tuple[Any, Any]:
+    """``(clean, bad)``: the values with non-finite entries set to 0, and a column
+    ``(..., Lk, 1)`` that is 1 for keys whose value row held one (None when none does).
+
+    A masked key has weight exactly 0, but ``0 * NaN`` is NaN: multiplying by the clean
+    values keeps masked positions out of the result, and :func:`attend_values` makes
+    the rows that do attend a non-finite value NaN (the rule in the README)."""
+    finite = xp.isfinite(v)
+    if values_readable(v) and bool(xp.all(finite)):  # the usual case: nothing to do
+        return v, None
+    clean = xp.where(finite, v, xp.zeros_like(v))
+    bad = xp.any(xp.logical_not(finite), axis=-1, keepdims=True)
+    return clean, cast(xp, bad, v.dtype)
+
+
+def attend_values(xp: Any, p: Any, clean: Any, bad: Any) -> Any:
+    """``p @ v`` for values split by :func:`split_nonfinite`."""
+    pv = xp.matmul(p, clean)
+    if bad is None:
+        return pv
+    attended = xp.matmul(p, bad) > 0  # some weight on a non-finite value
+    return xp.where(attended, xp.full_like(pv, math.nan), pv)
 
 
 def finish(xp: Any, acc: Any, m: Any, denom: Any) -> tuple[Any, Any]:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._portable import (
     PortableKernel,
+    attend_values,
     cast,
     empty_result,
     finish,
@@ -14,6 +15,7 @@ from ._portable import (
     is_empty,
     safe_max,
     scores,
+    split_nonfinite,
     ungroup,
 )
 
@@ -47,13 +49,13 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     ct = inputs.compute_dtype
     q = group_queries(xp, cast(xp, inputs.query, ct) * inputs.scale, inputs.num_kv_heads)
     k = group_kv(xp, cast(xp, inputs.key, ct))
-    v = group_kv(xp, cast(xp, inputs.value, ct))
+    v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     s = scores(inputs, q, k, 0, lq, 0, lk)
     m = safe_max(xp, s)
     p = xp.exp(s - m)
     denom = xp.sum(p, axis=-1, keepdims=True)
     weights, lse = finish(xp, p, m, denom)
-    out = cast(xp, ungroup(xp, xp.matmul(weights, v)), inputs.query.dtype)
+    out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad)), inputs.query.dtype)
     return (
         out,
         ungroup(xp, lse, trailing=1) if inputs.return_lse else None,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._portable import (
     PortableKernel,
+    attend_values,
     cast,
     empty_result,
     finish,
@@ -22,6 +23,7 @@ from ._portable import (
     group_queries,
     is_empty,
     scores,
+    split_nonfinite,
     ungroup,
 )
 from ._wiring import attach_for
@@ -68,13 +70,13 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
     block_q, block_k = block_q or default_q, block_k or default_k
     ct = inputs.compute_dtype
     k = group_kv(xp, cast(xp, inputs.key, ct))
-    v = group_kv(xp, cast(xp, inputs.value, ct))
+    v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     outs, lses = [], []
     for q0 in range(0, inputs.q_len, block_q):
         q1 = min(inputs.q_len, q0 + block_q)
         q = cast(xp, inputs.query[..., q0:q1, :], ct) * inputs.scale
         q = group_queries(xp, q, inputs.num_kv_heads)
-        out, lse = _query_block(inputs, q, k, v, q0, q1, block_k)
+        out, lse = _query_block(inputs, q, k, v, bad, q0, q1, block_k)
         outs.append(out)
         lses.append(lse)
     out = ungroup(xp, xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0])
@@ -82,8 +84,8 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
     return cast(xp, out, inputs.query.dtype), lse
 
 
-def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, q0: int, q1: int,
-                 block_k: int) -> tuple[Any, Any]:
+def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, bad: Any, q0: int,
+                 q1: int, block_k: int) -> tuple[Any, Any]:
     xp = inputs.xp
     lo, hi = (0, inputs.kv_len) if inputs.mask is None else inputs.mask.key_range(
         q0, q1, inputs.q_len, inputs.kv_len)
@@ -98,7 +100,7 @@ def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, q0: int, q1: i
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
         m_safe = finite_or_zero(xp, m_new)
         p = xp.exp(s - m_safe)
-        pv = xp.matmul(p, v[..., k0:k1, :])
+        pv = attend_values(xp, p, v[..., k0:k1, :], None if bad is None else bad[..., k0:k1, :])
         row_sum = xp.sum(p, axis=-1, keepdims=True)
         if acc is None:
             acc, denom = pv, row_sum

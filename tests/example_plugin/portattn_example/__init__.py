@@ -25,11 +25,11 @@ class EinsumKernel(Kernel):
             band = inputs.mask.band(lq, lk)
             s = np.where(band.tile(np, 0, lq, 0, lk), s, -np.inf)
         m = s.max(axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)  # a fully masked row: no key at all
+        m = np.where(np.isneginf(m), 0.0, m)  # a fully masked row: no key at all
         p = np.exp(s - m)
         total = p.sum(axis=-1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            weights = np.where(total > 0, p / total, 0.0)
+        weights = p / np.where(total == 0, 1.0, total)
+        with np.errstate(divide="ignore"):  # log(0) = -inf on fully masked rows
             lse = (m + np.log(total))[..., 0] if inputs.return_lse else None
         out = np.einsum("...qk,...kd->...qd", weights, v).astype(q.dtype)
         return out, lse, None
