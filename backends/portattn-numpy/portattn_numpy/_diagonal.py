@@ -1,6 +1,6 @@
 """Masks shaped like a causal one, computed along the diagonal.
 
-Cut the query rows into squares of ``S`` (:data:`_blocks.SUB_Q`) rows. Under a causal
+Cut the query rows into squares of ``S`` (``Config.mask_step``) rows. Under a causal
 mask each whole square attends every key before its own ``S`` by ``S`` diagonal square,
 and inside that square the same triangle (when keys run out before the last square,
 or the first rows see no key, it does not hold, and tiles are used). So a unit of many
@@ -11,26 +11,31 @@ per square, and masking by a multiply instead of a scattered copy; with several
 threads every call also costs a round trip of the GIL, so the count matters.
 
 :func:`find` decides from the mask alone whether a call has this shape; what it finds
-and the plan of each unit are kept across calls of that shape, like ``_blocks``.
+and the plan of each unit are kept across calls of that shape (``_memo``). Applies to
+calls without a bias, dense part or lengths whose heads are not stacked.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _blocks, _scores
+from . import _blocks
+from ._memo import Store
 from ._scores import hide, scores, trustworthy
+from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
+    from portattn import AttentionInputs
     from portattn.masks import Mask
 
     from ._blocks import Block
-    from ._problem import Problem
+    from ._problem import Problem, Unit
 
-__all__ = ["Diagonal", "Scratch", "UnitPlan", "attend", "find", "plan"]
+__all__ = ["Along", "Diagonal", "Scratch", "UnitPlan", "find", "plan"]
 
 
 @dataclass(frozen=True)
@@ -62,19 +67,67 @@ class UnitPlan:
     """Rows from 0 that attend any key; the others keep output 0 and lse ``-inf``."""
 
 
+@dataclass(frozen=True)
+class Along:
+    """The ``diagonal`` strategy: units of whole squares of rows."""
+
+    shape: Diagonal
+    rows: tuple[tuple[int, int], ...]
+    name = "diagonal"
+
+    def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
+        return units_for(p, b, range(p.query.shape[-3]), self.rows)
+
+    def heads(self, p: Problem, h: int) -> range:
+        return range(h, h + 1)
+
+    def scratch(self, p: Problem) -> Scratch:
+        return Scratch(p, self.shape)
+
+    def attend(self, p: Problem, s: Scratch, unit: Unit) -> bool:
+        return _attend(p, self.shape, s, *unit)
+
+
+def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Along | None:
+    """The strategy for ``p`` when its mask is causal-shaped, else None."""
+    if p.bias is not None or p.dense or p.key_len is not None or p.query_len is not None:
+        return None
+    shape = find(p.positional, p.q_len, p.kv_len, p.query.dtype, p.tile_elements,
+                 p.config.mask_step)
+    if shape is None:
+        return None
+    heads = math.prod(inputs.batch_shape) * inputs.num_heads
+    step = _rows_per_unit(p, shape, heads=heads, threads=threads)
+    return Along(shape, tuple(row_ranges(p.q_len, step, shape.size)))
+
+
+def _rows_per_unit(p: Problem, shape: Diagonal, *, heads: int, threads: int) -> int:
+    """As many squares as one tile holds (they are computed in one stacked product),
+    fewer when the threads need more units.
+
+    These units are coarse and unequal, so threads get twice as many of them as of
+    tiles, to finish together; but each keeps ``Config.min_squares`` squares, or its
+    few fixed calls would outweigh its work.
+    """
+    squares = shape.squares
+    want_units = math.ceil(2 * p.config.min_units_per_thread * threads / max(heads, 1))
+    if want_units > 1:
+        squares = min(squares, max(p.config.min_squares, p.q_len // shape.size // want_units))
+    return squares * shape.size
+
+
 #: What :func:`find` found, by mask and shape: later calls of that shape reuse it.
-_shapes: dict[tuple, Diagonal | None] = {}
+_shapes: Store[Diagonal | None] = Store("diagonal shapes")
 
 
-def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any,
-         tile_elements: int) -> Diagonal | None:
-    """The diagonal shape of ``mask``, or None when some full square does not have it."""
-    size = _blocks.SUB_Q
+def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any, tile_elements: int,
+         size: int) -> Diagonal | None:
+    """The diagonal shape of ``mask`` in squares of ``size``, or None when some full
+    square does not have it."""
     if mask is None or q_len < size:
         return None
     key = (mask, q_len, kv_len, np.dtype(dtype), tile_elements, size)
-    return _blocks.remembered(
-        _shapes, key, lambda: _find(mask, q_len, kv_len, dtype, tile_elements, size))
+    return _shapes.get(key, lambda: _find(mask, q_len, kv_len, dtype, tile_elements, size))
 
 
 def _find(mask: Mask, q_len: int, kv_len: int, dtype: Any, tile_elements: int,
@@ -95,17 +148,17 @@ def _find(mask: Mask, q_len: int, kv_len: int, dtype: Any, tile_elements: int,
 
 
 #: Plans of units, by shape: shared by heads, threads and later calls.
-_plans: dict[tuple, UnitPlan] = {}
+_plans: Store[UnitPlan] = Store("plans of units along the diagonal")
 
 
-def plan(p: Problem, q0: int, q1: int) -> UnitPlan:
+def unit_plan(p: Problem, d: Diagonal, q0: int, q1: int) -> UnitPlan:
     """The squares and blocks of rows ``q0:q1`` (``q0`` a multiple of the square size)."""
-    key = (p.positional, p.q_len, p.kv_len, p.block_k, p.diagonal, q0, q1)
-    return _blocks.remembered(_plans, key, lambda: _plan(p, q0, q1))
+    key = (p.config, p.positional, p.q_len, p.kv_len, p.block_k, d, q0, q1)
+    return _plans.get(key, lambda: _unit_plan(p, d, q0, q1))
 
 
-def _plan(p: Problem, q0: int, q1: int) -> UnitPlan:
-    size, shift, block_k = p.diagonal.size, p.diagonal.key_shift, p.diagonal.block_k
+def _unit_plan(p: Problem, d: Diagonal, q0: int, q1: int) -> UnitPlan:
+    size, shift, block_k = d.size, d.key_shift, d.block_k
     squares = (q1 - q0) // size
     blocks: list[Block] = []
     for r0 in range(0, squares * size, size):
@@ -126,8 +179,8 @@ def _plan(p: Problem, q0: int, q1: int) -> UnitPlan:
 class Scratch:
     """One worker's buffers for units along the diagonal, reused for every unit."""
 
-    def __init__(self, p: Problem) -> None:
-        d, dt = p.diagonal, p.query.dtype
+    def __init__(self, p: Problem, d: Diagonal) -> None:
+        dt = p.query.dtype
         rows = (d.squares + 1) * d.size  # a unit's squares and the rows after the last
         widest = max(d.block_k, p.block_k)
         self.q = np.empty((rows, p.query.shape[-1]), dt)
@@ -138,10 +191,10 @@ class Scratch:
         self.ones = np.ones(max(d.size, widest), dt)
 
 
-def attend(p: Problem, s: Scratch, b: tuple[int, ...], h: int, q0: int, q1: int, lo: int,
-           hi: int) -> bool:
-    """One unit the fast way (see ``_engine``); False when it must be redone carefully."""
-    d, unit = p.diagonal, plan(p, q0, q1)
+def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0: int,
+            q1: int, lo: int, hi: int) -> bool:
+    """One unit the fast way (see ``_tiles``); False when it must be redone carefully."""
+    unit = unit_plan(p, d, q0, q1)
     n, along, count = q1 - q0, unit.squares * d.size, unit.squares
     q, acc = s.q[:n], s.acc[:n]
     np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=q)
@@ -149,9 +202,9 @@ def attend(p: Problem, s: Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
     v = p.value[(*b, h // p.group)]
     exp = np.exp2 if p.base2 else np.exp
     start = q0 + d.key_shift  # the diagonal squares, stacked: (count, keys, queries)
-    if _scores.on_tile is not None:
+    if p.config.on_tile is not None:
         for r0 in range(0, along, d.size):
-            _scores.on_tile(b, h, q0 + r0, q0 + r0 + d.size, start + r0, start + r0 + d.size)
+            p.config.on_tile(b, h, q0 + r0, q0 + r0 + d.size, start + r0, start + r0 + d.size)
     stacked = s.scores[:count * d.size**2].reshape(count, d.size, d.size)
     scores(p, k[start:start + along].reshape(count, d.size, -1),
            q[:along].reshape(count, d.size, -1).transpose(0, 2, 1), stacked)
@@ -162,8 +215,8 @@ def attend(p: Problem, s: Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
     np.matmul(s.ones[:d.size], stacked, out=acc[:along, -1].reshape(count, d.size))
     acc[along:] = 0  # rows past the last square start from nothing
     for k0, k1, r0, r1, masks in unit.blocks:
-        if _scores.on_tile is not None:
-            _scores.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        if p.config.on_tile is not None:
+            p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, part = k1 - k0, s.part[:r1 - r0]
         tile = s.scores[:width * (r1 - r0)].reshape(width, r1 - r0)
         scores(p, k[k0:k1], q[r0:r1].T, tile)

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import Kernel
 
+from ._mask_kinds import KINDS
+
 if TYPE_CHECKING:
     from portattn import AttentionInputs
 
@@ -25,7 +27,7 @@ class NumpyFastKernel(Kernel):
     namespaces = frozenset({"numpy"})
     devices = frozenset({"cpu"})
     dtypes = frozenset({"float32", "float64"})
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    masks = frozenset(KINDS)  # every kind the plugin knows how to treat (``_mask_kinds``)
     bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = True
     priority = 50
@@ -47,13 +49,13 @@ class NumpyFastKernel(Kernel):
         return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        from ._engine import work
         from ._plan import build, useful_threads
+        from ._strategy import work
         from ._threads import get_num_threads, run_parallel
 
         threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
         problem, units = build(inputs, threads)
         if units:
             run_parallel(lambda queue: work(problem, queue), units,
-                         useful_threads(units, threads))
+                         useful_threads(units, threads, problem.config))
         return problem.out, problem.lse, None

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from portattn.masks import Mask
 
-    from ._diagonal import Diagonal
+    from ._config import Config
+    from ._strategy import Strategy
 
 __all__ = ["Problem", "Unit"]
 
@@ -43,14 +44,15 @@ class Problem:
     group: int
     block_q: int
     block_k: int
-    fast: bool = True
+    config: Config
+    """The settings this call was planned with (``_config``)."""
     query_len: Any = None
     """Per-batch query lengths (the smallest of the mask's), or None."""
     key_len: Any = None
     """Per-batch key lengths (the smallest of the mask's), or None."""
-    diagonal: Diagonal | None = None
-    """Set when the units follow the diagonal (``_diagonal``) instead of tiles."""
-    stack: int = 0
-    """Key/value heads per unit when small heads are stacked (``_stacked``), else 0."""
-    allowed: Any = None
-    """For stacked units: the whole mask as one full-rank boolean array, or None."""
+    strategy: Strategy | None = None
+    """How the call is cut into units and each unit computed (``_strategy``)."""
+
+    @property
+    def tile_elements(self) -> int:
+        return self.config.score_tile_bytes() // self.query.itemsize

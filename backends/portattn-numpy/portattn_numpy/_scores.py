@@ -1,8 +1,8 @@
 """Score tiles: computing them, masking them, and checking the fast way's sums.
 
-Shared by the two kinds of unit (query tiles in ``_engine``, runs of diagonal squares
-in ``_diagonal``). Tiles are kept keys by queries (``k @ q.T`` runs faster than
-``q @ k.T`` in OpenBLAS for these thin shapes).
+Shared by the strategies (``_tiles``, ``_diagonal``, ``_stacked``). Tiles are kept
+keys by queries (``k @ q.T`` runs faster than ``q @ k.T`` in OpenBLAS for these thin
+shapes).
 """
 
 from __future__ import annotations
@@ -13,15 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ._problem import Problem
 
-__all__ = ["hide", "on_tile", "scores", "trustworthy"]
-
-#: Called as ``on_tile(batch_index, head, q0, q1, k0, k1)`` for every score tile
-#: computed (instrumentation: lets tests see which tiles were skipped).
-on_tile: Callable[..., Any] | None = None
+__all__ = ["hide", "scores", "trustworthy"]
 
 #: Smallest row sum (relative to the number of keys) the fast way trusts: above it
 #: each row's largest term is a normal float with room to spare.

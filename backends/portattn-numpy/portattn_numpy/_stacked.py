@@ -6,23 +6,25 @@ be mostly overhead. A unit is then a run of heads of one batch element,
 computed whole: all their scores in one stacked product, masked by the mask's own
 tile, then the values in a second stacked product. Grouped-query heads are stacked
 under their shared key/value head (``(kv heads, group, ...)``), so keys and values are
-read in place. Only the fast way is tried here; ``_engine`` redoes a unit it cannot
-trust in tiles, the careful way.
+read in place. Only the fast way is tried here; ``_strategy.work`` redoes a unit it
+cannot trust in tiles, the careful way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _scores
 from ._scores import scores, trustworthy
 
 if TYPE_CHECKING:
-    from ._problem import Problem
+    from portattn import AttentionInputs
 
-__all__ = ["SHARE", "SHARE_WHEN_TILES_SKIP", "attend", "heads_per_unit"]
+    from ._problem import Problem, Unit
+
+__all__ = ["SHARE", "SHARE_WHEN_TILES_SKIP", "Stacked", "heads_per_unit", "plan"]
 
 #: A head is stacked when its scores fill at most ``1/SHARE`` of a tile...
 SHARE = 4
@@ -42,6 +44,54 @@ def heads_per_unit(q_len: int, kv_len: int, group: int, kv_heads: int, tile_elem
     return max(1, min(kv_heads, tile_elements // (per_head * group)))
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """The ``stacked`` strategy: ``kv_heads`` key/value heads (and their query heads)
+    to a unit, whole."""
+
+    kv_heads: int
+    allowed: Any
+    """The whole mask as one full-rank boolean array, or None."""
+    name = "stacked"
+
+    def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
+        step = self.kv_heads * p.group
+        return [(b, h, 0, p.q_len, 0, p.kv_len) for h in range(0, p.query.shape[-3], step)]
+
+    def heads(self, p: Problem, h: int) -> range:
+        return range(h, min(p.query.shape[-3], h + self.kv_heads * p.group))
+
+    def scratch(self, p: Problem) -> None:
+        return None  # every unit allocates its own: its arrays are small
+
+    def attend(self, p: Problem, _scratch: None, unit: Unit) -> bool:
+        return _attend(p, self, *unit)
+
+
+def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Stacked | None:
+    """The strategy for ``p`` when its heads are small enough to stack, else None."""
+    hq = inputs.num_heads
+    if not hq:  # no query heads at all: nothing to stack, and the group size is 0
+        return None
+    skips = p.positional is not None or p.key_len is not None or p.query_len is not None
+    kv = heads_per_unit(p.q_len, p.kv_len, p.group, hq // p.group, p.tile_elements,
+                        tiles_skip=skips)
+    return Stacked(kv, _whole_mask(inputs, p)) if kv else None
+
+
+def _whole_mask(inputs: AttentionInputs, p: Problem) -> Any:
+    """The mask over the whole problem, full rank (``(*batch|1, H|1, Lq|1, Lk|1)``)."""
+    if inputs.mask is None:
+        return None
+    lq, lk = p.q_len, p.kv_len
+    allowed = inputs.mask.tile(np, 0, lq, 0, lk, lq, lk)
+    if allowed is None:  # every part covers everything
+        return None
+    allowed = np.asarray(allowed)
+    rank = len(inputs.batch_shape) + 3
+    return allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
+
+
 def _heads(a: Any, b: tuple[int, ...], h0: int, kv: int, group: int) -> Any:
     """Heads ``h0 : h0 + kv*group`` of a full-rank broadcastable array, as
     ``(kv|1, group|1, rows, cols)``."""
@@ -51,15 +101,15 @@ def _heads(a: Any, b: tuple[int, ...], h0: int, kv: int, group: int) -> Any:
     return a[(*lead, slice(h0, h0 + kv * group))].reshape(kv, group, *a.shape[-2:])
 
 
-def attend(p: Problem, b: tuple[int, ...], h0: int, q0: int, q1: int, lo: int,
-           hi: int) -> bool:
-    """Heads ``h0 : h0 + p.stack * p.group`` of batch element ``b``, whole, the fast way;
-    False when they must be redone carefully."""
+def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: int,
+            lo: int, hi: int) -> bool:
+    """Heads ``h0 : h0 + st.kv_heads * p.group`` of batch element ``b``, whole, the fast
+    way; False when they must be redone carefully."""
     kv0 = h0 // p.group
-    kv = min(p.stack, p.key.shape[-3] - kv0)
-    if _scores.on_tile is not None:
+    kv = min(st.kv_heads, p.key.shape[-3] - kv0)
+    if p.config.on_tile is not None:
         for h in range(h0, h0 + kv * p.group):
-            _scores.on_tile(b, h, 0, p.q_len, 0, p.kv_len)
+            p.config.on_tile(b, h, 0, p.q_len, 0, p.kv_len)
     q = _heads(p.query, b, h0, kv, p.group) * p.factor  # (kv, group, Lq, D), a copy
     k = p.key[(*b, slice(kv0, kv0 + kv))][:, None]     # (kv, 1, Lk, D)
     v = p.value[(*b, slice(kv0, kv0 + kv))][:, None]
@@ -67,7 +117,7 @@ def attend(p: Problem, b: tuple[int, ...], h0: int, q0: int, q1: int, lo: int,
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
     (np.exp2 if p.base2 else np.exp)(tile, out=tile)
-    allowed = None if p.allowed is None else _heads(p.allowed, b, h0, kv, p.group)
+    allowed = None if st.allowed is None else _heads(st.allowed, b, h0, kv, p.group)
     if allowed is not None:
         tile *= allowed.swapaxes(-1, -2)
     sums = np.add.reduce(tile, axis=-2)  # (kv, group, Lq)

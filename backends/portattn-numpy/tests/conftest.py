@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from portattn_numpy import _blocks, _plan, _scores, set_num_threads
+from portattn_numpy import configured, set_num_threads
 
 from portattn import attention
 from portattn.testing import assert_close, oracle
@@ -15,21 +15,19 @@ __all__ = ["backend", "check", "path", "results_of", "threads", "tiles", "tiny_t
 
 
 @pytest.fixture
-def tiny_tiles(monkeypatch):
+def tiny_tiles():
     """Tiles of a few rows and keys, so small cases cross many tile and block edges:
     query tiles of 4 rows in mask steps of 2, key blocks of 8, mask chunks of 4."""
-    monkeypatch.setattr(_plan, "tile_bytes", lambda: 64)
-    monkeypatch.setattr(_plan, "MIN_BLOCK_Q", 4)
-    monkeypatch.setattr(_plan, "MAX_BLOCK_K", 8)
-    monkeypatch.setattr(_blocks, "MASK_CHUNK", 4)
-    monkeypatch.setattr(_blocks, "SUB_Q", 2)
+    with configured(tile_bytes=64, min_block_q=4, max_block_k=8, mask_chunk=4,
+                    mask_step=2) as config:
+        yield config
 
 
 @pytest.fixture(params=["fast", "careful"])
-def path(request, monkeypatch):
+def path(request):
     """Run with the fast way first (the default) or the careful way only."""
-    monkeypatch.setattr(_plan, "TRY_FAST", request.param == "fast")
-    return request.param
+    with configured(try_fast=request.param == "fast"):
+        yield request.param
 
 
 @pytest.fixture
@@ -40,30 +38,20 @@ def threads():
 
 
 @pytest.fixture
-def tiles(monkeypatch):
+def tiles():
     """Every score tile computed, as ``(batch, head, q0, q1, k0, k1)``."""
     seen: list[tuple] = []
-    monkeypatch.setattr(_scores, "on_tile", lambda *tile: seen.append(tile))
-    return seen
+    with configured(on_tile=lambda *tile: seen.append(tile)):
+        yield seen
 
 
 @pytest.fixture
-def results_of(monkeypatch):
-    """``results_of(module)``: the results of every call of ``module.attend`` from now
-    on (True, or False when the unit was redone the careful way)."""
-
-    def spy(module):
-        seen: list[bool] = []
-        attend = module.attend
-
-        def counted(*args):
-            seen.append(attend(*args))
-            return seen[-1]
-
-        monkeypatch.setattr(module, "attend", counted)
-        return seen
-
-    return spy
+def results_of():
+    """``results_of(strategy)``: from now on, the fast way's result for every unit of
+    that strategy (True, or False when the unit was redone the careful way)."""
+    seen: dict[str, list[bool]] = {}
+    with configured(on_unit=lambda name, trusted: seen.setdefault(name, []).append(trusted)):
+        yield lambda name: seen.setdefault(name, [])
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from portattn import attention, masks
 
 @pytest.fixture
 def along(results_of):
-    return results_of(_diagonal)
+    return results_of("diagonal")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -66,9 +66,9 @@ def test_threads_do_not_change_the_result(threads, tiny_tiles):
         np.testing.assert_array_equal(a, b)
 
 
-def test_find_reads_the_shape_from_the_mask(tiny_tiles):
-    found = _diagonal.find(masks.causal(), 37, 53, np.float32, 16)
+def test_find_reads_the_shape_from_the_mask():
+    found = _diagonal.find(masks.causal(), 37, 53, np.float32, 16, 2)
     assert (found.size, found.key_shift) == (2, 16)
     np.testing.assert_array_equal(found.keep, [[1, 1], [0, 1]])  # keys by queries
-    assert _diagonal.find(masks.causal(), 1, 53, np.float32, 16) is None  # no whole square
-    assert _diagonal.find(None, 37, 53, np.float32, 16) is None
+    assert _diagonal.find(masks.causal(), 1, 53, np.float32, 16, 2) is None  # no whole square
+    assert _diagonal.find(None, 37, 53, np.float32, 16, 2) is None

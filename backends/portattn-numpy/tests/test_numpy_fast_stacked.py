@@ -11,7 +11,7 @@ from portattn import masks
 
 @pytest.fixture
 def stacked(results_of):
-    return results_of(_stacked)
+    return results_of("stacked")
 
 
 _MASKS = {

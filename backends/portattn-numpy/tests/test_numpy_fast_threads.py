@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from portattn_numpy import THREADS_ENV, get_num_threads, set_num_threads
+from portattn_numpy import THREADS_ENV, configured, get_num_threads, set_num_threads
 
 from portattn import attention
 
@@ -50,40 +50,36 @@ def test_bad_code_setting_is_a_clear_error(value):
     assert get_num_threads() >= 1  # the bad value was not kept
 
 
-def _thread_ids(monkeypatch) -> set[int]:
-    from portattn_numpy import _scores
-
+def _thread_ids() -> set[int]:
     seen: set[int] = set()
-    monkeypatch.setattr(_scores, "on_tile", lambda *_: seen.add(threading.get_ident()))
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 4, 300, 16)).astype(np.float32)
-    attention(q, q, q, kernel="numpy_fast")
+    with configured(on_tile=lambda *_: seen.add(threading.get_ident())):
+        attention(q, q, q, kernel="numpy_fast")
     return seen
 
 
-def test_small_calls_stay_in_the_caller(monkeypatch, threads):
-    from portattn_numpy import _scores
-
+def test_small_calls_stay_in_the_caller(threads):
     threads(4)
     seen: set[int] = set()
-    monkeypatch.setattr(_scores, "on_tile", lambda *_: seen.add(threading.get_ident()))
     q = np.ones((1, 8, 64, 16), np.float32)  # 8 units, far too little work to share
-    attention(q, q, q, kernel="numpy_fast")
+    with configured(on_tile=lambda *_: seen.add(threading.get_ident())):
+        attention(q, q, q, kernel="numpy_fast")
     assert seen == {threading.get_ident()}
 
 
-def test_one_thread_runs_in_the_caller(monkeypatch, threads):
+def test_one_thread_runs_in_the_caller(threads):
     threads(1)
-    assert _thread_ids(monkeypatch) == {threading.get_ident()}
+    assert _thread_ids() == {threading.get_ident()}
 
 
-def test_work_stays_within_the_thread_count(monkeypatch, threads):
+def test_work_stays_within_the_thread_count(threads):
     threads(3)
-    assert 1 <= len(_thread_ids(monkeypatch)) <= 3
+    assert 1 <= len(_thread_ids()) <= 3
 
 
-def test_blas_is_held_to_one_thread_inside(monkeypatch, threads):
-    from portattn_numpy import _scores, _threads
+def test_blas_is_held_to_one_thread_inside(threads):
+    from portattn_numpy import _threads
     from threadpoolctl import threadpool_info
 
     # the BLAS libraries loaded when the kernel first ran (NumPy's among them)
@@ -96,10 +92,10 @@ def test_blas_is_held_to_one_thread_inside(monkeypatch, threads):
         return [i["num_threads"] for i in threadpool_info() if i["filepath"] in paths]
 
     seen: list[int] = []
-    monkeypatch.setattr(_scores, "on_tile", lambda *_: seen or seen.extend(blas_threads()))
     threads(2)
     before = blas_threads()
-    attention(q, q, q, kernel="numpy_fast")
+    with configured(on_tile=lambda *_: seen or seen.extend(blas_threads())):
+        attention(q, q, q, kernel="numpy_fast")
     assert seen
     assert set(seen) == {1}
     assert blas_threads() == before  # and given back afterwards

@@ -1,4 +1,4 @@
-"""The arithmetic of one work unit: one query tile of one head against its keys.
+"""The ``tiles`` strategy: one query tile of one head against its keys.
 
 Each key block costs two BLAS products and a few in-place ufunc passes over a score
 tile that stays in the core's cache (``_scores``). Without a bias the scores are kept
@@ -9,40 +9,61 @@ in base 2 (``log2(e)`` folded into the queries), because ``exp2`` costs less tha
   over its whole normal range, so this is as accurate as subtracting the max as long
   as nothing overflows and each row's largest term stays a normal number. Afterwards
   the row sums tell whether that held; if not, the unit is computed again the careful
-  way.
+  way (``_strategy.work``).
 * careful: the online softmax of flash attention (running row max, rescaled sums).
+  The untrusted units of every strategy are redone this way, in tiles.
 
 Row sums come from a matrix-vector product with ones, several times faster than
 ``sum(axis=0)``. Masked entries are zeroed after ``exp`` (the careful way sets them to
 ``-inf`` before its max). Which blocks a unit computes, and which entries are masked,
-is decided in ``_blocks``. Two other kinds of unit try the fast way elsewhere: runs
-along the diagonal under a causal-shaped mask (``_diagonal``) and runs of small whole
-heads (``_stacked``); a unit of either that cannot be trusted is redone here, in
-tiles, the careful way.
+is decided in ``_blocks``.
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from portattn.masks import slice_tile
 
-from . import _diagonal, _scores, _stacked
 from ._blocks import blocks as unit_blocks
 from ._blocks import head_view
-from ._plan import units_for
 from ._scores import hide, scores, trustworthy
+from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from portattn import AttentionInputs
 
     from ._blocks import Block
     from ._problem import Problem, Unit
 
-__all__ = ["work"]
+__all__ = ["Tiles", "plan", "redo_carefully", "tile_scratch"]
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Query tiles of ``block_q`` rows, each against the keys its rows reach."""
+
+    rows: tuple[tuple[int, int], ...]
+    name = "tiles"
+
+    def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
+        return units_for(p, b, range(p.query.shape[-3]), self.rows)
+
+    def heads(self, p: Problem, h: int) -> range:
+        return range(h, h + 1)
+
+    def scratch(self, p: Problem) -> _Scratch:
+        return _Scratch(p)
+
+    def attend(self, p: Problem, s: _Scratch, unit: Unit) -> bool:
+        return _attend(p, s, *unit, careful=False)
+
+
+def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Tiles:
+    return Tiles(tuple(row_ranges(p.q_len, p.block_q)))
 
 
 class _Scratch:
@@ -58,53 +79,40 @@ class _Scratch:
         self.rows = np.empty((5, tq), dt)  # sums, partial sums, max, new max, rescale
 
 
-def work(p: Problem, units: Iterable[Unit]) -> None:
-    """Compute every unit taken from ``units`` (one worker thread)."""
-    with np.errstate(all="ignore"):  # overflow is detected by value, masked rows by design
-        if p.diagonal is None and not p.stack:
-            scratch = _Scratch(p)
-            for unit in units:
-                _attend(p, scratch, *unit)
-            return
-        if p.stack:
-            fast_way = functools.partial(_stacked.attend, p)
-        else:
-            fast_way = functools.partial(_diagonal.attend, p, _diagonal.Scratch(p))
-        tiles = None
-        for unit in units:
-            if not (p.fast and fast_way(*unit)):
-                tiles = tiles or _Scratch(p)
-                _redo_carefully(p, tiles, *unit)
+def tile_scratch(p: Problem) -> _Scratch:
+    """Buffers for units computed in tiles (also to redo other strategies' units)."""
+    return _Scratch(p)
+
+
+def redo_carefully(p: Problem, s: _Scratch, unit: Unit, heads: range) -> None:
+    """A unit of any strategy (``heads``: its query heads), again in tiles, carefully."""
+    b, _, q0, q1, _, _ = unit
+    tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
+    for tile in units_for(p, b, heads, tiles):
+        _attend(p, s, *tile, careful=True)
 
 
 def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
-            lo: int, hi: int, *, try_fast: bool = True) -> None:
+            lo: int, hi: int, *, careful: bool) -> bool:
+    """One tile; the fast way returns False, writing nothing, when it is not trusted."""
     n = q1 - q0
     blocks = unit_blocks(p, b, h, q0, q1, lo, hi)
     if not blocks:
-        return  # out is already 0 and lse -inf
+        return True  # out is already 0 and lse -inf
     np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=s.q[:n])
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    shift = None
-    fast = try_fast and p.fast
-    if fast:
-        _accumulate(p, s, k, v, b, h, q0, q1, blocks, careful=False)
-    if not fast or not trustworthy(s.rows[0, :n], s.acc[:n], hi - lo):
-        _accumulate(p, s, k, v, b, h, q0, q1, blocks, careful=True)
-        shift = s.rows[2, :n]
-        if p.base2:
-            shift *= np.log(2.0)
+    _accumulate(p, s, k, v, b, h, q0, q1, blocks, careful=careful)
+    if not careful:
+        if not trustworthy(s.rows[0, :n], s.acc[:n], hi - lo):
+            return False
+        _finish(p, s, b, h, q0, q1, None)
+        return True
+    shift = s.rows[2, :n]
+    if p.base2:
+        shift *= np.log(2.0)
     _finish(p, s, b, h, q0, q1, shift)
-
-
-def _redo_carefully(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
-                    lo: int, hi: int) -> None:
-    """A unit along the diagonal or of stacked heads, again in tiles, the careful way."""
-    heads = range(h, min(p.query.shape[-3], h + p.stack * p.group)) if p.stack else (h,)
-    tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
-    for unit in units_for(p, b, heads, tiles):
-        _attend(p, s, *unit, try_fast=False)
+    return True
 
 
 def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: int,
@@ -122,8 +130,8 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
     bias = None if p.bias is None else head_view(p.bias, b, h)
     exp = np.exp2 if p.base2 else np.exp
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
-        if _scores.on_tile is not None:
-            _scores.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        if p.config.on_tile is not None:
+            p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, rows = k1 - k0, slice(r0, r1)
         tile = s.scores[:width * (r1 - r0)].reshape(width, r1 - r0)
         scores(p, k[k0:k1], q[rows].T, tile)

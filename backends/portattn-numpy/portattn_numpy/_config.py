@@ -1,0 +1,100 @@
+"""The kernel's settings in one object: tile sizes, strategies, instrumentation.
+
+``configured(**changes)`` changes some for a block (tests use it for tiny tiles, the
+careful way alone, or a hook on every score tile); a call reads the settings once, when
+it is planned, and every worker thread of that call sees the same ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+__all__ = ["STRATEGIES", "Config", "configured", "current", "machine_tile_bytes"]
+
+#: Every strategy, in the order they are tried (see ``_strategies``).
+STRATEGIES = ("stacked", "diagonal", "tiles")
+
+
+@functools.cache
+def machine_tile_bytes() -> int:
+    """Half the per-core L2 cache (1 MiB when the machine does not say)."""
+    try:
+        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        l2 = 0
+    return min(4 << 20, max(256 << 10, l2 // 2)) if l2 > 0 else 1 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    """How ``numpy_fast`` cuts and computes a call. The defaults are what ``bench/``
+    measured fastest; the results do not depend on them."""
+
+    tile_bytes: int | None = None
+    """Bytes of one score tile; None: :func:`machine_tile_bytes`."""
+    min_block_q: int = 16
+    max_block_q: int = 512
+    max_block_k: int = 1024
+    """Keys per block at most (longer blocks measured no faster)."""
+    mask_step: int = 128
+    """Query rows per step of a positional mask's staircase; also the diagonal's squares."""
+    mask_chunk: int = 64
+    """Keys per step when looking for the parts of a block a mask leaves whole."""
+    min_units_per_thread: int = 4
+    min_squares: int = 4
+    """Fewest diagonal squares in a unit: fewer and its fixed calls outweigh its work."""
+    min_scores_per_thread: int = 1 << 18
+    """Score entries a thread must get before handing it work pays (~0.5 ms of work)."""
+    try_fast: bool = True
+    """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
+    strategies: tuple[str, ...] = STRATEGIES
+    """The strategies that may be used (``tiles`` always can)."""
+    on_tile: Callable[..., Any] | None = field(default=None, compare=False)
+    """Called as ``on_tile(batch_index, head, q0, q1, k0, k1)`` for every score tile."""
+    on_unit: Callable[[str, bool], Any] | None = field(default=None, compare=False)
+    """Called as ``on_unit(strategy, trusted)`` after a unit's fast way."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.strategies) - set(STRATEGIES))
+        if unknown:
+            msg = f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
+            raise ValueError(msg)
+
+    def score_tile_bytes(self) -> int:
+        """Bytes of one score tile, with the machine's default filled in."""
+        return machine_tile_bytes() if self.tile_bytes is None else self.tile_bytes
+
+
+_DEFAULT = Config()
+_current: ContextVar[Config | None] = ContextVar("portattn_numpy_config", default=None)
+
+
+def current() -> Config:
+    """The settings the next call is planned with."""
+    return _current.get() or _DEFAULT
+
+
+@contextlib.contextmanager
+def configured(**changes: Any) -> Iterator[Config]:
+    """Within the block, calls use the current settings with ``changes`` (a
+    ``ValueError`` names a bad one)."""
+    try:
+        changed = dataclasses.replace(current(), **changes)
+    except TypeError as e:
+        fields = ", ".join(f.name for f in dataclasses.fields(Config))
+        msg = f"configured() takes the fields of Config ({fields}); got {sorted(changes)}"
+        raise ValueError(msg) from e
+    token = _current.set(changed)
+    try:
+        yield changed
+    finally:
+        _current.reset(token)

@@ -1,0 +1,75 @@
+"""Strategies: the ways a call is cut into units, and a unit computed.
+
+Each strategy is a small object made for one call by its module's ``plan(problem,
+inputs, threads)``, which returns None where it does not apply:
+
+* ``stacked`` (``_stacked``): small heads, many whole heads to a unit;
+* ``diagonal`` (``_diagonal``): causal-shaped masks, runs of squares along the diagonal;
+* ``tiles`` (``_tiles``): everything else, query tiles against key blocks.
+
+They are tried in that order (``Config.strategies`` can leave some out). A strategy's
+``attend`` tries the fast way (the unshifted exponential) and says whether it could be
+trusted; a unit it cannot trust is computed again here, in tiles, the careful way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from portattn import AttentionInputs
+
+    from ._problem import Problem, Unit
+
+__all__ = ["Strategy", "choose", "work"]
+
+
+class Strategy(Protocol):
+    """One way through a call."""
+
+    name: str
+
+    def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
+        """The units of batch element ``b``; none with nothing to attend."""
+
+    def heads(self, p: Problem, h: int) -> range:
+        """The query heads of the unit whose first head is ``h``."""
+
+    def scratch(self, p: Problem) -> Any:
+        """One worker's buffers, reused for every unit it takes."""
+
+    def attend(self, p: Problem, scratch: Any, unit: Unit) -> bool:
+        """The unit the fast way; False when it must be redone carefully."""
+
+
+def choose(p: Problem, inputs: AttentionInputs, threads: int) -> Strategy:
+    """The first strategy of ``p.config.strategies`` that applies (``tiles`` always does)."""
+    from . import _diagonal, _stacked, _tiles
+
+    planners = {"stacked": _stacked.plan, "diagonal": _diagonal.plan, "tiles": _tiles.plan}
+    for name in p.config.strategies:
+        found = planners[name](p, inputs, threads)
+        if found is not None:
+            return found
+    return _tiles.plan(p, inputs, threads)
+
+
+def work(p: Problem, units: Iterable[Unit]) -> None:
+    """Compute every unit taken from ``units`` (one worker thread)."""
+    from ._tiles import redo_carefully, tile_scratch
+
+    strategy, config = p.strategy, p.config
+    with np.errstate(all="ignore"):  # overflow is detected by value, masked rows by design
+        scratch = strategy.scratch(p)
+        careful = None
+        for unit in units:
+            trusted = config.try_fast and strategy.attend(p, scratch, unit)
+            if config.on_unit is not None and config.try_fast:
+                config.on_unit(strategy.name, trusted)
+            if not trusted:
+                careful = careful or tile_scratch(p)
+                redo_carefully(p, careful, unit, strategy.heads(p, unit[1]))
