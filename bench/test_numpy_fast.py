@@ -7,7 +7,10 @@ benchmark records GFLOP/s; numpy_fast's also record, in ``extra_info`` and in li
 written to the terminal, its time over torch's, over the textbook code's, and causal
 over non-causal, each from separate benchmarks. ``test_ratio_in_turns`` measures the
 ratios to report (over torch, causal over full) again with the two calls timed in
-alternation, which cancels most of a shared machine's drift. Run::
+alternation, which cancels most of a shared machine's drift. The reference line is
+NumPy's own sgemm (a 2048 x 2048 float32 product, every core): each numpy_fast line
+gives its share of that rate, and ``test_share_of_sgemm_in_turns`` measures the share
+with the two timed in alternation. Run::
 
     pytest bench/test_numpy_fast.py -p no:cacheprovider
 
@@ -35,6 +38,30 @@ HEADS, HEAD_DIM = 8, 64
 ROUNDS = {512: 20, 2048: 5, 8192: 3}
 IMPLS = ("torch_sdpa", "textbook", "numpy_fast")  # numpy_fast last: its ratios need both
 _best: dict[tuple[str, int, bool], float] = {}
+SGEMM_N = 2048
+SGEMM_FLOPS = 2 * SGEMM_N**3
+
+
+def _sgemm() -> Any:
+    """NumPy's float32 matrix product at 2048 x 2048 (BLAS on every core)."""
+    a, b = (np.random.default_rng(seed).standard_normal((SGEMM_N, SGEMM_N), dtype=np.float32)
+            for seed in (1, 2))
+    out = np.empty_like(a)
+    return lambda: np.matmul(a, b, out=out)
+
+
+@pytest.fixture(scope="module")
+def sgemm_gflops() -> float:
+    """NumPy's sgemm rate on this machine (best of 10), the reference line."""
+    import time
+
+    call, best = _sgemm(), math.inf
+    call()
+    for _ in range(10):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return SGEMM_FLOPS / best / 1e9
 
 
 def _inputs(n: int, heads: int = HEADS) -> tuple[Any, Any, Any]:
@@ -77,7 +104,7 @@ def _say(capsys: pytest.CaptureFixture[str], line: str) -> None:
 @pytest.mark.parametrize(("n", "causal", "impl"), [
     pytest.param(n, causal, impl, id=f"{n}-{'causal' if causal else 'full'}-{impl}")
     for n in SIZES for causal in (False, True) for impl in IMPLS])
-def test_attention(n: int, causal: bool, impl: str, benchmark: Any,
+def test_attention(n: int, causal: bool, impl: str, benchmark: Any, sgemm_gflops: float,
                    capsys: pytest.CaptureFixture[str]) -> None:
     q, k, v = _inputs(n)
     call = _call(impl, q, k, v, causal)
@@ -90,7 +117,8 @@ def test_attention(n: int, causal: bool, impl: str, benchmark: Any,
     if stats is None:
         return
     best = _best[impl, n, causal] = stats.min
-    benchmark.extra_info["gflops"] = flops / best / 1e9
+    benchmark.extra_info.update(gflops=flops / best / 1e9, sgemm_gflops=sgemm_gflops,
+                                share_of_sgemm=flops / best / 1e9 / sgemm_gflops)
     if impl != "numpy_fast":
         return
     ratios = {f"over_{other}": best / _best[other, n, causal]
@@ -100,7 +128,9 @@ def test_attention(n: int, causal: bool, impl: str, benchmark: Any,
     benchmark.extra_info.update(ratios)
     listed = "  ".join(f"{name}={value:.2f}" for name, value in ratios.items())
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'}: "
-                  f"{best * 1e3:.1f} ms, {flops / best / 1e9:.0f} GFLOP/s  {listed}")
+                  f"{best * 1e3:.1f} ms, {flops / best / 1e9:.0f} GFLOP/s = "
+                  f"{flops / best / 1e9 / sgemm_gflops:.0%} of NumPy's sgemm "
+                  f"({sgemm_gflops:.0f} GFLOP/s)  {listed}")
 
 
 TURNS = {512: 30, 2048: 10, 8192: 3}
@@ -125,6 +155,24 @@ def test_ratio_in_turns(n: int, causal: bool, ratio: str, in_turns: Any, benchma
                                 median_per_round=median)
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'} {ratio}, in turns: "
                  f"{best:.3f} by minimum, {median:.3f} median per round")
+
+
+@pytest.mark.parametrize(("n", "causal"), [
+    pytest.param(n, causal, id=f"{n}-{'causal' if causal else 'full'}")
+    for n in (2048, 8192) for causal in (False, True)])
+def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark: Any,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy_fast's GFLOP/s over NumPy's sgemm rate, the two timed in alternation."""
+    q, k, v = _inputs(n)
+    flops = 4 * HEADS * n * n * HEAD_DIM / (2 if causal else 1)
+    benchmark.group = "in turns: numpy_fast share of NumPy's sgemm rate"
+    best, median = in_turns(_call("numpy_fast", q, k, v, causal), _sgemm(), TURNS[n])
+    work = flops / SGEMM_FLOPS  # time ratio -> rate ratio
+    benchmark.extra_info.update(n=n, causal=causal, share_by_minimum=work / best,
+                                share_median_per_round=work / median)
+    _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'} share of NumPy's "
+                 f"sgemm rate, in turns: {work / best:.0%} by minimum, "
+                 f"{work / median:.0%} median per round")
 
 
 SMALL = {  # query shapes; a decode step (one query row) meets 4096 keys
