@@ -32,7 +32,7 @@ from portattn import masks
 
 from ._hf_masks import NOT_RECOGNISED, padding_mask, positional_mask
 
-__all__ = ["NAME", "attention_forward", "build_mask", "register"]
+__all__ = ["NAME", "PreparedMask", "attention_forward", "build_mask", "register"]
 
 NAME = "portattn"
 
@@ -48,13 +48,39 @@ def register(name: str = NAME) -> str:
     return name
 
 
+class PreparedMask(masks.Intersection):
+    """A portattn mask that transformers' code passes on as an already prepared mask.
+
+    ``generate()`` with a static cache builds the masks before the forward pass and
+    hands them back to the model, whose mask creation then asks for ``ndim``: only a
+    2-D array is read as padding, anything else is passed through to
+    :func:`build_mask`, which returns it as it is.
+    """
+
+    ndim = 4
+
+    @classmethod
+    def of(cls, mask: masks.Mask) -> PreparedMask:
+        return mask if isinstance(mask, cls) else cls(mask.parts)
+
+
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
                kv_offset: int = 0, mask_function: Any = None, attention_mask: Any = None,
                **kwargs: Any) -> masks.Mask | None:
     """transformers' mask-interface call: the layer's mask as a portattn mask (None when
     every pair attends)."""
+    mask = _build_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                       attention_mask, **kwargs)
+    return None if mask is None else PreparedMask.of(mask)
+
+
+def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any,
+                kv_offset: int, mask_function: Any, attention_mask: Any,
+                **kwargs: Any) -> masks.Mask | None:
     from transformers import masking_utils as mu
 
+    if isinstance(attention_mask, masks.Mask):  # built ahead by generate()
+        return attention_mask
     if mask_function is None:
         mask_function = mu.causal_mask_function
     offset = _static_int(q_offset)

@@ -114,8 +114,9 @@ def test_without_padding_the_mask_is_a_band(name, kinds):
     assert all(k <= {"causal", "sliding_window"} for k in kinds)
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("name", MODELS)
-def test_generate_token_for_token(name):
+def test_generate_token_for_token(name, cache):
     model, _ = build(name)
     ids, attention_mask = padded_batch(9)
     attention_mask[2] = 1  # generation pads on the left
@@ -123,8 +124,10 @@ def test_generate_token_for_token(name):
     runs = {}
     for impl in ("eager", "portattn"):
         model.set_attn_implementation(impl)
+        # a static cache makes generate() build the masks before each forward pass
         runs[impl] = model.generate(ids, attention_mask=attention_mask, max_new_tokens=10,
-                                    do_sample=False, pad_token_id=0)
+                                    do_sample=False, pad_token_id=0,
+                                    cache_implementation=cache)
     assert runs["portattn"].shape == (3, 19)
     torch.testing.assert_close(runs["portattn"], runs["eager"], atol=0, rtol=0)
 
@@ -174,8 +177,9 @@ def test_unknown_mask_functions_fall_back_to_transformers_dense_mask():
     function = mu.and_masks(mu.causal_mask_function, odd_keys)
     got = hf.build_mask(2, 5, 5, mask_function=function)
     assert got.kinds == {"dense"}
+    assert hf.build_mask(2, 5, 5, attention_mask=got) is got  # passed through
     want = mu.sdpa_mask(2, 5, 5, mask_function=function, allow_is_causal_skip=False)
-    torch.testing.assert_close(got.allowed, want)
+    torch.testing.assert_close(got.parts_of("dense")[0].allowed, want)
 
 
 def test_scattered_padding_is_a_dense_row_mask():
