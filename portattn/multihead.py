@@ -63,7 +63,8 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
         cache: a :class:`portattn.KVCache`; the new keys and values are appended to it
             and the queries attend to everything cached (self-attention only). With
             ``masks.causal()`` (bottom-right aligned) a step over new tokens equals the
-            matching rows of a causal pass over the whole sequence.
+            matching rows of a causal pass over the whole sequence. A ragged cache
+            (:meth:`KVCache.ragged`) takes ``mask=None`` and applies its own mask.
     """
     xp, dev = namespace_of(x, "x", 2)
     arrays = {"w_q": w_q, "w_k": w_k, "w_v": w_v, "w_o": w_o, "b_q": b_q, "b_k": b_k,
@@ -98,7 +99,14 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
     k = _split_heads(xp, _project(xp, source, w_k, b_k), kv_heads)
     v = _split_heads(xp, _project(xp, value_source, w_v, b_v), kv_heads)
     if cache is not None:
+        ragged = cache.lengths is not None
+        if ragged and mask is not None:
+            msg = (f"a ragged KVCache brings its own mask (causal per sequence, its padding "
+                   f"hidden); pass mask=None with it, got mask={mask!r}")
+            raise ValueError(msg)
         k, v = cache.append(k, v)
+        if ragged:  # aligned to the lengths after this step's positions
+            mask = cache.mask(q.shape[-2])
     out = attention(q, k, v, mask=mask, bias=bias, scale=scale, kernel=kernel)
     return _project(xp, _merge_heads(xp, out), w_o, b_o)
 

@@ -11,6 +11,7 @@ import pytest
 import portattn
 from portattn import masks
 from portattn.kv_cache import KVCache
+from portattn.multihead import MultiHeadAttention
 from portattn.testing import assert_close, oracle
 
 LENGTHS = [100, 1000, 2500, 4000]
@@ -67,3 +68,29 @@ def test_ragged_overflow_writes_nothing():
     with pytest.raises(ValueError, match="overflow"):
         cache.append(new, new)
     np.testing.assert_array_equal(cache.lengths, [1, 4])
+
+
+
+def test_a_layer_decodes_from_a_ragged_cache(backend):
+    layer = MultiHeadAttention.init(16, 4, 2, seed=1, dtype="float64")
+    rng = np.random.default_rng(5)
+    prompts = [rng.standard_normal((1, n, 16)) for n in (3, 7)]
+    steps = rng.standard_normal((2, 2, 16))
+    want = np.concatenate([layer(np.concatenate([p, steps[b:b + 1]], axis=1),
+                                 mask=masks.causal())[:, -2:]
+                           for b, p in enumerate(prompts)])
+    on = layer.to(backend.xp, device=backend.device, dtype="float32")
+    buffers = []
+    for p in prompts:  # each prompt into a cache of its own, then one ragged batch
+        cache = on.new_cache(1, capacity=10)
+        on(backend.asarray(p, "float32"), mask=masks.causal(), cache=cache)
+        pad = ((0, 0), (0, 0), (0, 10 - cache.length), (0, 0))
+        buffers.append([np.pad(backend.to_numpy(a), pad) for a in (cache.keys, cache.values)])
+    keys, values = (np.concatenate(parts) for parts in zip(*buffers, strict=True))
+    ragged = KVCache.ragged(backend.asarray(keys), backend.asarray(values),
+                            backend.asarray(np.array([3, 7])))
+    got = [backend.to_numpy(on(backend.asarray(steps[:, t:t + 1], "float32"), cache=ragged))
+           for t in range(2)]
+    assert_close(np.concatenate(got, axis=1), want, "float32")
+    with pytest.raises(ValueError, match="a ragged KVCache brings its own mask"):
+        on(backend.asarray(steps[:, :1], "float32"), mask=masks.causal(), cache=ragged)
