@@ -13,6 +13,7 @@ import functools
 import os
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,12 +27,36 @@ STRATEGIES = ("stacked", "diagonal", "tiles")
 
 @functools.cache
 def machine_tile_bytes() -> int:
-    """Half the per-core L2 cache (1 MiB when the machine does not say)."""
+    """One core's L2 cache, within [256 KiB, 4 MiB] (1 MiB when the machine does not say).
+
+    Measured on a 1 MiB-L2 machine: 256 x 1024 score tiles (1 MiB) ran 3-4% faster than
+    128 x 1024 (half the L2), larger ones no faster.
+    """
+    l2 = _l2_bytes()
+    return min(4 << 20, max(256 << 10, l2)) if l2 > 0 else 1 << 20
+
+
+def _l2_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """One core's L2 cache in bytes, 0 when unknown."""
     try:
-        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
     except (AttributeError, ValueError, OSError):
-        l2 = 0
-    return min(4 << 20, max(256 << 10, l2 // 2)) if l2 > 0 else 1 << 20
+        size = 0
+    if size > 0:
+        return size
+    # Linux without glibc's cache names (musl, some VMs): the kernel's own description
+    for index in sorted(sysfs.glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "2":
+                continue
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        digits = text.rstrip("KMB")
+        if digits.isdigit():
+            return int(digits) * scale
+    return 0
 
 
 @dataclass(frozen=True)
@@ -40,7 +65,7 @@ class Config:
     measured fastest; the results do not depend on them."""
 
     tile_bytes: int | None = None
-    """Bytes of one score tile; None: :func:`machine_tile_bytes`."""
+    """Bytes of one score tile; None: :func:`machine_tile_bytes` (one core's L2)."""
     min_block_q: int = 16
     max_block_q: int = 512
     max_block_k: int = 1024

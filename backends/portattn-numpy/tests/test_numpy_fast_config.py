@@ -1,0 +1,65 @@
+"""Settings: the configured() block, bad settings, the tile size read from the machine."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from portattn_numpy import Config, _config, configured
+
+from portattn import attention, masks
+
+
+def test_a_block_changes_settings_and_restores_them():
+    before = _config.current()
+    with configured(max_block_k=8) as inside:
+        assert _config.current() is inside
+        assert inside.max_block_k == 8
+        with configured(try_fast=False):
+            assert (_config.current().max_block_k, _config.current().try_fast) == (8, False)
+    assert _config.current() is before
+
+
+def test_an_unknown_setting_is_named():
+    with pytest.raises(ValueError, match=r"takes the fields of Config .*got \['block_size'\]"), \
+            configured(block_size=3):
+        pass
+
+
+def test_an_unknown_strategy_is_named():
+    with pytest.raises(ValueError, match=r"strategies must be among .*got strategies=\['fancy'\]"):
+        Config(strategies=("tiles", "fancy"))
+
+
+@pytest.mark.parametrize("strategies", [("tiles",), ("diagonal", "tiles"), ("stacked",)])
+def test_any_strategy_set_gives_the_same_answer(strategies, check):
+    # stacked heads (small), then along the diagonal, then tiles: each left out in turn
+    for lq in (20, 300):
+        with configured(strategies=strategies):
+            check((1, 4, lq, 16), (1, 2, lq, 16), mask=masks.causal())
+
+
+def test_settings_are_read_when_the_call_is_planned(threads):
+    # worker threads see the caller's settings: every tile is reported to its hook
+    threads(2)
+    seen = []
+    q = np.ones((1, 4, 512, 8), np.float32)
+    with configured(on_tile=lambda *tile: seen.append(tile)):
+        attention(q, q, q, kernel="numpy_fast")
+    assert sum((q1 - q0) * (k1 - k0) for *_, q0, q1, k0, k1 in seen) == 4 * 512 * 512
+
+
+def test_l2_read_from_sysfs_when_sysconf_does_not_say(tmp_path, monkeypatch):
+    for index, (level, size) in enumerate([("1", "48K"), ("2", "2048K"), ("3", "32M")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(level + "\n")
+        (folder / "size").write_text(size + "\n")
+
+    def no_answer(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(os, "sysconf", no_answer)
+    assert _config._l2_bytes(tmp_path) == 2 << 20
+    assert _config._l2_bytes(tmp_path / "missing") == 0
