@@ -1,7 +1,8 @@
-"""portattn under Hugging Face transformers: tiny random-weight models built from
-configs (no downloads) give transformers' own ``eager``/``sdpa`` logits within float32
-noise, with padding on either side, sliding windows, grouped-query heads and softcap,
-and generate the same tokens; the masks reach portattn structured."""
+"""portattn under Hugging Face transformers: tiny random-weight models (Llama, Mistral,
+Qwen2, Gemma 2) built from configs (no downloads) give transformers' own
+``eager``/``sdpa`` logits within float32 noise, with padding on either side, sliding
+windows, grouped-query heads and softcap, and generate the same tokens; the masks
+reach portattn structured."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def mistral():
     return transformers.MistralConfig(**COMMON, sliding_window=5)
 
 
+def qwen2():
+    # the second layer slides, the first attends to everything before it
+    return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=4,
+                                    max_window_layers=1)
+
+
 def gemma2():
     return transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=4,
                                      attn_logit_softcapping=5.0,
@@ -50,11 +57,13 @@ def gemma2():
 
 MODELS = {"llama": (llama, transformers.LlamaForCausalLM, ("eager", "sdpa")),
           "mistral": (mistral, transformers.MistralForCausalLM, ("eager", "sdpa")),
+          "qwen2": (qwen2, transformers.Qwen2ForCausalLM, ("eager", "sdpa")),
           # sdpa has no softcap
           "gemma2": (gemma2, transformers.Gemma2ForCausalLM, ("eager",))}
 
 
 BANDS = {"llama": {"causal"}, "mistral": {"sliding_window"},
+         "qwen2": {"causal", "sliding_window"},
          "gemma2": {"causal", "sliding_window"}}
 
 
