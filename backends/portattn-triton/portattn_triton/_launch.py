@@ -100,8 +100,8 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     q = query.reshape(z, hq, lq, d)
     k = key.reshape(z, hkv, lk, d)
     v = value.reshape(z, hkv, lk, dv)
-    if path is None:
-        path = pick_path(capability, q, k, v)
+    if path is None:  # a fixed config is a forward tile: decode only when asked by name
+        path = pick_path(capability, q, k, v, decode=config is None)
     kl = _lengths(key_lengths, z)
     ql = _lengths(query_lengths, z)
     if path == "decode":
@@ -151,14 +151,15 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     return out, lse
 
 
-def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: Any) -> str:
+def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: Any, *,
+              decode: bool = True) -> str:
     """The forward path for these ``(Z, H, L, D)`` tensors on a device of
-    ``capability`` (None: the interpreter): ``decode`` for a few queries whose rows
-    per K/V head fit one tile, ``tma`` on Hopper when the strides allow tensor
-    descriptors, ``pointer`` otherwise."""
+    ``capability`` (None: the interpreter): ``decode`` (unless ``decode=False``) for
+    a few queries whose rows per K/V head fit one tile, ``tma`` on Hopper when the
+    strides allow tensor descriptors, ``pointer`` otherwise."""
     hq, lq = query.shape[-3], query.shape[-2]
     rows = lq * (hq // key.shape[-3])
-    if lq <= DECODE_MAX_QUERIES and rows <= DECODE_MAX_ROWS:
+    if decode and lq <= DECODE_MAX_QUERIES and rows <= DECODE_MAX_ROWS:
         return "decode"
     if capability is not None and capability[0] >= 9:
         from ._launch_tma import tma_reasons

@@ -45,7 +45,7 @@ def _oracle_mask(batch, causal, window, key_lengths, query_lengths):
 
 def check(dtype="float32", batch=(1,), hq=2, hkv=2, lq=70, lk=70, d=32, dv=None, *,
           causal=None, window=None, key_lengths=None, query_lengths=None, softcap=None,
-          scale=None, config=SMALL, layout=None):
+          scale=None, config=SMALL, layout=None, path=None, num_splits=None):
     dv = d if dv is None else dv
     (q, k, v), np_args = _inputs(dtype, batch, hq, hkv, lq, lk, d, dv)
     if layout is not None:
@@ -53,7 +53,8 @@ def check(dtype="float32", batch=(1,), hq=2, hkv=2, lq=70, lk=70, d=32, dv=None,
     lengths = {name: None if x is None else torch.tensor(x).reshape(batch)
                for name, x in (("key_lengths", key_lengths), ("query_lengths", query_lengths))}
     out, lse = flash_forward(q, k, v, causal=causal, window=window, softcap=softcap,
-                             scale=scale, config=config, **lengths)
+                             scale=scale, config=config, path=path, num_splits=num_splits,
+                             **lengths)
     mask = _oracle_mask(batch, causal, window, key_lengths, query_lengths)
     want_out, want_lse, _ = oracle(*np_args, mask=mask, softcap=softcap, scale=scale)
     assert out.dtype == q.dtype
