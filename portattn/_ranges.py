@@ -97,8 +97,8 @@ class _Ranges(Mask):
         """The part of ``[lo, hi)`` that some batch element keeps."""
         if self.summary is None:
             return lo, hi
-        _, _, _, max_stop = self.summary
-        return max(lo, self.summary[0]), min(hi, max_stop)
+        min_start, _, _, max_stop = self.summary
+        return max(lo, min_start), min(hi, max_stop)
 
     def _hidden(self, lo: int, hi: int) -> bool:
         start, stop = self._span(lo, hi)
