@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "tune":
-        from ._tune import main as tune_main
+        from ._tune_run import main as tune_main
 
         return tune_main(rest)
     if args.command == "bench":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import portattn
-from portattn import _tune, masks
+from portattn import _tune, _tune_run, masks
 from portattn.__main__ import main as cli
 
 
@@ -151,7 +151,7 @@ def test_an_unreadable_file_is_ignored_with_a_warning(tune_file, text):
 
 def test_measure_times_every_kernel_that_can_run_the_call(monkeypatch):
     monkeypatch.setitem(_tune.BAND_SIZES, "short", 16)
-    row = _tune.measure("numpy", "float32", 8, "causal", "short", heads=2, repeats=1)
+    row = _tune_run.measure("numpy", "float32", 8, "causal", "short", heads=2, repeats=1)
     q = np.zeros((1, 2, 16, 8), np.float32)
     plan = portattn.explain(q, q, q, mask=masks.causal())
     assert set(row["times"]) == {e.name for e, why in plan.candidates if not why}
@@ -161,9 +161,9 @@ def test_measure_times_every_kernel_that_can_run_the_call(monkeypatch):
 
 
 def test_a_missing_library_is_skipped(monkeypatch):
-    monkeypatch.setitem(_tune.LIBRARIES, "numpy", _tune._Library(
-        "numpy", "no_such_module_for_tune", _tune._numpy_make, lambda _m, out: out))
-    assert _tune.measure("numpy", "float32", 8, "none", "short") is None
+    monkeypatch.setitem(_tune_run.LIBRARIES, "numpy", _tune_run._Library(
+        "numpy", "no_such_module_for_tune", _tune_run._numpy_make, lambda _m, out: out))
+    assert _tune_run.measure("numpy", "float32", 8, "none", "short") is None
 
 
 def test_the_command_writes_a_file_dispatch_reads(tune_file, monkeypatch, capsys):
@@ -193,7 +193,7 @@ def test_bad_command_options_are_named(args, message, capsys):
 
 
 def test_import_loads_no_array_library():
-    code = ("import sys, portattn._tune; "
+    code = ("import sys, portattn._tune, portattn._tune_run; "
             "print([m for m in ('numpy', 'torch', 'jax', 'cupy', 'dask') if m in sys.modules])")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout.strip()

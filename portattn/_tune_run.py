@@ -1,0 +1,248 @@
+"""``python -m portattn tune``: time the kernels on representative calls, write the file.
+
+Each call (library, dtype, head dim, mask kind, size band: see ``_tune``) is made
+with random inputs in its library and timed on every kernel that can run it, in turns.
+The library is imported only here, when it is measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._tune import (
+    BAND_SIZES,
+    FORMAT,
+    TUNE_ENV,
+    TuneWarning,
+    default_path,
+    installed_version,
+    machine,
+    refresh,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+__all__ = ["LIBRARIES", "MASKS", "main", "measure", "tune", "write"]
+
+
+@dataclass(frozen=True)
+class _Library:
+    """How to make random inputs in one library and wait for a result."""
+
+    name: str
+    module: str
+    make: Callable[[Any, tuple[int, ...], str, int], Any]
+    wait: Callable[[Any, Any], Any]
+    device: str = "cpu"
+
+
+def _numpy_make(np: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _torch_make(torch: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+
+
+def _jax_make(jnp: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+    import numpy as np
+
+    return jnp.asarray(_numpy_make(np, shape, dtype, seed))
+
+
+def _dask_make(da: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+    import numpy as np
+
+    return da.from_array(_numpy_make(np, shape, dtype, seed), chunks=shape)
+
+
+LIBRARIES = {
+    "numpy": _Library("numpy", "numpy", _numpy_make, lambda _m, out: out),
+    "torch": _Library("torch", "torch", _torch_make, lambda _m, out: out),
+    "jax": _Library("jax", "jax.numpy", _jax_make, lambda _m, out: out.block_until_ready()),
+    "dask": _Library("dask", "dask.array", _dask_make, lambda _m, out: out.compute()),
+}
+MASKS = ("none", "causal")
+#: Rounds are cut so that the fastest kernel runs for about this many seconds.
+ROUND_S = 0.5
+#: Kernels this many times slower than the fastest in the warm-up are not raced.
+HOPELESS = 10
+
+
+def _mask(kind: str) -> Any:
+    from . import masks
+
+    return {"none": None, "causal": masks.causal()}[kind]
+
+
+def _time_in_turns(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Best time of each call, timed in turns (round robin: drift on a shared machine
+    then hits every kernel alike), after one warm-up call each. A kernel whose warm-up
+    took over :data:`HOPELESS` times the fastest's cannot win: its warm-up time stands."""
+    warm = {}
+    for name, call in calls.items():
+        start = time.perf_counter()
+        call()
+        warm[name] = time.perf_counter() - start
+    fastest = min(warm.values(), default=0.0)
+    racing = [name for name, t in warm.items() if t <= HOPELESS * fastest]
+    rounds = max(2, min(repeats, int(ROUND_S / max(fastest, 1e-6))))
+    best = dict(warm)
+    for _ in range(rounds):
+        for name in racing:
+            start = time.perf_counter()
+            calls[name]()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def measure(library: str, dtype: str, head_dim: int, mask: str, band_name: str, *,
+            heads: int = 8, repeats: int = 5) -> dict[str, Any] | None:
+    """One representative call timed on every kernel that can run it (None when the
+    library is missing or cannot make that dtype)."""
+    import importlib
+
+    from ._api import attention, explain
+
+    lib = LIBRARIES[library]
+    try:
+        module = importlib.import_module(lib.module)
+    except ImportError:
+        return None
+    n = BAND_SIZES[band_name]
+    shape = (1, heads, n, head_dim)
+    try:
+        q, k, v = (lib.make(module, shape, dtype, seed) for seed in range(3))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    m = _mask(mask)
+    plan = explain(q, k, v, mask=m)
+    runnable = [entry.name for entry, why in plan.candidates if not why]
+    calls = {}
+    for name in runnable:
+        def call(name: str = name) -> Any:
+            return lib.wait(module, attention(q, k, v, mask=m, kernel=name))
+        try:
+            call()  # a kernel that fails here is simply not measured
+        except Exception as e:  # any failure of a plugin
+            warnings.warn(f"tune: {name} failed on {library} {shape} {dtype} {mask}: {e}",
+                          TuneWarning, stacklevel=2)
+            continue
+        calls[name] = call
+    times = _time_in_turns(calls, repeats)
+    return {"library": library, "device": plan.inputs.device, "dtype": dtype,
+            "head_dim": head_dim, "mask": mask, "band": band_name, "shape": list(shape),
+            "times": times}
+
+
+def _distribution_versions(libraries: Sequence[str]) -> dict[str, str]:
+    """Versions of portattn, every kernel's distribution and the measured libraries."""
+    from . import __version__
+    from ._registry import kernels
+
+    versions = {"portattn": __version__}
+    versions.update({e.distribution: e.version for e in kernels()})
+    owners = importlib.metadata.packages_distributions()
+    for library in libraries:
+        for dist in owners.get(LIBRARIES[library].module.split(".")[0], []):
+            found = installed_version(dist)
+            if found is not None:
+                versions[dist] = found
+    return versions
+
+
+def tune(libraries: Sequence[str], dtypes: Sequence[str], head_dims: Sequence[int],
+         mask_kinds: Sequence[str], bands: Sequence[str], *, repeats: int = 5,
+         say: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Measure every combination; returns the tune file's contents."""
+    rows = []
+    for library in libraries:
+        for dtype in dtypes:
+            for head_dim in head_dims:
+                for mask in mask_kinds:
+                    for band_name in bands:
+                        row = measure(library, dtype, head_dim, mask, band_name,
+                                      repeats=repeats)
+                        if row is None:
+                            continue
+                        rows.append(row)
+                        ranked = sorted(row["times"].items(), key=lambda item: item[1])
+                        listed = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
+                        say(f"{library} {dtype} d={head_dim} {mask} {band_name} "
+                            f"(L={BAND_SIZES[band_name]}): {listed}")
+    measured = sorted({row["library"] for row in rows})
+    return {"format": FORMAT,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "versions": _distribution_versions(measured), "entries": rows}
+
+
+def write(contents: dict[str, Any], path: Path) -> None:
+    """Write the file whole or not at all (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(contents, indent=1) + "\n", encoding="utf-8")
+    os.replace(partial, path)
+    refresh()
+
+
+def _csv(kind: Callable[[str], Any], allowed: Sequence[Any] | None = None
+         ) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        bad = [v for v in values if allowed is not None and v not in allowed]
+        if not values or bad:
+            msg = f"expected a comma-separated list of {', '.join(map(str, allowed or ['values']))}"
+            raise ValueError(msg)
+        return values
+    parse.__name__ = "list"
+    return parse
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m portattn tune [options]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="portattn tune",
+        description="time the kernels on this machine; dispatch then prefers the measured "
+                    "fastest kernel for calls like the ones timed")
+    parser.add_argument("--libraries", type=_csv(str, list(LIBRARIES)), default=["numpy", "torch"])
+    parser.add_argument("--dtypes", type=_csv(str), default=None,
+                        help="default: float32,float64 (--quick: float32)")
+    parser.add_argument("--head-dims", type=_csv(int), default=None,
+                        help="default: 64,128 (--quick: 64)")
+    parser.add_argument("--masks", type=_csv(str, MASKS), default=list(MASKS))
+    parser.add_argument("--bands", type=_csv(str, list(BAND_SIZES)), default=None,
+                        help="default: short,medium,long (--quick: short,medium)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer calls: the defaults above marked --quick")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=None,
+                        help=f"the file to write (default: ${TUNE_ENV}, else the user cache)")
+    args = parser.parse_args(list(argv))
+    quick = args.quick
+    args.dtypes = args.dtypes or (["float32"] if quick else ["float32", "float64"])
+    args.head_dims = args.head_dims or ([64] if quick else [64, 128])
+    args.bands = args.bands or (["short", "medium"] if quick else list(BAND_SIZES))
+    path = args.output or default_path()
+    if path is None:
+        parser.error(f"{TUNE_ENV} is set empty (measured dispatch off); pass --output")
+    contents = tune(args.libraries, args.dtypes, args.head_dims, args.masks, args.bands,
+                    repeats=args.repeats)
+    if not contents["entries"]:
+        print("nothing measured: none of the libraries is installed", file=sys.stderr)
+        return 1
+    write(contents, path)
+    print(f"wrote {len(contents['entries'])} measured calls to {path}")
+    return 0
