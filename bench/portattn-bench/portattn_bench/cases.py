@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .backends import BenchBackend
     from .runners import Runner
 
-__all__ = ["Case", "Shape", "SweepConfig", "causal_pairs", "flops", "plan"]
+__all__ = ["Case", "Shape", "SweepConfig", "attention_flops", "causal_pairs", "flops", "plan"]
 
 DEFAULT_SIZES = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SIZES = (256, 512)
@@ -76,6 +76,17 @@ def flops(shape: Shape, q_len: int, kv_len: int, causal: bool) -> int:
     return 2 * shape.batch * shape.heads * pairs * (shape.head_dim + shape.value_head_dim)
 
 
+def attention_flops(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                    v_shape: tuple[int, ...], causal: bool) -> int:
+    """:func:`flops` of attention on arrays of these shapes ``(..., H, L, D)``."""
+    *lead, heads, q_len, head_dim = q_shape
+    rows = heads
+    for n in lead:
+        rows *= n
+    pairs = causal_pairs(q_len, k_shape[-2]) if causal else q_len * k_shape[-2]
+    return 2 * rows * pairs * (head_dim + v_shape[-1])
+
+
 @dataclass(frozen=True)
 class Case:
     runner: Runner
@@ -96,8 +107,7 @@ class Case:
 
     @property
     def flops(self) -> int:
-        return flops(self.shape, self.length, self.length,
-                     self.causal and self.runner.counts_mask)
+        return self.runner.work(flops(self.shape, self.length, self.length, self.causal))
 
     def __str__(self) -> str:
         return f"{self.runner}-{self.backend}-{self.dtype}-{self.mask}-L{self.length}"

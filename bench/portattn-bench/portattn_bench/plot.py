@@ -41,7 +41,7 @@ def _label(key: tuple[str, str, str], dtypes: set[str]) -> str:
     runner, backend, dtype = key
     label = f"{runner} [{backend}]"
     if runner == "numpy_sgemm":
-        label = "numpy float32 GEMM (Q K^T, S V), reference"
+        label = "numpy float32 GEMM, same FLOPs (reference)"
     return f"{label} {dtype}" if len(dtypes) > 1 else label
 
 

@@ -6,8 +6,8 @@ calls), and whether it can run a case is asked of :func:`portattn.explain`, so a
 plugin shows up here without any change. The baselines are the yardsticks: the
 textbook NumPy formula on the whole score matrix, and PyTorch's own
 ``scaled_dot_product_attention`` called directly. The reference is NumPy's own float32
-GEMM on the two products attention is made of (``Q K^T`` and ``S V``, whole score
-matrix): the rate this machine's BLAS reaches at the report's sizes.
+GEMM (BLAS) on square matrices holding as much work as each case: the rate this
+machine reaches on that much matrix product, and the time a kernel at that rate takes.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ class Runner:
     name: str = ""
     kind: str = ""
     provenance: str = ""
-    counts_mask: bool = True
-    """Whether its FLOP count is that of the allowed (query, key) pairs only."""
 
     def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
         """Why this runner cannot run the case (empty when it can)."""
@@ -40,6 +38,10 @@ class Runner:
                 causal: bool) -> Callable[[], Any]:
         """A call with no arguments that computes the attention output."""
         raise NotImplementedError
+
+    def work(self, flops: int) -> int:
+        """The FLOPs it performs for a case of ``flops`` attention FLOPs."""
+        return flops
 
     def __str__(self) -> str:
         return self.name
@@ -127,16 +129,16 @@ class TorchSdpa(Runner):
 
 
 class NumpySgemm(Runner):
-    """The two float32 GEMMs of unmasked attention, ``(Q K^T) V``, by NumPy's BLAS.
+    """NumPy's float32 GEMM on square ``n x n`` matrices holding the case's work.
 
-    Its FLOP count is always that of the full products (a mask does not shrink a GEMM),
-    so its GFLOP/s is the machine's sgemm rate at this size, mask or not.
+    ``n`` is chosen so that ``2 n^3`` equals the attention case's FLOP count (the
+    allowed pairs only, under a causal mask), so its time is what a kernel running at
+    this machine's sgemm rate would take, and its GFLOP/s is that rate at this size.
     """
 
     name = "numpy_sgemm"
     kind = "reference"
     provenance = "reference"
-    counts_mask = False
 
     def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
         if backend.name != "numpy":
@@ -145,12 +147,25 @@ class NumpySgemm(Runner):
             return [f"dtype={q.dtype} (the reference is float32 GEMM)"]
         return []
 
+    def work(self, flops: int) -> int:
+        return 2 * side(flops) ** 3
+
     def prepare(self, backend: BenchBackend, q: Any, k: Any, v: Any,
                 causal: bool) -> Callable[[], Any]:
         import numpy as np
 
-        kt = np.ascontiguousarray(np.swapaxes(k, -1, -2))  # as a kernel would lay it out
-        return lambda: np.matmul(np.matmul(q, kt), v)
+        from .cases import attention_flops
+
+        n = side(attention_flops(q.shape, k.shape, v.shape, causal))
+        rng = np.random.default_rng(n)
+        a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+        out = np.empty_like(a)
+        return lambda: np.matmul(a, b, out=out)
+
+
+def side(flops: int) -> int:
+    """The side of the square GEMM (``2 n^3`` flops) nearest to ``flops``."""
+    return max(1, round((flops / 2) ** (1 / 3)))
 
 
 BASELINES: tuple[Runner, ...] = (TextbookNumpy(), TorchSdpa())

@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 from portattn_bench import main
-from portattn_bench.cases import Shape, SweepConfig, causal_pairs, flops
+from portattn_bench.cases import Shape, SweepConfig, attention_flops, causal_pairs, flops
 from portattn_bench.report import SCHEMA
+from portattn_bench.runners import side
 
 RUNNERS = ("reference", "tiled", "numpy_textbook", "numpy_sgemm")
 SIZES = (16, 32)
@@ -63,11 +64,16 @@ def test_flops_and_ratios(run: dict) -> None:
     rows = run["json"]["results"]
     for r in rows:
         length = r["q_len"]
-        # the GEMM reference always computes the whole score matrix
-        masked = r["mask"] == "causal" and r["runner"] != "numpy_sgemm"
-        allowed = np.tril(np.ones((length, length), dtype=bool)).sum() if masked \
+        allowed = np.tril(np.ones((length, length), dtype=bool)).sum() if r["mask"] == "causal" \
             else length * length
-        assert r["flops"] == 2 * r["batch"] * r["heads"] * allowed * (8 + 8)
+        attention = 2 * r["batch"] * r["heads"] * allowed * (8 + 8)
+        if r["runner"] == "numpy_sgemm":
+            # a square GEMM holding the same work, to the nearest side n
+            n = side(attention)
+            assert r["flops"] == 2 * n**3
+            assert 2 * (n - 1) ** 3 < attention < 2 * (n + 1) ** 3
+        else:
+            assert r["flops"] == attention
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["mask"], r["q_len"]), []).append(r)
@@ -91,7 +97,7 @@ def test_table_printed(run: dict) -> None:
     assert "GFLOP/s" in text
     assert "of sgemm" in text
     assert "numpy_sgemm+" in text  # marked as the reference, explained below the table
-    assert "+ reference: NumPy's float32 GEMM" in text
+    assert "+ reference: NumPy's float32 GEMM on square matrices" in text
 
 
 def test_plot_written(run: dict) -> None:
@@ -130,6 +136,14 @@ def test_causal_pairs_count_the_mask() -> None:
         assert causal_pairs(lq, lk) == allowed
     shape = Shape(batch=2, heads=3, head_dim=4, value_head_dim=5)
     assert flops(shape, 6, 6, causal=False) == 2 * 2 * 3 * 36 * 9
+    q, k, v = shape.arrays(6)
+    assert attention_flops(q.shape, k.shape, v.shape, True) == flops(shape, 6, 6, True)
+
+
+def test_sgemm_side() -> None:
+    assert side(2 * 1000**3) == 1000
+    assert side(2 * 1000**3 + 10) == 1000
+    assert side(1) == 1
 
 
 def test_history_skips_predicted_overruns() -> None:
