@@ -208,6 +208,47 @@ def test_small_heads_in_turns(case: str, in_turns: Any, benchmark: Any,
                  f"{median:.3f} median per round")
 
 
+STRATEGY_CASES = {  # (query shape, key length, mask): the strategy numpy_fast picks there
+    "stacked-64x16x16": ((1, 64, 16, 16), 16, None),
+    "stacked-8x16x32x32-causal": ((8, 16, 32, 32), 32, masks.causal()),
+    "stacked-decode-4096": ((1, 32, 1, 128), 4096, None),
+    "diagonal-2048-causal": ((1, 8, 2048, 64), 2048, masks.causal()),
+    "diagonal-8192-causal": ((1, 8, 8192, 64), 8192, masks.causal()),
+}
+
+
+@pytest.mark.parametrize("case", list(STRATEGY_CASES), ids=list(STRATEGY_CASES))
+def test_strategy_over_tiles_in_turns(case: str, in_turns: Any, benchmark: Any,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """What a strategy earns: numpy_fast as it is over numpy_fast with tiles only."""
+    from portattn_numpy import configured
+
+    shape, keys, mask = STRATEGY_CASES[case]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(shape, dtype=np.float32)
+    k, v = (rng.standard_normal((*shape[:2], keys, shape[3]), dtype=np.float32)
+            for _ in range(2))
+    repeats = 1 if shape[2] * keys >= 1 << 20 else SMALL_REPEATS
+
+    def run(**settings: Any) -> Any:
+        def repeated() -> None:
+            with configured(**settings):
+                for _ in range(repeats):
+                    portattn.attention(q, k, v, mask=mask, kernel="numpy_fast")
+        return repeated
+
+    used: list[str] = []
+    with configured(on_unit=lambda name, _trusted: used.append(name)):
+        portattn.attention(q, k, v, mask=mask, kernel="numpy_fast")
+    assert used
+    assert set(used) == {case.split("-")[0]}
+    benchmark.group = "in turns: numpy_fast over numpy_fast with tiles only"
+    best, median = in_turns(run(), run(strategies=("tiles",)), 3 if keys >= 8192 else 10)
+    benchmark.extra_info.update(case=case, by_minimum=best, median_per_round=median)
+    _say(capsys, f"\nnumpy_fast over tiles only, {case}, in turns: {best:.3f} by minimum, "
+                 f"{median:.3f} median per round")
+
+
 def test_peak_memory(benchmark: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Peak memory allocated by one call at (1, 1, 16384, 64), inputs excluded."""
     q, k, v = _inputs(16384, heads=1)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from . import _diagonal, _stacked, _tiles
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -46,13 +48,13 @@ class Strategy(Protocol):
         """The unit the fast way; False when it must be redone carefully."""
 
 
+_PLANNERS = {"stacked": _stacked.plan, "diagonal": _diagonal.plan, "tiles": _tiles.plan}
+
+
 def choose(p: Problem, inputs: AttentionInputs, threads: int) -> Strategy:
     """The first strategy of ``p.config.strategies`` that applies (``tiles`` always does)."""
-    from . import _diagonal, _stacked, _tiles
-
-    planners = {"stacked": _stacked.plan, "diagonal": _diagonal.plan, "tiles": _tiles.plan}
     for name in p.config.strategies:
-        found = planners[name](p, inputs, threads)
+        found = _PLANNERS[name](p, inputs, threads)
         if found is not None:
             return found
     return _tiles.plan(p, inputs, threads)
@@ -60,8 +62,7 @@ def choose(p: Problem, inputs: AttentionInputs, threads: int) -> Strategy:
 
 def work(p: Problem, units: Iterable[Unit]) -> None:
     """Compute every unit taken from ``units`` (one worker thread)."""
-    from ._tiles import redo_carefully, tile_scratch
-
+    redo_carefully, tile_scratch = _tiles.redo_carefully, _tiles.tile_scratch
     strategy, config = p.strategy, p.config
     with np.errstate(all="ignore"):  # overflow is detected by value, masked rows by design
         scratch = strategy.scratch(p)
