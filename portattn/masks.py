@@ -6,9 +6,11 @@ fully hidden (and skip them) and build a boolean mask for one tile at a time.
 
 Positions: with ``bottom_right`` alignment query ``i`` sits at absolute position
 ``i + (Lk - Lq)``; with ``top_left`` at ``i``. The two coincide when ``Lq == Lk``.
-Masks combine with ``&`` (pairs allowed by every part). Alignment always uses the
-array lengths ``Lq`` and ``Lk``, so combining with ``key_lengths`` is a plain
-intersection.
+Masks combine with ``&`` (pairs allowed by every part). ``causal`` and
+``sliding_window`` are aligned to the array lengths ``Lq`` and ``Lk``, so combining them
+with ``key_lengths`` is a plain intersection; :func:`sequence_causal` and
+:func:`sequence_window` align to each sequence's own lengths instead (flash-attn's
+varlen convention).
 
 What a kernel may ask, for a call of ``Lq`` queries and ``Lk`` keys:
 
