@@ -198,14 +198,19 @@ def write(contents: dict[str, Any], path: Path) -> None:
 
 def _csv(kind: Callable[[str], Any], allowed: Sequence[Any] | None = None
          ) -> Callable[[str], list[Any]]:
+    """An option's parser: comma-separated values of ``kind``, among ``allowed``."""
+    import argparse
+
     def parse(text: str) -> list[Any]:
-        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
-        bad = [v for v in values if allowed is not None and v not in allowed]
-        if not values or bad:
-            msg = f"expected a comma-separated list of {', '.join(map(str, allowed or ['values']))}"
-            raise ValueError(msg)
+        try:
+            values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            values = []
+        if not values or any(allowed is not None and v not in allowed for v in values):
+            among = f" of {', '.join(map(str, allowed))}" if allowed else f" of {kind.__name__}"
+            msg = f"expected a comma-separated list{among}; got {text!r}"
+            raise argparse.ArgumentTypeError(msg)
         return values
-    parse.__name__ = "list"
     return parse
 
 
@@ -217,17 +222,20 @@ def main(argv: Sequence[str]) -> int:
         prog="portattn tune",
         description="time the kernels on this machine; dispatch then prefers the measured "
                     "fastest kernel for calls like the ones timed")
-    parser.add_argument("--libraries", type=_csv(str, list(LIBRARIES)), default=["numpy", "torch"])
+    parser.add_argument("--libraries", type=_csv(str, list(LIBRARIES)), default=["numpy", "torch"],
+                        help="default: numpy,torch (those installed are measured)")
     parser.add_argument("--dtypes", type=_csv(str), default=None,
                         help="default: float32,float64 (--quick: float32)")
     parser.add_argument("--head-dims", type=_csv(int), default=None,
                         help="default: 64,128 (--quick: 64)")
-    parser.add_argument("--masks", type=_csv(str, MASKS), default=list(MASKS))
+    parser.add_argument("--masks", type=_csv(str, MASKS), default=list(MASKS),
+                        help="default: none,causal")
     parser.add_argument("--bands", type=_csv(str, list(BAND_SIZES)), default=None,
                         help="default: short,medium,long (--quick: short,medium)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer calls: the defaults above marked --quick")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds per call at most (default 5)")
     parser.add_argument("--output", type=Path, default=None,
                         help=f"the file to write (default: ${TUNE_ENV}, else the user cache)")
     args = parser.parse_args(list(argv))

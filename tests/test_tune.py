@@ -182,9 +182,11 @@ def test_the_command_writes_a_file_dispatch_reads(tune_file, monkeypatch, capsys
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--libraries", "cobol"], "--libraries: invalid list value"),
-    (["--bands", "huge"], "--bands: invalid list value"),
-    (["--head-dims", "x"], "--head-dims: invalid list value"),
+    (["--libraries", "cobol"], "--libraries: expected a comma-separated list of numpy, torch, "
+                               "jax, dask; got 'cobol'"),
+    (["--bands", "huge"], "--bands: expected a comma-separated list of short, medium, long; "
+                          "got 'huge'"),
+    (["--head-dims", "x"], "--head-dims: expected a comma-separated list of int; got 'x'"),
 ])
 def test_bad_command_options_are_named(args, message, capsys):
     with pytest.raises(SystemExit):
