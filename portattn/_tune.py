@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
 __all__ = ["TUNE_ENV", "TuneWarning", "band", "call_key", "default_path", "installed_version",
-           "machine", "measured_choice", "refresh"]
+           "machine", "measured_choice", "refresh", "tuned"]
 
 TUNE_ENV = "PORTATTN_TUNE_FILE"
 FORMAT = 1
@@ -213,6 +213,12 @@ def _table() -> _Table | None:
         table = None if stamp is None or path is None else _read(path)
         _state.update(path=path, stamp=stamp, table=table)
     return _state["table"]
+
+
+def tuned() -> bool:
+    """Whether a usable tune file is there (as cheap as :func:`measured_choice`): without
+    one, dispatch may stop at the first kernel that can run a call."""
+    return _table() is not None
 
 
 def measured_choice(inputs: AttentionInputs, runnable: Sequence[str]) -> tuple[str, str] | None:

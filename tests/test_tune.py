@@ -85,7 +85,10 @@ def test_bands_and_head_dims_group_nearby_calls(tune_file):
 
 def test_no_file_means_no_choice(tune_file):
     assert not tune_file.exists()
+    assert not _tune.tuned()
     assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+    _write(tune_file, [_row({"tiled": 0.01})])
+    assert _tune.tuned()
 
 
 def test_an_empty_variable_turns_it_off(tune_file, monkeypatch):
@@ -125,6 +128,7 @@ def test_a_file_from_another_machine_is_ignored_with_a_warning(tune_file):
     _write(tune_file, [_row({"tiled": 0.01})], machine=elsewhere)
     with pytest.warns(_tune.TuneWarning, match="another machine .*cpu='Some Other CPU'"):
         assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+    assert not _tune.tuned()
     assert _tune.measured_choice(_inputs(), RUNNABLE) is None  # warned once, not per call
 
 
