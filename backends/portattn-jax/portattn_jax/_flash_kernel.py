@@ -29,7 +29,10 @@ class JaxFlashKernel(Kernel):
     namespaces = frozenset({"jax"})
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
+    # key_ranges: its boolean mask (B, 1, 1, Lk) stays O(L); the other array kinds would
+    # need a full (Lq, Lk) array here, so they are left to jax_dpa and tiled.
+    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense",
+                       "key_ranges"})
     bias = softcap = gqa = value_head_dim = empty = returns_lse = grad = True
     deterministic = True
     priority = 60
@@ -80,7 +83,7 @@ def flat_arguments(inputs: AttentionInputs) -> tuple[Any, ...]:
 
     kl = combined(jnp.minimum, spec.key_lengths)
     ql = combined(jnp.minimum, spec.query_lengths)
-    dense = combined(jnp.logical_and, spec.dense)
+    dense = combined(jnp.logical_and, spec.dense_arrays(inputs.q_len, inputs.kv_len))
     return (lead(inputs.query), lead(inputs.key), lead(inputs.value),
             _flat_full(inputs.bias, batch), None if kl is None else jnp.reshape(kl, (flat,)),
             None if ql is None else jnp.reshape(ql, (flat,)), _flat_full(dense, batch))
