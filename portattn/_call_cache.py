@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ._dispatch import choose, current_overrides
 from ._inputs import AttentionInputs, describe, needs_grad
 from ._registry import kernel_entries
+from ._tune import table_in_use
 from .masks import Mask
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ __all__ = ["described_and_chosen"]
 MAX_SIGNATURES = 256
 """Beyond this many signatures (shapes that change every call) start again."""
 
-_calls: dict[tuple, tuple[list[KernelEntry], tuple, KernelEntry]] = {}
+_calls: dict[tuple, tuple[tuple[list[KernelEntry], Any], tuple, KernelEntry]] = {}
 _traits: dict[type, tuple[bool, bool]] = {}
 """Per array type: has a standard ``.device``; has torch's ``.requires_grad``."""
 _PLAIN = (int, float, bool, str, type(None))
@@ -43,7 +44,9 @@ def described_and_chosen(query: Any, key: Any, value: Any, options: dict[str, An
                          kernel: str | None) -> tuple[AttentionInputs, KernelEntry]:
     """``describe(query, key, value, **options)`` and ``choose(...)`` of one call,
     remembered per signature."""
-    entries = kernel_entries()
+    # What dispatch reads besides the call: a refreshed registry is a new list, a new
+    # tune file a new table, and what was chosen with the old ones is stale.
+    context = (kernel_entries(), table_in_use())
     signature = _signature(query, key, value, options, kernel)
     if signature is not None:
         try:
@@ -52,8 +55,8 @@ def described_and_chosen(query: Any, key: Any, value: Any, options: dict[str, An
             # Symbolic shapes or a mask still being built while a compiler traces
             # (torch.compile), unhashable options: not remembered.
             remembered = signature = None
-        # A refreshed registry is a new list: what was chosen from the old one is stale.
-        if remembered is not None and remembered[0] is entries:
+        if (remembered is not None and remembered[0][0] is context[0]
+                and remembered[0][1] is context[1]):
             _, rest, entry = remembered
             return AttentionInputs._make((query, key, value, *rest)), entry
     inputs = describe(query, key, value, **options)
@@ -61,14 +64,8 @@ def described_and_chosen(query: Any, key: Any, value: Any, options: dict[str, An
     if signature is not None:
         if len(_calls) >= MAX_SIGNATURES:
             _calls.clear()
-        _calls[signature] = (entries, tuple(inputs)[3:], entry)  # no arrays kept alive
+        _calls[signature] = (context, tuple(inputs)[3:], entry)  # no arrays kept alive
     return inputs, entry
-
-
-def forget() -> None:
-    """Drop every remembered decision (when what dispatch reads besides the call
-    changed, e.g. a new tune file)."""
-    _calls.clear()
 
 
 def _signature(query: Any, key: Any, value: Any, options: dict[str, Any],

@@ -16,6 +16,7 @@ from ._registry import (
     forced_by_environment,
     kernel_entries,
 )
+from ._tune import measured_choice, tuned
 from .errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
 
 if TYPE_CHECKING:
@@ -181,14 +182,6 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
             chosen = next(e for e in runnable if e.name == measured[0])
             note = measured[1]
     return Plan(chosen, tuple(candidates), inputs, forced, note)
-
-
-def measured_choice(inputs: AttentionInputs, runnable: list[str]) -> tuple[str, str] | None:
-    return None
-
-
-def tuned() -> bool:
-    return False
 
 
 def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:

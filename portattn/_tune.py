@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
 __all__ = ["TUNE_ENV", "TuneWarning", "band", "call_key", "default_path", "installed_version",
-           "machine", "measured_choice", "refresh", "tuned"]
+           "machine", "measured_choice", "refresh", "table_in_use", "tuned"]
 
 TUNE_ENV = "PORTATTN_TUNE_FILE"
 FORMAT = 1
@@ -213,6 +213,12 @@ def _table() -> _Table | None:
         table = None if stamp is None or path is None else _read(path)
         _state.update(path=path, stamp=stamp, table=table)
     return _state["table"]
+
+
+def table_in_use() -> Any:
+    """The loaded tune table (None without one): a new object whenever the file
+    changes, so what was decided with the old one can be told stale."""
+    return _table()
 
 
 def tuned() -> bool:

@@ -206,10 +206,28 @@ def test_import_loads_no_array_library():
     assert found == "[]"
 
 
-@pytest.mark.xfail(strict=True, reason="dispatch does not consult _tune.measured_choice yet")
 def test_explain_names_the_measured_kernel(tune_file):
     _write(tune_file, [_row({"numpy_fast": 0.5, "tiled": 0.01}, head_dim=8, band="short")])
     q = np.zeros((1, 2, 16, 8), np.float32)
     plan = portattn.explain(q, q, q)
     assert plan.kernel.name == "tiled"
     assert "measured fastest (tune of 2026-12-01)" in str(plan)
+
+
+def test_a_new_tune_file_reaches_calls_dispatch_remembered(tune_file, monkeypatch):
+    """The call cache keeps decisions per call shape: a new tune file makes them stale."""
+    from portattn import _call_cache
+
+    monkeypatch.setattr(_call_cache, "_calls", {})
+    q = np.zeros((1, 2, 16, 8), np.float32)
+
+    def kernel_run():
+        portattn.attention(q, q, q)
+        (remembered,) = _call_cache._calls.values()  # one call shape
+        return remembered[-1].name
+
+    first = kernel_run()
+    assert kernel_run() == first
+    other = "tiled" if first != "tiled" else "reference"
+    _write(tune_file, [_row({first: 0.5, other: 0.01}, head_dim=8, band="short")])
+    assert kernel_run() == other
