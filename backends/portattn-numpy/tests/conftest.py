@@ -14,6 +14,18 @@ from portattn.testing.plugin import backend, xp
 __all__ = ["backend", "check", "path", "results_of", "threads", "tiles", "tiny_tiles", "xp"]
 
 
+@pytest.fixture(autouse=True)
+def _no_tune_file(monkeypatch):
+    """Dispatch by its declared priorities: a tune file of this machine's user (``python
+    -m portattn tune``) would make these tests depend on its timings."""
+    from portattn import _tune
+
+    monkeypatch.setenv(_tune.TUNE_ENV, "")
+    _tune.refresh()
+    yield
+    _tune.refresh()
+
+
 @pytest.fixture
 def tiny_tiles():
     """Tiles of a few rows and keys, so small cases cross many tile and block edges:
