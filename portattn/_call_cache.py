@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._dispatch import choose, current_overrides
+from ._dispatch import choose, compiling, current_overrides
 from ._inputs import AttentionInputs, describe, needs_grad
 from ._registry import kernel_entries
 from ._tune import table_in_use
@@ -45,8 +45,9 @@ def described_and_chosen(query: Any, key: Any, value: Any, options: dict[str, An
     """``describe(query, key, value, **options)`` and ``choose(...)`` of one call,
     remembered per signature."""
     # What dispatch reads besides the call: a refreshed registry is a new list, a new
-    # tune file a new table, and what was chosen with the old ones is stale.
-    context = (kernel_entries(), table_in_use())
+    # tune file a new table, and what was chosen with the old ones is stale. (A tracing
+    # compiler reads no files: select() then ignores the tune file too.)
+    context = (kernel_entries(), None if compiling() else table_in_use())
     signature = _signature(query, key, value, options, kernel)
     if signature is not None:
         try:

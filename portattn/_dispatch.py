@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from ._inputs import AttentionInputs
     from .kernel import Kernel
 
-__all__ = ["Plan", "check_result", "choose", "disable_kernels", "select", "use_kernel"]
+__all__ = ["Plan", "check_result", "choose", "compiling", "disable_kernels", "select",
+           "use_kernel"]
 
 logger = logging.getLogger("portattn")
 
@@ -160,7 +161,7 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
     entries = kernel_entries()
     if forced is not None:
         _lookup(entries, forced)
-    measuring = forced is None and not _compiling() and tuned()  # a tracer reads no files
+    measuring = forced is None and not compiling() and tuned()  # a tracer reads no files
     disabled = current_overrides()[1]
     candidates: list[tuple[KernelEntry, tuple[str, ...]]] = []
     runnable: list[KernelEntry] = []
@@ -189,12 +190,12 @@ def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
     plan = select(inputs, kernel, every=False)
     if plan.kernel is None:
         raise plan.error()
-    if not _compiling() and logger.isEnabledFor(logging.DEBUG):
+    if not compiling() and logger.isEnabledFor(logging.DEBUG):
         logger.debug("attention: %s@%s", plan.kernel.name, plan.kernel.version)
     return plan.kernel
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     """Inside torch.compile's tracing (which cannot trace logging calls)."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.compiler.is_compiling()

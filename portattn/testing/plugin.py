@@ -28,6 +28,10 @@ __all__ = ["ENV", "backend", "require_backend", "require_library", "selected_bac
 
 ENV = "PORTATTN_TEST_BACKENDS"
 
+# Suites test the declared dispatch: a tune file of the machine's (python -m portattn
+# tune) must not change which kernel a test gets. Tests of tuning set their own file.
+os.environ["PORTATTN_TUNE_FILE"] = ""
+
 #: The backends whose selection promises that a library is importable.
 _LIBRARY_BACKENDS = {
     "numpy": ("numpy", "dask"),
