@@ -1,7 +1,8 @@
 """portattn: exact scaled-dot-product attention for any Python array library.
 
 ``import portattn`` imports no array library; the namespace of the arrays you pass
-decides which library runs, and the kernel registry decides which kernel.
+decides which library runs, and the kernel registry decides which kernel. What a
+kernel author needs (``Kernel``, ``AttentionInputs``) lives in :mod:`portattn.kernel`.
 """
 
 from __future__ import annotations
@@ -11,17 +12,13 @@ __version__ = "0.1.0"
 from . import errors, masks
 from ._api import attention, explain, scaled_dot_product_attention
 from ._dispatch import Plan, disable_kernels, use_kernel
-from ._inputs import AttentionInputs
 from ._merge import merge
 from ._registry import KernelEntry, kernels, refresh_kernels
-from .kernel import Kernel
 from .kv_cache import KVCache
 from .linear import linear_attention
 from .multihead import MultiHeadAttention, multi_head_attention
 
 __all__ = [
-    "AttentionInputs",
-    "Kernel",
     "KVCache",
     "KernelEntry",
     "MultiHeadAttention",

@@ -14,6 +14,7 @@ import pytest
 import portattn
 from portattn import _registry, masks
 from portattn.errors import KernelNotUsableError, NoKernelError, UnknownKernelError
+from portattn.kernel import Kernel
 
 rng = np.random.default_rng(0)
 Q, K, V = (rng.standard_normal((1, 2, 8, 16)).astype(np.float32) for _ in range(3))
@@ -82,7 +83,7 @@ def test_nothing_fits_lists_every_kernel(only_builtins):
 
 
 def test_priority_and_reasons_from_declared_data(only_builtins, monkeypatch):
-    class Fast(portattn.Kernel):
+    class Fast(Kernel):
         name = "fast"
         namespaces = frozenset({"numpy"})
         devices = frozenset({"cpu"})
@@ -120,7 +121,7 @@ def test_unavailable_kernel_is_skipped(only_builtins, monkeypatch):
 def test_gradients_go_only_to_grad_kernels(only_builtins, monkeypatch):
     torch = pytest.importorskip("torch")
 
-    class NoGrad(portattn.Kernel):
+    class NoGrad(Kernel):
         name = "no_grad"
         namespaces = devices = "*"
         dtypes = frozenset({"float32"})

@@ -17,7 +17,7 @@ from ._block import ChunkCall, attend, empty, merge_blocks
 from ._layout import Layout, align, block_index, bounds
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
 
 __all__ = ["blockwise_attention", "reachable"]

@@ -11,7 +11,7 @@ from portattn.kernel import ANY, Kernel
 from ._block import NAME
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 __all__ = ["DaskBlockwiseKernel"]
 

@@ -19,7 +19,7 @@ from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
 
 __all__ = ["Layout", "align", "block_index", "bounds", "group_aligned"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ._pytree import register_mask_pytrees
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 __all__ = ["attach_autograd"]
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from portattn import Kernel
-from portattn.kernel import ANY
+from portattn.kernel import ANY, Kernel
 
 from ._pytree import register_mask_pytrees
 from ._translate import fold_mask
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 __all__ = ["JaxFlashKernel", "flash_plan"]
 

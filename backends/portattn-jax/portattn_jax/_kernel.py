@@ -20,14 +20,13 @@ import re
 from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from portattn import Kernel
-from portattn.kernel import ANY
+from portattn.kernel import ANY, Kernel
 
 from ._pytree import register_mask_pytrees
 from ._translate import COMPUTED, fold_mask
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
     from ._translate import MaskSpec
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
 
 __all__ = ["Band", "MaskSpec", "fold_mask"]

@@ -9,7 +9,7 @@ from portattn.kernel import Kernel
 from ._mask_kinds import KINDS
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 __all__ = ["NumpyFastKernel"]
 

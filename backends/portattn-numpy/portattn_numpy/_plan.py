@@ -16,7 +16,7 @@ from ._problem import Problem, Unit
 from ._strategy import choose
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
     from ._config import Config
 

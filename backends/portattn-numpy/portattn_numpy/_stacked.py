@@ -20,7 +20,7 @@ import numpy as np
 from ._scores import scores, trustworthy
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
     from ._problem import Problem, Unit
 

@@ -23,7 +23,7 @@ from . import _diagonal, _stacked, _tiles
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
     from ._problem import Problem, Unit
 

@@ -34,7 +34,7 @@ from ._scores import hide, scores, trustworthy
 from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
     from ._blocks import Block
     from ._problem import Problem, Unit

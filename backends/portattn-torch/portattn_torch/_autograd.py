@@ -17,7 +17,7 @@ import torch
 from portattn.autograd import flash_backward, flash_forward
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 __all__ = ["attach_autograd"]
 

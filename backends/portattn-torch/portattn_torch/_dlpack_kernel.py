@@ -20,7 +20,7 @@ from ._sdpa_kernel import TorchSDPAKernel, sdpa_attention
 from ._translate import bias_reasons
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
 
 

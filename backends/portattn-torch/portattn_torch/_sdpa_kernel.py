@@ -27,7 +27,7 @@ from ._availability import torch_unavailable
 from ._translate import as_4d, band_of, bias_reasons, restricts, sdpa_mask, structured_form
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
 
 _MASKS = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense",
                     "key_ranges", "query_ranges", "sequence_window", "documents"})

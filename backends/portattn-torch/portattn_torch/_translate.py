@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from portattn.masks import POSITIONAL
 
 if TYPE_CHECKING:
-    from portattn import AttentionInputs
+    from portattn.kernel import AttentionInputs
     from portattn.masks import Band
 
 
