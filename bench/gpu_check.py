@@ -1,32 +1,39 @@
-"""One-command GPU check: conformance on CUDA, and triton_flash against torch's SDPA.
+"""One-command GPU check of triton_flash that fails loudly, with every figure as JSON.
 
-    python bench/gpu_check.py            # everything, a few minutes on one GPU
-    python bench/gpu_check.py --quick    # conformance on a sample of cases only
-    python bench/gpu_check.py --sweep    # also time other block sizes for triton_flash
+    python bench/gpu/pack.py && bash bench/gpu/run.sh   # on a bare GPU machine, offline
+    python bench/gpu_check.py --json out.json           # where portattn is installed
+    python bench/gpu_check.py --device cpu --quick      # no GPU: the interpreter, torch CPU
 
-1. Conformance: every installed kernel that runs on CUDA, through the conformance kit
-   (``portattn.testing``) on the ``torch_cuda`` backend and on ``cupy`` when present,
-   bfloat16 included. A float32 case that misses the float32 tolerance but meets the
-   TF32 one is reported as ``tf32`` (the kernel's matmuls ran in TF32), not as a pass.
-2. Gradients: ``triton_flash``'s backward (through torch autograd, of the output and
-   the lse) against the float64 ``reference`` kernel's autograd on CUDA, for a few
-   mask/shape cases in bfloat16, float16 and float32 (``tf32`` as above).
-3. Speed: ``triton_flash`` against ``torch.nn.functional.scaled_dot_product_attention``
-   restricted to its flash backend, at (4, 16, 4096, 128) bfloat16, causal and not:
-   TFLOP/s, the ratio, and peak memory beyond the inputs, forward alone and forward +
-   backward; then the extra memory at two sequence lengths, which grows linearly for
-   an O(L) kernel.
+0. Preflight: triton_flash is installed, available, and the kernel ``explain()``
+   chooses for the calls it should win (the benchmark shape, decode).
+1. Conformance: every installed kernel that runs on the device, through the
+   conformance kit (``portattn.testing``) on ``torch_cuda`` and ``cupy``.
+2. Gradients: triton_flash's backward against the float64 reference kernel.
+3. Accuracy at size (``bench/gpu/accuracy.py``): L up to 4096 and 32768-key decode,
+   every mask kind, GQA, softcap, lse, bfloat16/float16/float32 (TF32-aware), on
+   torch tensors and CuPy arrays, with poisoned outputs and a bitwise rerun.
+4. Speed (``bench/gpu/timing.py``): against SDPA's flash, cuDNN and efficient
+   backends; forward + backward against SDPA flash; memory growth with L.
 
-Exit status: 0 when every check passed, 1 when one failed, 2 when there is no GPU.
+``--device cpu`` runs the same code on CPU torch tensors through Triton's interpreter
+at shrunken sizes, faking nothing: only the GPU itself is left untried.
+
+Exit status: 0 when every check passed, 1 when one failed or none ran, 2 when there
+is no GPU (``--device cuda``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from report import Report
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -34,6 +41,8 @@ if TYPE_CHECKING:
 BENCH_SHAPE = (4, 16, 4096, 128)
 #: (rtol, atol) for float32 results computed with TF32 matmuls (10-bit mantissa).
 TF32_TOLERANCE = (5e-3, 5e-3)
+#: Sequence lengths are divided by this on CPU (the interpreter is slow).
+CPU_SCALE = 32
 QUICK_CASES = {"basic", "causal_bottom_right", "grouped_query", "key_lengths", "softcap",
                "head_dim_256", "value_head_dim", "window_and_lengths"}
 
@@ -89,8 +98,8 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def cuda_kernels() -> list[Any]:
-    """Installed, usable kernels whose declared devices include CUDA."""
+def device_kernels(device: str = "cuda") -> list[Any]:
+    """Installed, usable kernels whose declared devices include ``device``."""
     from portattn import kernels
     from portattn.kernel import ANY
 
@@ -99,16 +108,60 @@ def cuda_kernels() -> list[Any]:
         k = entry.kernel
         if k is None or k.available() is not None:
             continue
-        if k.devices == ANY or "cuda" in k.devices:
+        if k.devices == ANY or device in k.devices:
             found.append(k)
     return found
 
 
-def cuda_backends() -> list[Any]:
+def cuda_kernels() -> list[Any]:
+    return device_kernels("cuda")
+
+
+def preflight(report: Report, device: str) -> bool:
+    """triton_flash is installed, available, and chosen where it should win; False
+    when the rest cannot run."""
+    import torch
+
+    from portattn import explain, kernels, masks
+
+    entry = next((e for e in kernels() if e.name == "triton_flash"), None)
+    if entry is None:
+        report.check("preflight", "triton_flash installed", "FAIL",
+                     "no kernel named triton_flash: is portattn-triton installed, with its "
+                     "entry point (pip install, not a bare checkout)?")
+        return False
+    why = None if entry.kernel is None else entry.kernel.available()
+    if entry.kernel is None or why is not None:
+        report.check("preflight", "triton_flash available", "FAIL",
+                     f"unavailable: {why or 'failed to load'}")
+        return False
+    report.check("preflight", "triton_flash available", "ok", str(entry))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    b, h, n, d = BENCH_SHAPE if device == "cuda" else (1, 2, 256, 64)
+    calls = {
+        "forward": ((b, h, n, d), (b, h, n, d), {}),
+        "forward_causal": ((b, h, n, d), (b, h, n, d), {"mask": masks.causal()}),
+        "decode_gqa": ((4, 32, 1, 128), (4, 8, 32768 if device == "cuda" else 1024, 128),
+                       {"mask": masks.causal()}),
+    }
+    ok = True
+    for name, (qs, ks, kwargs) in calls.items():
+        q = torch.empty(qs, dtype=dtype, device=device)
+        k = torch.empty(ks, dtype=dtype, device=device)
+        plan = explain(q, k, k, **kwargs)
+        chosen = None if plan.kernel is None else plan.kernel.name
+        status = "ok" if chosen == "triton_flash" else "FAIL"
+        ok &= status == "ok"
+        report.check("preflight", f"explain() chooses triton_flash: {name} {qs} {dtype}",
+                     status, "" if status == "ok" else f"chose {chosen}:\n{plan}")
+    return ok
+
+
+def backends(device: str) -> list[Any]:
     from portattn.testing import get_backend
 
     found = []
-    for name in ("torch_cuda", "cupy"):
+    for name in (("torch_cuda", "cupy") if device == "cuda" else ("torch",)):
         try:
             found.append(get_backend(name))
         except ImportError as e:
@@ -116,46 +169,26 @@ def cuda_backends() -> list[Any]:
     return found
 
 
-def run_conformance(quick: bool) -> int:
+def run_conformance(report: Report, device: str, quick: bool) -> None:
     from portattn.testing import conformance_cases
 
-    failures = 0
-    backends = cuda_backends()
-    for kernel in cuda_kernels():
+    found = backends(device)
+    # On CPU only triton_flash (through the interpreter) is the subject.
+    for kernel in [k for k in device_kernels(device)
+                   if device == "cuda" or k.name == "triton_flash"]:
         cases = conformance_cases(kernel)
         if quick:
             cases = [c for c in cases if c.name in QUICK_CASES]
-        for backend in backends:
-            counts: dict[str, int] = {}
+        if device != "cuda":  # the interpreter's bfloat16 dot is inexact
+            cases = [c for c in cases if c.dtype != "bfloat16"]
+        for backend in found:
             started = time.perf_counter()
             for case in cases:
                 status, detail = check_one(kernel, case, backend)
-                counts[status] = counts.get(status, 0) + 1
-                if status in ("FAIL", "tf32"):
-                    print(f"    {status:<4} {kernel.name} [{backend.name}] {case}: {detail}")
-                failures += status == "FAIL"
-            summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            print(f"  {kernel.name:<20} {backend.name:<10} {summary} "
+                report.check("conformance", f"{kernel.name} [{backend.name}] {case}", status,
+                             detail)
+            print(f"  {kernel.name:<20} {backend.name:<10} {len(cases)} cases "
                   f"({time.perf_counter() - started:.1f}s)")
-    return failures
-
-
-def cuda_time(fn: Callable[[], Any], warmup: int = 3, repeats: int = 20) -> float:
-    """Median seconds per call, timed with CUDA events."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def extra_memory(fn: Callable[[], Any]) -> int:
@@ -171,81 +204,47 @@ def extra_memory(fn: Callable[[], Any]) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def run_speed(sweep: bool) -> int:
-    import torch
-    from portattn_triton import flash_forward
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    b, h, n, d = BENCH_SHAPE
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for _ in range(3))
-    failures = 0
-    print(f"  shape (B, H, L, D) = {BENCH_SHAPE} bfloat16")
-    for causal in (False, True):
-        flops = attention_flops(b, h, n, n, d, causal)
-
-        def ours(causal=causal, config=None):
-            return flash_forward(q, k, v, causal="top_left" if causal else None,
-                                 config=config)[0]
-
-        def theirs(causal=causal):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return sdpa(q, k, v, is_causal=causal)
-
-        diff = (ours().float() - theirs().float()).abs().max().item()
-        t_ours, t_theirs = cuda_time(ours), cuda_time(theirs)
-        m_ours, m_theirs = extra_memory(ours), extra_memory(theirs)
-        ratio = t_theirs / t_ours
-        label = "causal" if causal else "full"
-        print(f"  {label:<6} triton_flash {flops / t_ours / 1e12:7.1f} TFLOP/s "
-              f"({t_ours * 1e3:.3f} ms, peak +{m_ours / 2**20:.0f} MiB) | "
-              f"sdpa flash {flops / t_theirs / 1e12:7.1f} TFLOP/s "
-              f"({t_theirs * 1e3:.3f} ms, peak +{m_theirs / 2**20:.0f} MiB) | "
-              f"ratio {ratio:.2f} | max |diff| {diff:.2e}")
-        if not diff < 0.05:
-            print(f"  FAIL {label}: triton_flash and sdpa disagree by {diff:.3g}")
-            failures += 1
-        if sweep:
-            for config in sweep_configs():
-                try:
-                    t = cuda_time(lambda c=config: ours(config=c), warmup=2, repeats=10)
-                except Exception as e:  # out of resources for this device
-                    print(f"    {config}: {type(e).__name__}: {_first_line(e)}")
-                    continue
-                print(f"    {config}: {flops / t / 1e12:7.1f} TFLOP/s")
-    return failures
-
-
 def sweep_configs() -> list[Any]:
     """Candidates around the table's bfloat16 head-dim-128 entries (--sweep)."""
     from portattn_triton import Config
 
     return [Config(*c) for c in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
                                  (128, 128, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3),
-                                 (64, 64, 4, 3), (64, 128, 8, 3))]
+                                 (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3, True))]
 
 
-def memory_scaling() -> int:
-    """Extra memory of one causal call at L and 4L: an O(L) kernel grows 4x, not 16x."""
+def run_sweep(report: Report) -> None:
+    import timing
+
+    variants = {f"triton_flash_{c}": {"config": c} for c in sweep_configs()}
+    variants = {"triton_flash": {}, **variants}
+    for name, dims, causal in timing.SHAPES[:2]:
+        report.figure("sweep", **timing.time_shape(name, dims, causal, "cuda", variants, 10))
+
+
+def memory_scaling(report: Report) -> None:
+    """Extra memory of one causal call at L and 4L: an O(L) kernel grows 4x, not 16x;
+    and of a decode step at Lk and 4 Lk."""
     import torch
     from portattn_triton import flash_forward
 
-    used = []
-    for n in (4096, 16384):
-        q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        used.append(extra_memory(lambda q=q, k=k, v=v: flash_forward(q, k, v,
-                                                                      causal="top_left")))
-        del q, k, v
-    growth = used[1] / used[0]
-    print(f"  extra memory, causal (1, 16, L, 128): L=4096 {used[0] / 2**20:.1f} MiB, "
-          f"L=16384 {used[1] / 2**20:.1f} MiB (x{growth:.1f}; O(L) gives x4)")
-    if not growth < 6:
-        print("  FAIL memory grows faster than O(L)")
-        return 1
-    return 0
+    for name, lengths, shape in (("forward", (4096, 16384), lambda n: ((1, 16, n, 128),) * 2),
+                                 ("decode", (8192, 32768),
+                                  lambda n: ((4, 32, 1, 128), (4, 8, n, 128)))):
+        used = []
+        for n in lengths:
+            qs, ks = shape(n)
+            q = torch.randn(qs, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(ks, device="cuda", dtype=torch.bfloat16)
+            used.append(extra_memory(lambda q=q, k=k: flash_forward(q, k, k,
+                                                                     causal="bottom_right")))
+            del q, k
+        growth = used[1] / max(used[0], 1)
+        report.figure("memory", name=name, lengths=lengths, extra_bytes=used, growth=growth)
+        detail = (f"extra memory at L={lengths[0]}: {used[0] / 2**20:.1f} MiB, "
+                  f"L={lengths[1]}: {used[1] / 2**20:.1f} MiB (x{growth:.1f}; O(L) gives x4)")
+        print(f"  {name}: {detail}")
+        report.check("memory", f"{name} grows as O(L)", "ok" if growth < 6 else "FAIL", detail)
 
 
 def grad_cases(device: Any) -> list[tuple[str, tuple, dict]]:
@@ -304,23 +303,27 @@ def grad_case(dims: tuple, kwargs: dict, dtype: str, device: Any = "cuda") -> tu
     return "FAIL", f"relative error {worst:.2e} > {tolerance(dtype)[1]:g}"
 
 
-def run_gradients() -> int:
-    failures = 0
-    for dtype in ("bfloat16", "float16", "float32"):
-        for name, dims, kwargs in grad_cases("cuda"):
+def run_gradients(report: Report, device: str) -> None:
+    for dtype in (("bfloat16", "float16", "float32") if device == "cuda"
+                  else ("float16", "float32")):
+        for name, dims, kwargs in grad_cases(device):
+            if device != "cuda":  # shrink for the interpreter
+                _, hq, hkv, lq, lk, d, dv = dims
+                dims = (1, hq, hkv, max(1, lq // 8), max(1, lk // 8), d, dv)
+                if "mask" in kwargs and name == "gqa_window_lengths_softcap":
+                    continue  # its lengths are sized for the full case
             try:
-                status, detail = grad_case(dims, kwargs, dtype)
+                status, detail = grad_case(dims, kwargs, dtype, device=device)
             except Exception as e:
                 status, detail = "FAIL", f"{type(e).__name__}: {_first_line(e)}"
-            print(f"  {status:<4} triton_flash backward {dtype:<8} {name}: {detail}")
-            failures += status == "FAIL"
-    return failures
+            report.check("gradients", f"triton_flash backward {dtype} {name}", status, detail)
 
 
-def run_training_speed() -> int:
+def run_training_speed(report: Report) -> None:
     """Forward + backward of triton_flash against sdpa's flash backend (BENCH_SHAPE)."""
     import torch
     from portattn_triton import flash_attention
+    from timing import median_time
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -329,7 +332,6 @@ def run_training_speed() -> int:
     q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
                                  generator=gen) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    failures = 0
     for causal in (False, True):
         flops = 3.5 * attention_flops(b, h, n, n, d, causal)  # backward = 2.5 forwards
 
@@ -344,59 +346,104 @@ def run_training_speed() -> int:
 
         diff = max((a.float() - b.float()).abs().max().item()
                    for a, b in zip(ours(), theirs(), strict=True))
-        t_ours, t_theirs = cuda_time(ours), cuda_time(theirs)
+        t_ours, t_theirs = median_time(ours, "cuda"), median_time(theirs, "cuda")
         m_ours, m_theirs = extra_memory(ours), extra_memory(theirs)
         label = "causal" if causal else "full"
+        report.figure("training", name=label, shape=BENCH_SHAPE, flops=flops,
+                      triton_flash={"seconds": t_ours, "extra_bytes": m_ours},
+                      sdpa_flash={"seconds": t_theirs, "extra_bytes": m_theirs},
+                      ratio=t_theirs / t_ours, max_abs_grad_diff=diff)
         print(f"  {label:<6} fwd+bwd triton_flash {flops / t_ours / 1e12:7.1f} TFLOP/s "
               f"({t_ours * 1e3:.3f} ms, peak +{m_ours / 2**20:.0f} MiB) | sdpa flash "
               f"{flops / t_theirs / 1e12:7.1f} TFLOP/s ({t_theirs * 1e3:.3f} ms, peak "
               f"+{m_theirs / 2**20:.0f} MiB) | ratio {t_theirs / t_ours:.2f} | "
               f"max |grad diff| {diff:.2e}")
-        if not diff < 0.1:
-            print(f"  FAIL {label}: triton_flash and sdpa gradients disagree by {diff:.3g}")
-            failures += 1
-    return failures
+        report.check("training", f"gradients agree with sdpa flash: {label}",
+                     "ok" if diff < 0.1 else "FAIL", f"max |grad diff| {diff:.3g}")
 
 
-def describe_machine() -> str:
+def describe_machine(device: str) -> dict[str, Any]:
     import torch
 
-    parts = [f"torch {torch.__version__}"]
-    for name in ("triton", "cupy", "jax"):
+    info: dict[str, Any] = {"torch": torch.__version__}
+    for name in ("triton", "cupy", "numpy", "portattn", "portattn_triton"):
         with contextlib.suppress(Exception):
-            parts.append(f"{name} {__import__(name).__version__}")
-    props = torch.cuda.get_device_properties(0)
-    cap = f"sm_{props.major}{props.minor}"
-    return f"{props.name} ({cap}, {props.total_memory / 2**30:.0f} GiB); " + ", ".join(parts)
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "?")
+            info[f"{name}_path"] = str(Path(module.__file__).parent)
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}",
+                    memory_gib=round(props.total_memory / 2**30), sms=props.multi_processor_count)
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="sample of conformance cases")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="sample of conformance cases, no autotuning, fewer repeats")
     parser.add_argument("--sweep", action="store_true", help="time other block sizes too")
-    parser.add_argument("--no-speed", action="store_true", help="conformance only")
+    parser.add_argument("--no-speed", action="store_true", help="correctness only")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated accuracy case and speed shape names (all)")
+    parser.add_argument("--scale", type=int, default=CPU_SCALE,
+                        help=f"--device cpu: divide sequence lengths by this ({CPU_SCALE})")
     args = parser.parse_args(argv)
+    if args.device == "cpu":
+        # Triton reads this when the kernel modules are imported: before any of them.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         import torch
     except ImportError:
         print("gpu_check: torch is not installed; nothing to check")
         return 2
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU visible to torch; nothing to check")
         return 2
-    started = time.perf_counter()
-    print(f"gpu_check on {describe_machine()}")
-    print("conformance (portattn.testing) on CUDA:")
-    failures = run_conformance(args.quick)
-    print("gradients: triton_flash vs the float64 reference kernel on CUDA:")
-    failures += run_gradients()
-    if not args.no_speed:
-        print("speed: triton_flash vs torch sdpa (flash backend):")
-        failures += run_speed(args.sweep)
-        failures += run_training_speed()
-        failures += memory_scaling()
-    print(f"gpu_check: {failures} failure(s) in {time.perf_counter() - started:.0f}s")
-    return 1 if failures else 0
+    report = Report(args.device, machine=describe_machine(args.device))
+    print(f"gpu_check on {args.device}: {report.machine}")
+    scale = 1 if args.device == "cuda" else args.scale
+    chosen = None if args.cases is None else set(args.cases.split(","))
+    if preflight(report, args.device):
+        import accuracy
+        import timing
+
+        sections = [("conformance", lambda: run_conformance(report, args.device, args.quick)),
+                    ("gradients", lambda: run_gradients(report, args.device)),
+                    ("accuracy", lambda: accuracy.run(
+                        report, args.device,
+                        [b.name.replace("torch_cuda", "torch") for b in backends(args.device)],
+                        scale, ("bfloat16", "float16", "float32") if args.device == "cuda"
+                        else ("float16", "float32"),
+                        [c for c in accuracy.CASES if chosen is None or c.name in chosen]))]
+        if not args.no_speed:
+            sections.append(("speed", lambda: timing.run(
+                report, args.device, scale, autotune=not args.quick,
+                repeats=20 if args.device == "cuda" and not args.quick else 3,
+                shapes=[s for s in timing.SHAPES if chosen is None or s[0] in chosen])))
+            if args.device == "cuda":
+                sections += [("training", lambda: run_training_speed(report)),
+                             ("memory", lambda: memory_scaling(report))]
+                if args.sweep:
+                    sections.append(("sweep", lambda: run_sweep(report)))
+        for name, run in sections:
+            started = time.perf_counter()
+            print(f"{name}:")
+            try:
+                run()
+            except Exception as e:  # a section that crashes is a failure, never a pass
+                report.check(name, "section", "FAIL", f"{type(e).__name__}: {_first_line(e)}")
+            print(f"  ({time.perf_counter() - started:.0f}s; {report.count('FAIL', name)} "
+                  f"failed, {report.count('ok', name)} ok, {report.count('skip', name)} "
+                  "skipped)")
+    if args.json is not None:
+        report.write(args.json)
+        print(f"gpu_check: figures in {args.json}")
+    print(f"gpu_check: {report.summary()}; {report.failures} failure(s) "
+          f"in {time.time() - report.started:.0f}s")
+    return 1 if report.failures else 0
 
 
 if __name__ == "__main__":

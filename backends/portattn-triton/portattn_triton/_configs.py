@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 __all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "DECODE_MAX_QUERIES", "DECODE_MAX_ROWS",
            "BackwardConfig", "Config", "autotune_candidates", "block_dim", "decode_config",
+           "decode_max_rows",
            "decode_splits", "delta_rows", "is_even", "pick_backward_config", "pick_config"]
 
 
@@ -22,7 +23,8 @@ class Config:
     num_warps: int
     num_stages: int
     warp_specialize: bool = False
-    """Split the key loop into producer and consumer warps (tensor-descriptor path)."""
+    """Split the mask-free key loop into producer and consumer warps (tensor-descriptor
+    path; off in the table, see :func:`autotune_candidates`)."""
 
     def __str__(self) -> str:
         text = f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
@@ -150,11 +152,11 @@ def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
 def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,
                         head_dim: int, value_head_dim: int) -> list[Config]:
     """The forward configurations ``flash_forward(..., autotune=True)`` times: the
-    table's entry first, then its neighbours in block sizes, warps and stages (and
-    warp specialization on Hopper). Those that do not fit a device fail to compile
-    there and are dropped by the autotuner."""
+    table's entry first, then its neighbours in block sizes, warps and stages. Those
+    that do not fit a device fail to compile there and are dropped by the autotuner.
+    Warp specialization is left out: Triton's Hopper pass fails outright (an
+    exception, not a dropped candidate) on this kernel at four warps."""
     base = pick_config(capability, element_bytes, head_dim, value_head_dim)
-    hopper = capability is None or capability[0] >= 9
     m, n = base.block_m, base.block_n
     found = [base]
     for block_m, block_n in ((m, n), (m, 2 * n), (m, n // 2), (m // 2, n), (2 * m, n)):
@@ -162,10 +164,9 @@ def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,
             continue
         for warps in sorted({base.num_warps, 4, 8}):
             for stages in sorted({base.num_stages, 2, 3, 4}):
-                for ws in ((False, True) if hopper and element_bytes <= 2 else (False,)):
-                    c = Config(block_m, block_n, warps, stages, ws)
-                    if c not in found:
-                        found.append(c)
+                c = Config(block_m, block_n, warps, stages)
+                if c not in found:
+                    found.append(c)
     return found
 
 
@@ -173,6 +174,15 @@ def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,
 #: grouped-query group times the queries), so every row fits one tile.
 DECODE_MAX_QUERIES = 16
 DECODE_MAX_ROWS = 64
+
+
+def decode_max_rows(element_bytes: int, padded_dim: int) -> int:
+    """The most packed rows a decode tile holds without spills: float32 (three TF32
+    products) keeps fewer rows at the wider head dims, and none at head dim 256 (it
+    spills on sm_80 even at 16 rows: the forward kernel serves those calls)."""
+    if element_bytes <= 2 or padded_dim <= 32:
+        return DECODE_MAX_ROWS
+    return {64: 32, 128: 16}.get(padded_dim, 0)
 
 
 def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_dim: int,
@@ -184,7 +194,7 @@ def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_d
     block_m = max(16, 1 << (max(rows, 1) - 1).bit_length())
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
     if element_bytes > 2:  # three TF32 products per product: narrower tiles
-        return Config(block_m, 32 if dim <= 64 else 16, 4, 2)
+        return Config(block_m, 32 if dim <= 64 else 16, 8 if dim > 128 else 4, 2)
     if dim <= 64:
         return Config(block_m, 128, 4, 3)
     if dim <= 128:

@@ -83,13 +83,14 @@ class TritonFlashKernel(Kernel):
         from ._autograd import flash_attention
 
         to_torch = _to_torch(inputs.namespace)
-        options = _mask_options(inputs, to_torch)
-        out, lse = flash_attention(
-            to_torch(inputs.query), to_torch(inputs.key), to_torch(inputs.value),
-            scale=inputs.scale, softcap=inputs.softcap, **options)
-        if inputs.namespace != "torch":
-            out = inputs.xp.from_dlpack(out)
-            lse = inputs.xp.from_dlpack(lse) if inputs.return_lse else None
+        with _caller_stream(inputs.namespace):
+            options = _mask_options(inputs, to_torch)
+            out, lse = flash_attention(
+                to_torch(inputs.query), to_torch(inputs.key), to_torch(inputs.value),
+                scale=inputs.scale, softcap=inputs.softcap, **options)
+            if inputs.namespace != "torch":
+                out = inputs.xp.from_dlpack(out)
+                lse = inputs.xp.from_dlpack(lse) if inputs.return_lse else None
         return out, lse if inputs.return_lse else None, None
 
 
@@ -107,6 +108,22 @@ def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
         reasons.append(f"gradients with dtype={inputs.dtype} and head_dim={dim} > {limit} "
                        "not supported")
     return reasons
+
+
+def _caller_stream(namespace: str) -> Any:
+    """CuPy arrays: run on CuPy's current stream, so the kernels are ordered with the
+    caller's work there (DLPack then has nothing to synchronise)."""
+    import contextlib
+
+    if namespace != "cupy" or INTERPRET:
+        return contextlib.nullcontext()
+    import cupy
+    import torch
+
+    ptr = cupy.cuda.get_current_stream().ptr
+    if ptr == 0:  # the legacy default stream, which torch's default stream is too
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(ptr))
 
 
 def _to_torch(namespace: str) -> Any:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._configs import DECODE_MAX_QUERIES, DECODE_MAX_ROWS, Config, block_dim, is_even, pick_config
+from ._configs import (
+    DECODE_MAX_QUERIES,
+    Config,
+    block_dim,
+    decode_max_rows,
+    is_even,
+    pick_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -143,9 +150,9 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
             from ._launch_tma import autotuned
 
             kernel = autotuned(flash_forward_kernel, capability, query.element_size(), d, dv)
-            kernel[_grid(z * hq, lq)](*args, **flags)
+            kernel[lambda meta: (z * hq, math.ceil(lq / meta["BLOCK_M"]))](*args, **flags)
         else:
-            flash_forward_kernel[(z * hq * math.ceil(lq / config.block_m),)](
+            flash_forward_kernel[(z * hq, math.ceil(lq / config.block_m))](
                 *args, **flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
@@ -159,18 +166,17 @@ def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: A
     strides allow tensor descriptors, ``pointer`` otherwise."""
     hq, lq = query.shape[-3], query.shape[-2]
     rows = lq * (hq // key.shape[-3])
-    if decode and lq <= DECODE_MAX_QUERIES and rows <= DECODE_MAX_ROWS:
+    size = query.element_size()
+    dim = max(block_dim(query.shape[-1]), block_dim(value.shape[-1]))
+    if decode and lq <= DECODE_MAX_QUERIES and rows <= decode_max_rows(size, dim):
         return "decode"
-    if capability is not None and capability[0] >= 9:
+    # float32 at head dim 256 spills in the descriptor kernel: the pointer kernel does not
+    if capability is not None and capability[0] >= 9 and (size <= 2 or dim <= 128):
         from ._launch_tma import tma_reasons
 
         if not tma_reasons(query, key, value):
             return "tma"
     return "pointer"
-
-
-def _grid(programs: int, q_len: int) -> Any:
-    return lambda meta: (programs * math.ceil(q_len / meta["BLOCK_M"]),)
 
 
 def _precision(dtype: Any) -> str:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._configs import DECODE_MAX_ROWS, Config, block_dim, decode_config, decode_splits, is_even
+from ._configs import (
+    Config,
+    block_dim,
+    decode_config,
+    decode_max_rows,
+    decode_splits,
+    is_even,
+)
 
 __all__ = ["decode_forward"]
 
@@ -28,9 +35,10 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = hq // hkv
     rows = group * lq
-    if rows > DECODE_MAX_ROWS:
-        msg = (f"decode packs at most {DECODE_MAX_ROWS} query rows per K/V head; got "
-               f"{group} heads x {lq} queries")
+    limit = decode_max_rows(q.element_size(), max(block_dim(d), block_dim(dv)))
+    if rows > limit:
+        msg = (f"decode packs at most {limit} query rows per K/V head at this dtype and "
+               f"head dim; got {group} heads x {lq} queries")
         raise ValueError(msg)
     if config is None:
         config = decode_config(capability, q.element_size(), d, dv, rows)

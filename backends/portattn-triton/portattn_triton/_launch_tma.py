@@ -97,8 +97,6 @@ def autotuned(kernel: Any, capability: tuple[int, int] | None, element_bytes: in
     tma = "DescQ" in kernel.arg_names
     configs = []
     for c in autotune_candidates(capability, element_bytes, head_dim, value_head_dim):
-        if c.warp_specialize and not tma:
-            continue
         meta = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
         if tma:
             meta["WARP_SPECIALIZE"] = c.warp_specialize

@@ -181,9 +181,13 @@ def flash_forward_kernel(
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr):
-    """Grid ``(Z * num_heads * cdiv(q_len, BLOCK_M),)``, see :func:`block_order`; writes
-    ``Out`` and ``Lse``."""
-    pid_zh, pid_m = block_order(num_heads, q_len, BLOCK_M, REVERSE)
+    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``. (The
+    tensor-descriptor kernel orders its grid for L2 with :func:`block_order`; here the
+    index arithmetic would cost sm_80 tiles their last free registers.)"""
+    pid_zh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
+        pid_m = tl.num_programs(1) - 1 - pid_m
     off_z = (pid_zh // num_heads).to(tl.int64)
     off_h = (pid_zh % num_heads).to(tl.int64)
     off_kvh = off_h // group_size  # grouped-query: K/V head shared by the group

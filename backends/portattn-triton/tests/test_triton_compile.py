@@ -1,10 +1,15 @@
 """Ahead-of-time compilation for sm_80 and sm_90, without a GPU.
 
-Every kernel (the forward, the backward's Delta, dK/dV and dQ passes) in every block
-configuration the launcher can pick, for float16, bfloat16 and float32, in
-the variants of ``triton_compile_configs.variants`` (the plain path, every feature at
-once), must compile, fit the generation's shared memory and use no local memory for
-spills. The compiler runs in subprocesses (one per generation, in parallel) because
+Every kernel (the forward's pointer, tensor-descriptor and decode paths, the backward's
+Delta, dK/dV and dQ passes) in the block configurations the launcher can pick, for
+float16, bfloat16 and float32, in the variants of ``triton_compile_configs.variants``
+(the plain path, every feature at once), must compile, fit the generation's shared
+memory and use no local memory for spills; and the code must be what the generation is
+for, read from the PTX and from the SASS (NVIDIA's disassembler, shipped in Triton's
+wheel): on sm_90 the tensor-descriptor kernel's tiles arrive by bulk tensor copies
+(``cp.async.bulk.tensor``, ``UTMALDG``) and its 2-byte products run on ``wgmma``
+(``HGMMA``); on sm_80 products run on ``mma.sync`` (``HMMA``) and nothing Hopper-only
+appears. The compiler runs in subprocesses (one per generation, in parallel) because
 this test process has ``TRITON_INTERPRET=1`` set. ``PORTATTN_TRITON_COMPILE_DTYPES``
 (e.g. ``bfloat16``) narrows the dtypes. Slow: minutes on a small machine.
 """
@@ -67,3 +72,23 @@ def test_compiles_fits_and_does_not_spill(compiled, arch, kernel, dtype, dim, va
         f"{where}: {r['shared']} bytes of shared memory > {r['shared_limit']}")
     assert r["spilled"] is not None, f"{where}: no ptxas report:\n{r['ptxas']}"
     assert r["spilled"] == 0, f"{where}: {r['spilled']} bytes spilled:\n{r['ptxas']}"
+    sass = r["sass"]
+    assert "error" not in sass, f"{where}: no SASS: {sass.get('error')}"
+    assert sass["local"] == 0, f"{where}: local-memory loads/stores in the SASS"
+    if kernel == "delta":  # elementwise: no products
+        return
+    ptx, block_m = r["ptx"], int(r["config"].split("-")[0][1:])
+    if arch == 80:
+        assert ptx["wgmma"] == ptx["tma"] == sass["HGMMA"] == sass["UTMALDG"] == 0, where
+        assert ptx["mma_sync"] > 0, f"{where}: no mma.sync in the PTX"
+        assert sass["HMMA"] > 0, f"{where}: no HMMA in the SASS"
+        return
+    if kernel == "tma":
+        assert ptx["tma"] > 0, f"{where}: no cp.async.bulk.tensor in the PTX"
+        assert sass["UTMALDG"] > 0, f"{where}: no UTMALDG (bulk tensor load) in the SASS"
+    if kernel in ("tma", "forward", "decode") and dtype != "float32" and block_m >= 64:
+        # 64 rows per warpgroup: the tile is tall enough for wgmma
+        assert ptx["wgmma"] > 0, f"{where}: no wgmma in the PTX"
+        assert sass["HGMMA"] > 0, f"{where}: no HGMMA in the SASS"
+    else:
+        assert sass["HGMMA"] + sass["HMMA"] > 0, f"{where}: no tensor-core products"

@@ -29,12 +29,16 @@ VARIANTS = {
     "plain": {},
     "all_even": _FEATURES,
     "all": {**_FEATURES, "EVEN_D": False},
+    "ws": {},  # the tensor-descriptor kernel with warp specialization
 }
 DTYPES = {"float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
-#: Kernels: the forward and the two backward passes (the Delta pass is a plain
-#: elementwise reduction, compiled once per dtype and head dim as "delta").
-KERNELS = ("forward", "dkdv", "dq")
+#: Kernels: the forward's three paths (pointers, tensor descriptors on sm_90 only,
+#: split-KV decode) and the two backward passes (the Delta pass is a plain elementwise
+#: reduction, compiled once per dtype and head dim as "delta").
+KERNELS = ("forward", "tma", "decode", "dkdv", "dq")
 _FUNCTIONS = {"forward": ("_triton_kernel", "flash_forward_kernel"),
+              "tma": ("_triton_tma", "flash_forward_tma_kernel"),
+              "decode": ("_triton_decode", "decode_split_kernel"),
               "dkdv": ("_triton_backward", "dkdv_kernel"),
               "dq": ("_triton_dq", "dq_kernel"),
               "delta": ("_triton_backward", "delta_kernel")}
@@ -43,7 +47,13 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 _INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
                   "stride_dkd", "stride_dvd", "stride_dqd")
-_FLOAT_POINTERS = ("Lse", "Delta", "DLse")
+_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse")
+_DESCRIPTORS = {"DescQ": ("BLOCK_M", "BLOCK_D"), "DescK": ("BLOCK_N", "BLOCK_D"),
+                "DescV": ("BLOCK_N", "BLOCK_DV"), "DescO": ("BLOCK_M", "BLOCK_DV")}
+#: What the compiled code is searched for: PTX instructions and SASS opcodes.
+PTX_MARKS = {"wgmma": "wgmma.mma_async", "mma_sync": "mma.sync", "tma": "cp.async.bulk.tensor"}
+SASS_MARKS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "UTMALDG": r"\bUTMALDG\b",
+              "local": r"\b(?:LDL|STL)\b"}
 
 
 def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
@@ -58,6 +68,9 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     for i, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name] = "constexpr"
+        elif name in _DESCRIPTORS:
+            rows, cols = (constants[n] for n in _DESCRIPTORS[name])
+            signature[name] = f"tensordesc<{elem}[1,1,{rows},{cols}]>"
         elif name in types:
             signature[name] = types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -73,12 +86,22 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
 def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str = "forward"):
     """The configuration the launcher picks for this kernel and variant (an uneven
     head dim is one below the padded size)."""
-    from portattn_triton._configs import Config, delta_rows, pick_backward_config, pick_config
+    from portattn_triton._configs import (
+        Config,
+        decode_config,
+        decode_max_rows,
+        delta_rows,
+        pick_backward_config,
+        pick_config,
+    )
 
     head_dim = dim if VARIANTS[variant].get("EVEN_D", True) else dim - 8
     capability = (arch // 10, arch % 10)
-    if kernel == "forward":
+    if kernel in ("forward", "tma"):
         return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim)
+    if kernel == "decode":  # "plain": the fewest rows; else the most the launcher packs
+        rows = 4 if variant == "plain" else decode_max_rows(DTYPES[dtype][1], dim)
+        return decode_config(capability, DTYPES[dtype][1], head_dim, head_dim, rows)
     if kernel == "delta":
         return Config(delta_rows(dim), dim, 4, 1)
     return getattr(pick_backward_config(capability, DTYPES[dtype][1], head_dim, head_dim),
@@ -89,13 +112,27 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
     """Variants worth compiling. The forward: "all_even" only where the head dim
     changes the config (otherwise "all", with its extra masks, is the harder case for
     the same config). The backward passes: all three (their register use does not
-    order that way), none where the launcher has no backward."""
+    order that way), none where the launcher has no backward. The tensor-descriptor
+    and decode kernels: a representative subset (every head dim once, the features
+    and warp specialization at the common head dims), to keep the run short."""
     from portattn_triton._configs import BACKWARD_MAX_DIM
 
     if kernel == "delta":  # elementwise: only the widest tiles can be a question
         return ["plain"] if dim >= 128 else []
+    if kernel == "tma":  # Hopper only; uneven dims need no masks there (descriptors)
+        if arch < 90:
+            return []
+        if dtype == "float32":  # the launcher keeps head dim 256 on the pointer kernel
+            return ["plain"] if dim <= 128 else []
+        if dim not in (64, 128):
+            return ["plain"]
+        return ["plain", "all_even", "ws"] if dim == 128 else ["plain", "all_even"]
+    if kernel == "decode":  # the most rows and features; the fewest rows at one size
+        if dtype == "float32":  # no decode for float32 at head dim 256
+            return ["all"] if dim <= 128 else []
+        return ["plain", "all"] if dim == 128 else ["all"]
     if kernel != "forward":
-        return [] if dim > BACKWARD_MAX_DIM[DTYPES[dtype][1]] else list(VARIANTS)
+        return [] if dim > BACKWARD_MAX_DIM[DTYPES[dtype][1]] else ["plain", "all_even", "all"]
     names = ["plain", "all"]
     if (launcher_config(arch, dtype, dim, "all", kernel)
             != launcher_config(arch, dtype, dim, "plain", kernel)):
@@ -129,7 +166,13 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
             **VARIANTS[variant],
         }
+    if kernel == "decode":
+        constants["BLOCK_M"] = config.block_m
+    if kernel == "tma":
+        constants.pop("EVEN_D")
+        constants["WARP_SPECIALIZE"] = variant == "ws"
     constants.update(flags)
+    constants = {n: c for n, c in constants.items() if n in fn.arg_names}
     constants.update((n, 1) for n in _INNER_STRIDES if n in fn.arg_names)
     signature, attrs = _signature(fn, dtype, constants)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants,
@@ -149,8 +192,21 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
     result.update(shared=compiled.metadata.shared, spilled=max(spills, default=None),
-                  registers=max(registers, default=None), ptxas=report[-2000:])
+                  registers=max(registers, default=None), ptxas=report[-2000:],
+                  ptx={k: compiled.asm["ptx"].count(m) for k, m in PTX_MARKS.items()},
+                  sass=_sass_marks(compiled))
     return result
+
+
+def _sass_marks(compiled) -> dict:
+    """Opcode counts in the SASS, read by NVIDIA's disassembler (shipped in Triton's
+    wheel); an "error" entry when it cannot run."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            sass = compiled.asm["sass"]
+    except Exception as e:  # reported to the test, which fails with the message
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    return {k: len(re.findall(p, sass)) for k, p in SASS_MARKS.items()}
 
 
 def main(argv: list[str]) -> int:
