@@ -139,14 +139,15 @@ def run_case(case: Case, dtype: str, device: Any, namespace: str = "torch",
             torch.set_float32_matmul_precision(previous)
         out, lse, again_out, again_lse = (back(x) for x in (out, lse, again_out, again_lse))
         torch.cuda.synchronize() if torch.device(device).type == "cuda" else None
+    for what, got in (("out", out), ("lse", lse), ("out", again_out), ("lse", again_lse)):
+        if torch.isnan(got).any():
+            return "FAIL", f"{what}: NaN (an element left unwritten, or a NaN computed)", {}
     if not (torch.equal(out, again_out) and torch.equal(lse, again_lse)):
         return "FAIL", "a second run is not bitwise equal", {}
     rtol, atol = TF32_TOLERANCE if tf32 else tolerance(dtype)
     figures = {}
     for what, got, want in (("out", out, want_out), ("lse", lse, want_lse)):
         got = got.double()
-        if torch.isnan(got).any():
-            return "FAIL", f"{what}: NaN (an element left unwritten, or a NaN computed)", {}
         inf = torch.isinf(want)
         if not torch.equal(torch.isinf(got), inf) or not torch.equal(got[inf], want[inf]):
             return "FAIL", f"{what}: infinities differ from the reference", {}

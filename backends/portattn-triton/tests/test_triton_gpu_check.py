@@ -1,8 +1,19 @@
-"""The parts of ``bench/gpu_check.py`` that need no GPU."""
+"""The parts of the GPU check (``bench/gpu_check.py``, ``bench/gpu/``) that need no GPU.
+
+The check runs end to end on CPU here (``--device cpu``: the kernels through Triton's
+interpreter, SDPA's math backend as the peer), its JSON is read back, and each way it
+must fail (no triton_flash, another kernel chosen, nothing run, a wrong, unwritten or
+unrepeatable result) is provoked. ``slow``: the wheels built by ``pack.py``, installed
+by ``run.sh`` with no index, run the check from outside the checkout.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +24,11 @@ from portattn_triton import Config
 from portattn.kernel import Kernel
 from portattn.testing import conformance_cases, get_backend
 
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+#: A small end-to-end selection: lengths with causal, decode with lengths, GQA decode.
+E2E = ["--device", "cpu", "--quick", "--scale", "64", "--cases",
+       "lengths_causal,decode_1,decode_16_causal,forward_causal"]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +118,127 @@ def test_grad_case_passes_on_the_interpreter(gpu_check, dtype):
 def test_grad_case_skips_float32_head_dim_256(gpu_check):
     status, _ = gpu_check.grad_case((1, 1, 1, 4, 4, 256, 256), {}, "float32", device="cpu")
     assert status == "skip"
+
+
+@pytest.fixture(scope="module")
+def accuracy(gpu_check):
+    import accuracy as module  # bench/gpu, put on sys.path by gpu_check
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def report_type(gpu_check):
+    return gpu_check.Report
+
+
+def test_end_to_end_on_cpu(gpu_check, tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert gpu_check.main([*E2E, "--json", str(out)]) == 0, capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["failures"] == 0
+    sections = {c["section"] for c in data["checks"] if c["status"] == "ok"}
+    assert sections >= {"preflight", "conformance", "gradients", "accuracy", "speed"}
+    accuracy = [c for c in data["checks"] if c["section"] == "accuracy"]
+    assert len(accuracy) == 3 * 3  # three cases x (float16, float32, float32 with TF32)
+    assert all(c["out_max_abs_error"] >= 0 for c in accuracy)
+    rows = {row["name"]: row for row in data["figures"]["speed"]}
+    assert set(rows) == {"forward_causal", "decode_1", "decode_16_causal"}
+    speed = rows["forward_causal"]
+    assert speed["triton_flash"]["seconds"] > 0
+    assert speed["sdpa_math"]["seconds"] > 0
+    assert speed["ratios"]["sdpa_math"] > 0
+    assert data["machine"]["portattn_triton"]
+
+
+def test_preflight_fails_without_triton_flash(gpu_check, report_type, monkeypatch):
+    import portattn
+
+    monkeypatch.setattr(portattn, "kernels", lambda: [])
+    report = report_type("cpu")
+    assert not gpu_check.preflight(report, "cpu")
+    assert report.failures == 1
+    assert "no kernel named triton_flash" in report.checks[0]["detail"]
+
+
+def test_preflight_fails_when_another_kernel_is_chosen(gpu_check, report_type, monkeypatch):
+    from portattn import use_kernel
+
+    report = report_type("cpu")
+    with use_kernel("tiled"):
+        gpu_check.preflight(report, "cpu")
+    assert report.failures >= 1
+    assert any("chose" in c["detail"] for c in report.checks if c["status"] == "FAIL")
+
+
+def test_nothing_run_is_a_failure(report_type):
+    report = report_type("cpu")
+    assert report.failures == 1
+    report.check("x", "skipped", "skip", "why")
+    assert report.failures == 1
+    report.check("x", "ran", "ok")
+    assert report.failures == 0
+    with pytest.raises(ValueError, match="status='pass'"):
+        report.check("x", "y", "pass")
+
+
+def _tamper(monkeypatch, how):
+    """Make triton_flash's forward wrong in one way, through the launcher it calls."""
+    import portattn_triton._autograd as autograd
+
+    real = autograd.flash_forward
+    calls = []
+
+    def tampered(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        calls.append(1)
+        if how == "scaled":
+            out = out * 1.01
+        elif how == "unwritten":
+            out = out.clone()
+            out.view(-1)[0] = float("nan")
+        elif how == "unrepeatable" and len(calls) % 2 == 0:
+            lse = lse + 1e-3
+        return out, lse
+
+    monkeypatch.setattr(autograd, "flash_forward", tampered)
+
+
+@pytest.mark.parametrize(("how", "says"), [("scaled", "max |error|"), ("unwritten", "NaN"),
+                                           ("unrepeatable", "bitwise")])
+def test_accuracy_catches_wrong_results(accuracy, monkeypatch, how, says):
+    case = accuracy.Case("small", (1, 4, 2, 40, 90, 32, 32), {"causal": "bottom_right"})
+    status, detail, _ = accuracy.run_case(case, "float32", "cpu")
+    assert status == "ok", detail
+    _tamper(monkeypatch, how)
+    status, detail, _ = accuracy.run_case(case, "float32", "cpu")
+    assert status == "FAIL"
+    assert says in detail
+
+
+def test_accuracy_cases_cross_many_tiles(accuracy):
+    assert max(c.dims[4] for c in accuracy.CASES) >= 32768
+    assert any(c.dims[3] != c.dims[4] and c.dims[3] > 16 for c in accuracy.CASES)
+    assert {k for c in accuracy.CASES for k in c.mask} == {
+        "causal", "window", "key_lengths", "query_lengths"}
+    assert any(c.softcap for c in accuracy.CASES)
+    assert any(c.dims[1] != c.dims[2] for c in accuracy.CASES)
+
+
+@pytest.mark.slow
+def test_packed_wheels_install_and_run_without_an_index(tmp_path):
+    wheels, out = tmp_path / "wheels", tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "pack.py"), str(wheels)],
+                   check=True, capture_output=True)
+    assert len(list(wheels.glob("*.whl"))) == 5
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run.sh"), str(wheels),
+                           str(out), *E2E[:-1], "decode_1", "--no-speed"],
+                          env={**env, "PYTHON": sys.executable}, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert data["failures"] == 0
+    # The installed wheels ran, not this checkout.
+    assert not data["machine"]["portattn_path"].startswith(str(ROOT))
+    assert not data["machine"]["portattn_triton_path"].startswith(str(ROOT))
