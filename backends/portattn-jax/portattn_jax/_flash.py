@@ -83,18 +83,24 @@ def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: A
     ct = compute_dtype(q.dtype)
     q = _padding_zeroed(q.astype(ct), ql)
     k, v = _padding_zeroed(k.astype(ct), kl), _padding_zeroed(v.astype(ct), kl)
+    # A masked key has weight exactly 0, but 0 * NaN is NaN: the values are attended
+    # with non-finite entries zeroed, and ``marks`` (1 for keys that held one) tells
+    # which rows gave weight to such a value (their output is NaN).
+    finite = jnp.isfinite(v)
+    marks = jnp.any(~finite, axis=-1, keepdims=True).astype(ct)
+    v = jnp.where(finite, v, jnp.zeros((), ct))
     qb = query_blocks(q * jnp.asarray(plan.scale, ct), plan)
-    kb, vb = key_blocks(k, plan), key_blocks(v, plan)
+    kb, vb, mb = key_blocks(k, plan), key_blocks(v, plan), key_blocks(marks, plan)
     gbias = None if bias is None else grouped_full(bias.astype(ct), plan, 0)
     gdense = None if dense is None else grouped_full(dense, plan, False)
-    return ct, qb, kb, vb, gbias, gdense
+    return ct, qb, kb, vb, mb, gbias, gdense
 
 
 def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any,
             dense: Any) -> tuple[Any, Any, Any]:
     """``(out, lse, tiles)``: out ``(B, Hq, Lq, Dv)`` and lse ``(B, Hq, Lq)`` in the
     compute dtype, and the number of tiles visited."""
-    ct, qb, kb, vb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
+    ct, qb, kb, vb, mb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
 
@@ -103,7 +109,7 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
         q0 = iq * plan.block_q
 
         def key_step(ik, carry):
-            acc, m, denom, n = carry
+            acc, hits, m, denom, n = carry
             k0 = ik * plan.block_k
             allowed = tile_allowed(plan, q0, k0, kl, ql, gdense)
             s, _ = _scores(plan, qt, _take(kb, ik), gbias, allowed, q0, k0)
@@ -112,17 +118,19 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
             acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", p, _take(vb, ik))
-            return acc, m_new, denom * alpha + jnp.sum(p, axis=-1), n + 1
+            hits = hits + _mm("bhgqk,bhke->bhgqe", p, _take(mb, ik))[..., 0]
+            return acc, hits, m_new, denom * alpha + jnp.sum(p, axis=-1), n + 1
 
         rows = (b, hkv, g, bq)
-        init = (jnp.zeros((*rows, dv), ct), jnp.full(rows, -jnp.inf, ct),
+        init = (jnp.zeros((*rows, dv), ct), jnp.zeros(rows, ct), jnp.full(rows, -jnp.inf, ct),
                 jnp.zeros(rows, ct), tiles)
         lo, hi = key_block_range(plan, iq, kl, ql)
-        acc, m, denom, tiles = lax.fori_loop(lo, hi, key_step, init)
+        acc, hits, m, denom, tiles = lax.fori_loop(lo, hi, key_step, init)
         has_mass = denom > 0
         safe = jnp.where(has_mass, denom, 1)
         lse = jnp.where(has_mass, m + jnp.log(safe), -jnp.inf)
-        return tiles, (acc / safe[..., None], lse)
+        out = jnp.where((hits > 0)[..., None], jnp.nan, acc / safe[..., None])
+        return tiles, (out, lse)
 
     index = jnp.arange(plan.num_q_blocks, dtype=jnp.int32)
     tiles, (out, lse) = lax.scan(query_step, jnp.zeros((), jnp.int32), (index, qb))
@@ -134,7 +142,7 @@ def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: An
              bias_grad: bool) -> tuple[Any, Any, Any, Any, Any]:
     """``(dq, dk, dv, dbias, tiles)`` in the compute dtype; ``dlse`` may be None, dbias
     is None unless ``bias_grad`` (then shaped like ``bias``)."""
-    ct, qb, kb, vb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
+    ct, qb, kb, vb, _, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
     dout = dout.astype(ct)
     dob = query_blocks(dout, plan)
     delta = jnp.sum(dout * out.astype(ct), axis=-1)  # rowsum(dO * O)

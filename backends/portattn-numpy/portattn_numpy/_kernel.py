@@ -49,13 +49,30 @@ class NumpyFastKernel(Kernel):
         return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        from ._plan import build, useful_threads
-        from ._strategy import work
-        from ._threads import get_num_threads, run_parallel
+        import numpy as np
 
-        threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
-        problem, units = build(inputs, threads)
-        if units:
-            run_parallel(lambda queue: work(problem, queue), units,
-                         useful_threads(units, threads, problem.config))
-        return problem.out, problem.lse, None
+        finite = np.isfinite(inputs.value)
+        if finite.all():  # the usual case: one pass over the values to know it
+            return (*_attend(inputs), None)
+        # A masked key has weight exactly 0, but 0 * NaN is NaN: attend the values with
+        # their non-finite entries zeroed, then attend a column that marks the keys that
+        # held one: a row with any weight there attends a non-finite value, so is NaN.
+        clean = np.where(finite, inputs.value, 0)
+        out, lse = _attend(inputs._replace(value=clean))
+        marks = (~finite).any(axis=-1, keepdims=True).astype(inputs.value.dtype)
+        hits, _ = _attend(inputs._replace(value=marks, value_head_dim=1, return_lse=False))
+        out[np.broadcast_to(hits > 0, out.shape)] = np.nan
+        return out, lse, None
+
+
+def _attend(inputs: AttentionInputs) -> tuple[Any, Any]:
+    from ._plan import build, useful_threads
+    from ._strategy import work
+    from ._threads import get_num_threads, run_parallel
+
+    threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
+    problem, units = build(inputs, threads)
+    if units:
+        run_parallel(lambda queue: work(problem, queue), units,
+                     useful_threads(units, threads, problem.config))
+    return problem.out, problem.lse
