@@ -31,8 +31,7 @@ KNOWN = {
     ("nan_padded_value", "torch_sdpa_dlpack"): _PRODUCT,
     ("nan_padded_key", "torch_sdpa"): "SDPA adds -inf to a NaN score",
     ("nan_padded_key", "torch_sdpa_dlpack"): "SDPA adds -inf to a NaN score",
-    **{("inf_future_value", k): _PRODUCT for k in (
-        "torch_sdpa", "torch_sdpa_dlpack", "jax_dpa")},
+    **{("inf_future_value", k): _PRODUCT for k in ("torch_sdpa", "torch_sdpa_dlpack")},
     ("inf_future_value", "example_einsum"): "the README's minimal plugin leaves it out",
     ("nan_query_row", "torch_sdpa"): "SDPA's CPU kernel gives 0 for a NaN row",
     ("nan_query_row", "torch_sdpa_dlpack"): "SDPA's CPU kernel gives 0 for a NaN row",

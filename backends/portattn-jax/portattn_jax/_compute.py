@@ -9,8 +9,10 @@ Three places where JAX's answer differs from portattn's are fixed here:
 - a query row with no allowed key gets the uniform average of the values from JAX
   (it masks with a large finite number); portattn's answer is 0, so such rows are
   zeroed. Zeroing with ``where`` also gives them zero gradients, which is exact;
-- NaN in padded value rows (beyond the key lengths) would reach the output through
-  ``0 * NaN``; those rows are zeroed first;
+- NaN in padded value rows (beyond the key lengths), or any non-finite value a mask
+  hides, would reach the output through ``0 * NaN``; such values are zeroed first,
+  and on the XLA path one more value column marks the keys that held one, so a row
+  that does attend one is NaN;
 - ``-inf`` in the bias would give JAX ``NaN`` rows (softmax of ``-inf`` only). It is
   replaced by a finite number far below any score, which is exact for rows that keep
   a finite score and leaves rows without one to the zeroing above.
@@ -64,6 +66,15 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
         # Padded value rows get weight 0, but 0 * NaN is NaN: padding must not leak.
         padded = jnp.arange(lk)[:, None] >= kl[..., None, None, None]
         value = jnp.where(padded, jnp.zeros((), value.dtype), value)
+    marks = None
+    if plan.implementation == "xla":
+        # Any hidden non-finite value would reach the output through 0 * NaN too: the
+        # values are attended with such entries zeroed and one more column marking the
+        # keys that held one; a row with weight there attends it, so its output is NaN.
+        finite_v = jnp.isfinite(value)
+        marks = jnp.any(~finite_v, axis=-1, keepdims=True).astype(value.dtype)
+        value = jnp.concatenate([jnp.where(finite_v, value, jnp.zeros((), value.dtype)),
+                                 marks], axis=-1)
     if bias is not None:
         bias = bias.astype(jnp.float32)
         finite = bias != -jnp.inf
@@ -75,6 +86,8 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
             out = _call_jax(query, key, value, bias, allowed, kl, ql, plan)
     else:
         out = _call_jax(query, key, value, bias, allowed, kl, ql, plan)
+    if marks is not None:
+        out = jnp.where(out[..., -1:] > 0, jnp.asarray(jnp.nan, out.dtype), out[..., :-1])
     if plan.fix_rows == "none":
         return out
     if plan.fix_rows == "band":
