@@ -30,7 +30,7 @@ DECODE_ROWS_64 = Config(64, 16, 1, 1)
 # --- the tensor-descriptor forward ----------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("config", TMA_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", TMA_CONFIGS[1:], ids=str)
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 @pytest.mark.parametrize(("lq", "lk"), [(100, 100), (40, 130), (130, 45)])
 def test_tma_causal(dtype, config, alignment, lq, lk):
@@ -73,7 +73,7 @@ def test_tma_rerun_is_bitwise_equal():
 # --- split-KV decode -----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
+@pytest.mark.parametrize("num_splits", [1, 7])
 @pytest.mark.parametrize(("hq", "hkv", "lq"), [(8, 2, 1), (4, 1, 5), (2, 2, 16), (16, 4, 4)])
 def test_decode_causal_gqa(dtype, num_splits, hq, hkv, lq):
     config = DECODE if hq // hkv * lq <= 16 else DECODE_ROWS_64
