@@ -512,9 +512,12 @@ class Intersection(Mask):
         return all(p.covers(q0, q1, k0, k1, lq, lk) for p in self.members)
 
     def hides(self, q0, q1, k0, k1, lq, lk):
-        band = self.band(lq, lk)  # two windows may hide a tile that neither hides alone
+        # The positional parts as one band (two windows may hide a tile that neither
+        # hides alone), the others one by one.
+        band = self.band(lq, lk)
         return ((band is not None and band.hides(q0, q1, k0, k1))
-                or any(p.hides(q0, q1, k0, k1, lq, lk) for p in self.members))
+                or any(p.hides(q0, q1, k0, k1, lq, lk) for p in self.members
+                       if p.kind not in POSITIONAL))
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         allowed = None

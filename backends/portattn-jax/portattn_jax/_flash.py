@@ -103,13 +103,16 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
     ct, qb, kb, vb, mb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
+    # The marks ride along as one more value column: the same product accumulates, per
+    # row, the weight given to keys whose values were not finite.
+    vmb = jnp.concatenate([vb, mb], axis=-1)
 
     def query_step(tiles, xs):
         iq, qt = xs
         q0 = iq * plan.block_q
 
         def key_step(ik, carry):
-            acc, hits, m, denom, n = carry
+            acc, m, denom, n = carry
             k0 = ik * plan.block_k
             allowed = tile_allowed(plan, q0, k0, kl, ql, gdense)
             s, _ = _scores(plan, qt, _take(kb, ik), gbias, allowed, q0, k0)
@@ -117,19 +120,18 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # rows with no key yet
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", p, _take(vb, ik))
-            hits = hits + _mm("bhgqk,bhke->bhgqe", p, _take(mb, ik))[..., 0]
-            return acc, hits, m_new, denom * alpha + jnp.sum(p, axis=-1), n + 1
+            acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", p, _take(vmb, ik))
+            return acc, m_new, denom * alpha + jnp.sum(p, axis=-1), n + 1
 
         rows = (b, hkv, g, bq)
-        init = (jnp.zeros((*rows, dv), ct), jnp.zeros(rows, ct), jnp.full(rows, -jnp.inf, ct),
+        init = (jnp.zeros((*rows, dv + 1), ct), jnp.full(rows, -jnp.inf, ct),
                 jnp.zeros(rows, ct), tiles)
         lo, hi = key_block_range(plan, iq, kl, ql)
-        acc, hits, m, denom, tiles = lax.fori_loop(lo, hi, key_step, init)
+        acc, m, denom, tiles = lax.fori_loop(lo, hi, key_step, init)
         has_mass = denom > 0
         safe = jnp.where(has_mass, denom, 1)
         lse = jnp.where(has_mass, m + jnp.log(safe), -jnp.inf)
-        out = jnp.where((hits > 0)[..., None], jnp.nan, acc / safe[..., None])
+        out = jnp.where(acc[..., dv:] > 0, jnp.nan, acc[..., :dv] / safe[..., None])
         return tiles, (out, lse)
 
     index = jnp.arange(plan.num_q_blocks, dtype=jnp.int32)
