@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from . import masks
 from ._call_cache import described_and_chosen
 from ._dispatch import Plan, check_result, select
+from ._finite import distrust
 from ._inputs import describe, dtype_name
 
 if TYPE_CHECKING:
+    from ._inputs import AttentionInputs
     from .masks import Mask
 
 __all__ = ["attention", "explain", "scaled_dot_product_attention"]
@@ -49,6 +52,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     inputs, entry = described_and_chosen(query, key, value, options, kernel)
     out, lse, weights = entry.kernel.run(inputs)
     check_result(entry, inputs, out, lse, weights)
+    if entry.kernel.finite_inputs_only and (why := distrust(inputs, out)) is not None:
+        out, lse, weights = _exactly(inputs, kernel, why)
     if not (return_lse or return_weights):
         return out
     extras = ((lse,) if return_lse else ()) + ((weights,) if return_weights else ())
@@ -60,6 +65,18 @@ def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
     would not; computes nothing."""
     kernel = kwargs.pop("kernel", None)
     return select(describe(query, key, value, **kwargs), kernel)
+
+
+def _exactly(inputs: AttentionInputs, kernel: str | None, why: str) -> tuple[Any, Any, Any]:
+    """``(out, lse, weights)`` from a kernel that follows the rule for non-finite
+    inputs, after one exact on finite inputs only gave an answer that may break it."""
+    plan = select(inputs, kernel, every=False, nonfinite=why)
+    if plan.kernel is None:
+        raise plan.error()
+    logging.getLogger("portattn").debug("attention: rerun on %s: %s", plan.kernel.name, why)
+    out, lse, weights = plan.kernel.kernel.run(inputs)
+    check_result(plan.kernel, inputs, out, lse, weights)
+    return out, lse, weights
 
 
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,

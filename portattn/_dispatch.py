@@ -146,7 +146,7 @@ class Plan:
 
 
 def select(inputs: AttentionInputs, kernel: str | None = None, *,
-           every: bool = True) -> Plan:
+           every: bool = True, nonfinite: str | None = None) -> Plan:
     """The one selection path of :func:`portattn.attention` and :func:`portattn.explain`.
 
     Kernels are asked in priority order; the forced kernel (``kernel=``,
@@ -155,7 +155,9 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
     ``every=False`` stops at the first kernel that can run when no measurement could
     prefer another (what :func:`portattn.attention` needs); the kernels after it are
     then left out of ``Plan.candidates``. What is decided follows from the
-    description of the call alone (the Kernel protocol), so it may be remembered.
+    description of the call alone (the Kernel protocol), so it may be remembered;
+    ``nonfinite`` (why a call's values break a kernel's ``finite_inputs_only``) also
+    refuses those kernels.
     """
     forced = _forced_name(kernel)
     entries = kernel_entries()
@@ -169,6 +171,8 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
         if forced is not None and not every and entry.name != forced:
             continue
         why = tuple(_reasons(entry, inputs, disabled))
+        if not why and nonfinite is not None and entry.kernel.finite_inputs_only:
+            why = (f"exact on finite inputs only: {nonfinite}",)
         candidates.append((entry, why))
         if not why:
             runnable.append(entry)

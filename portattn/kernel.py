@@ -57,6 +57,12 @@ class Kernel:
     dropout: ClassVar[bool] = False
     grad: ClassVar[bool] = False
     deterministic: ClassVar[bool] = True
+    finite_inputs_only: ClassVar[bool] = False
+    """Exact only on finite inputs whose scores cannot overflow: the README's rule
+    for non-finite inputs is then kept by dispatch, which checks the output of each
+    call whose values can be read (NaN or inf in it, or a row of zeros from a NaN or
+    overflowing row) and runs such calls again on a kernel that follows the rule; a
+    forced kernel raises ``KernelNotUsableError`` for them."""
     priority: ClassVar[int] = 0
 
     #: Capability names shown by ``python -m portattn info`` and read by the
@@ -64,7 +70,7 @@ class Kernel:
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "gqa",
         "value_head_dim", "empty", "returns_lse", "returns_weights", "dropout", "grad",
-        "deterministic", "priority",
+        "deterministic", "finite_inputs_only", "priority",
     )
 
     @classmethod

@@ -7,8 +7,11 @@ The contract (README, "Non-finite inputs"):
 - a row that does attend a non-finite value, has a NaN query, or whose scores overflow
   gets a non-finite output (NaN), never a finite number.
 
-``KNOWN`` lists the kernels that do not honour this yet, as strict expected failures:
-each one turns into an error as soon as the kernel is fixed, so the list stays true.
+Kernels that declare ``finite_inputs_only`` (torch's SDPA, the README's example plugin)
+are kept to the rule by dispatch, which checks their output: forced by name on such
+inputs they raise ``KernelNotUsableError``, and the dispatched call (``kernel=None``,
+checked here on every backend) answers by the rule. ``KNOWN`` would list kernels that
+break it anyway, as strict expected failures; it is empty.
 """
 
 from __future__ import annotations
@@ -19,31 +22,19 @@ from fuzz_oracle import attention64
 
 import portattn
 from portattn import masks
-from portattn.errors import KernelNotUsableError
+from portattn.errors import KernelNotUsableError, NoKernelError
 from portattn.kernel import ANY
 
 CASES = ("nan_padded_value", "nan_padded_key", "inf_future_value", "nan_padded_query",
          "nan_query_row", "overflowing_scores")
 
-_PRODUCT = "0 * NaN in the weights-times-values product"
-KNOWN = {
-    ("nan_padded_value", "torch_sdpa"): _PRODUCT,
-    ("nan_padded_value", "torch_sdpa_dlpack"): _PRODUCT,
-    ("nan_padded_key", "torch_sdpa"): "SDPA adds -inf to a NaN score",
-    ("nan_padded_key", "torch_sdpa_dlpack"): "SDPA adds -inf to a NaN score",
-    **{("inf_future_value", k): _PRODUCT for k in ("torch_sdpa", "torch_sdpa_dlpack")},
-    ("inf_future_value", "example_einsum"): "the README's minimal plugin leaves it out",
-    ("nan_query_row", "torch_sdpa"): "SDPA's CPU kernel gives 0 for a NaN row",
-    ("nan_query_row", "torch_sdpa_dlpack"): "SDPA's CPU kernel gives 0 for a NaN row",
-    ("overflowing_scores", "torch_sdpa"): "SDPA's CPU kernel gives 0 for a NaN row",
-    ("overflowing_scores", "torch_sdpa_dlpack"): "SDPA's CPU kernel gives 0 for a NaN row",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _case(name):
     """``(q, k, v, mask parts, rows that must be NaN, the finite inputs for the oracle)``."""
     rng = np.random.default_rng(1)
-    q, k, v = (rng.standard_normal((1, 2, 6, 8)) for _ in range(3))
+    q, k, v = (rng.standard_normal((1, 2, 6, 16)) for _ in range(3))
     clean = (q.copy(), k.copy(), v.copy())
     nan_rows = np.zeros(6, dtype=bool)
     parts = []
@@ -89,8 +80,9 @@ def _allowed(parts):
 
 
 def _kernels(backend):
+    """Every kernel for the backend's library, forced by name, then the dispatched call."""
     return [e.name for e in portattn.kernels() if e.kernel is not None and (
-        e.kernel.namespaces == ANY or backend.namespace in e.kernel.namespaces)]
+        e.kernel.namespaces == ANY or backend.namespace in e.kernel.namespaces)] + [None]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -105,7 +97,9 @@ def test_nonfinite_inputs(case, backend):
             with np.errstate(all="ignore"):  # NumPy-based kernels warn about NaN, by design
                 out = portattn.attention(*args, mask=_mask(parts, backend), kernel=name)
                 got = np.asarray(backend.to_numpy(out), dtype=np.float64)
-        except KernelNotUsableError:
+        except KernelNotUsableError as e:
+            if name is None:
+                problems.append(f"the dispatched call raised {e}")
             continue
         wrong = []
         if np.isfinite(got[..., nan_rows, :]).any():
@@ -117,33 +111,55 @@ def test_nonfinite_inputs(case, backend):
             wrong.append("output differs from the oracle on the clean rows")
         known = (case, name) in KNOWN
         if bool(wrong) != known:
-            problems.append(f"{name}: {'; '.join(wrong)}" if wrong else
+            problems.append(f"{name or 'dispatched'}: {'; '.join(wrong)}" if wrong else
                             f"{name} is listed in KNOWN ({KNOWN[case, name]}) but now passes:"
                             " remove it from the list")
     assert not problems, "\n".join(problems)
 
 
-GRAD_KNOWN = {"torch_sdpa": _PRODUCT}
-
-
-def test_masked_nonfinite_values_do_not_reach_the_gradients(backend):
+@pytest.mark.parametrize("case", ["nan_padded_value", "nan_padded_key"])
+def test_masked_nonfinite_inputs_do_not_reach_the_gradients(case, backend):
     if backend.namespace != "torch":
         pytest.skip(f"{backend.name}: gradients are checked through torch")
     import torch
 
-    q, k, v, parts, _, _ = _case("nan_padded_value")
+    q, k, v, parts, _, _ = _case(case)
     problems = []
-    for e in portattn.kernels():
-        if e.kernel is None or not e.kernel.grad:
-            continue
+    for name in [e.name for e in portattn.kernels() if e.kernel and e.kernel.grad] + [None]:
         leaves = [torch.tensor(a, dtype=torch.float32, requires_grad=True) for a in (q, k, v)]
         try:
-            out = portattn.attention(*leaves, mask=_mask(parts, backend), kernel=e.name)
+            with np.errstate(all="ignore"):
+                out = portattn.attention(*leaves, mask=_mask(parts, backend), kernel=name)
         except KernelNotUsableError:
             continue
         grads = torch.autograd.grad(out.sum(), leaves)
-        finite = all(bool(torch.isfinite(g[..., :4, :]).all()) for g in grads)
-        if finite == (e.name in GRAD_KNOWN):
-            problems.append(f"{e.name}: " + ("a masked NaN value reached the gradients"
-                                             if not finite else "fixed: remove from GRAD_KNOWN"))
+        if not all(bool(torch.isfinite(g[..., :4, :]).all()) for g in grads):
+            problems.append(f"{name or 'dispatched'}: a masked NaN reached the gradients")
     assert not problems, "\n".join(problems)
+
+
+def test_a_kernel_exact_on_finite_inputs_only_is_refused_with_the_reason(backend):
+    """Forced on a call whose output fails the check, it raises with the reason; with
+    every other kernel disabled, its answer on finite inputs stands (no second kernel
+    ran), and on the same call with an inf future value no kernel is left."""
+    q, k, v, parts, _, clean = _case("inf_future_value")
+    mask = _mask(parts, backend)
+    poisoned = tuple(backend.asarray(a, "float32") for a in (q, k, v))
+    finite = tuple(backend.asarray(a, "float32") for a in clean)
+    finite_only = [e for e in portattn.kernels() if e.kernel is not None
+                   and e.kernel.finite_inputs_only
+                   and portattn.explain(*finite, mask=mask, kernel=e.name).kernel]
+    if not finite_only:
+        pytest.skip(f"no kernel that can run on {backend.name} declares finite_inputs_only")
+    want, _ = attention64(*clean, _allowed(parts), None, None, None)
+    declined = "exact on finite inputs only: its output holds NaN or inf"
+    for entry in finite_only:
+        with np.errstate(all="ignore"), pytest.raises(KernelNotUsableError, match=declined):
+            portattn.attention(*poisoned, mask=mask, kernel=entry.name)
+        others = [e.name for e in portattn.kernels() if e.name != entry.name]
+        with portattn.disable_kernels(*others):
+            got = backend.to_numpy(portattn.attention(*finite, mask=mask))
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+            with np.errstate(all="ignore"), pytest.raises(NoKernelError,
+                                                          match=f"{entry.name}.*{declined}"):
+                portattn.attention(*poisoned, mask=mask)

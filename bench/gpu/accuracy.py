@@ -108,6 +108,7 @@ def run_case(case: Case, dtype: str, device: Any, namespace: str = "torch",
     import torch
 
     from portattn import attention, explain
+    from portattn.errors import KernelNotUsableError
     from portattn.testing.oracle import tolerance
 
     q64, k64, v64 = inputs(case, device)
@@ -132,9 +133,12 @@ def run_case(case: Case, dtype: str, device: Any, namespace: str = "torch",
         try:
             nbytes = 4 * 2 * math.prod(want_out.shape)
             poison_allocator(device, nbytes)
-            out, lse = attention(*args, **kwargs)
+            # Forced: a NaN answer must fail here, not be recomputed by another kernel.
+            out, lse = attention(*args, **kwargs, kernel="triton_flash")
             poison_allocator(device, nbytes)
-            again_out, again_lse = attention(*args, **kwargs)
+            again_out, again_lse = attention(*args, **kwargs, kernel="triton_flash")
+        except KernelNotUsableError as e:
+            return "FAIL", f"triton_flash declined its own answer: {e}", {}
         finally:
             torch.set_float32_matmul_precision(previous)
         out, lse, again_out, again_lse = (back(x) for x in (out, lse, again_out, again_lse))

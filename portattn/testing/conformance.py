@@ -42,6 +42,9 @@ class Case:
     scale: float | None = None
     lse: bool = False
     weights: bool = False
+    nan_keys_from: int | None = None
+    """Keys from this index on, hidden from every query by the mask, hold NaN in key
+    and value for the kernel (the oracle sees them finite): they must not matter."""
     seed: int = 0
     needs: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -55,9 +58,14 @@ class Case:
         rng = np.random.default_rng(self.seed)
         shapes = ((*self.batch, self.hq, self.lq, self.d), (*self.batch, self.hkv, self.lk, self.d),
                   (*self.batch, self.hkv, self.lk, self.dv))
-        arrays = tuple(backend.asarray(rng.standard_normal(s), self.dtype) for s in shapes)
+        raw = [rng.standard_normal(s) for s in shapes]
+        arrays = tuple(backend.asarray(r, self.dtype) for r in raw)
         # The oracle sees exactly the rounded inputs the kernel sees.
         np_arrays = tuple(np.asarray(backend.to_numpy(a), dtype=np.float64) for a in arrays)
+        if self.nan_keys_from is not None:
+            for r in raw[1:]:
+                r[..., self.nan_keys_from:, :] = np.nan
+            arrays = (arrays[0], *(backend.asarray(r, self.dtype) for r in raw[1:]))
         kwargs = {"scale": self.scale, "softcap": self.softcap, "return_lse": self.lse,
                   "return_weights": self.weights}
         np_kwargs = dict(kwargs)
@@ -88,10 +96,26 @@ class Case:
             elif kind == "dense":
                 allowed = rng.random((*self.batch, self.hq, self.lq, self.lk)) < args[0]
                 parts.append(masks.dense(convert(allowed)))
+            elif kind in ("key_ranges", "query_ranges"):
+                start, stop = (convert(self._per_batch(a)) for a in args)
+                parts.append(getattr(masks, kind)(start, stop))
+            elif kind == "sequence_window":
+                left, right, q_lengths, k_lengths = args
+                parts.append(masks.sequence_window(
+                    left, right, query_lengths=convert(self._per_batch(q_lengths)),
+                    key_lengths=convert(self._per_batch(k_lengths))))
+            elif kind == "documents":
+                ids = np.asarray(args[0], dtype=np.int64).reshape(*self.batch, self.lq)
+                parts.append(masks.documents(convert(ids)))
         mask = parts[0]
         for part in parts[1:]:
             mask = mask & part
         return mask
+
+    def _per_batch(self, values: tuple[int, ...]) -> Any:
+        import numpy as np
+
+        return np.asarray(values, dtype=np.int64).reshape(self.batch)
 
 
 def _lengths(n: int, values: tuple[int, ...]) -> tuple[int, ...]:
@@ -155,7 +179,10 @@ def _mask_cases(k: type[Kernel], base: Case) -> list[Case]:
     cases = []
 
     def add(name: str, *parts: tuple[Any, ...], **changes: Any) -> None:
-        if {p[0] for p in parts} <= declared:
+        kinds = {p[0] for p in parts}
+        if "sequence_window" in kinds:  # it comes with the lengths it is aligned to
+            kinds |= {"query_lengths", "key_lengths"}
+        if kinds <= declared:
             cases.append(replace(base, name=name, mask=parts, **changes))
 
     br, tl = ("causal", "bottom_right"), ("causal", "top_left")
@@ -180,6 +207,17 @@ def _mask_cases(k: type[Kernel], base: Case) -> list[Case]:
     add("causal_and_dense", tl, ("dense", 0.6))
     if k.gqa:
         add("grouped_query_causal", br, hq=6, hkv=2, lq=20, lk=35)
+    add("key_ranges_left_padding", ("key_ranges", (5, 0), (33, 33)))
+    add("key_ranges", ("key_ranges", (3, 10), (20, 33)))
+    add("query_ranges", ("query_ranges", (0, 4), (33, 20)))
+    add("sequence_causal", ("sequence_window", None, 0, (9, 20), (40, 25)), lq=20, lk=40)
+    add("sequence_window", ("sequence_window", 6, 0, (33, 12), (33, 30)))
+    add("documents", ("documents", [0] * 10 + [1] * 15 + [2] * 8 + [0] * 20 + [1] * 10
+                      + [-1] * 3))
+    add("documents_causal", tl, ("documents", [0] * 16 + [1] * 17 + [5] * 33))
+    if not k.finite_inputs_only:  # dispatch checks the answers of the others
+        add("nan_past_key_lengths", ("key_lengths", (20, 20)), nan_keys_from=20)
+        add("nan_keys_no_query_sees", tl, lq=9, lk=40, nan_keys_from=9)
     return cases
 
 

@@ -35,6 +35,7 @@ class TorchSDPADLPackKernel(Kernel):
     bias = gqa = value_head_dim = empty = True
     # Neither torch's autograd nor its RNG belongs to the caller's library.
     dropout = grad = False
+    finite_inputs_only = TorchSDPAKernel.finite_inputs_only
     priority = 20
 
     @classmethod

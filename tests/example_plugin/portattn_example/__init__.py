@@ -12,6 +12,7 @@ class EinsumKernel(Kernel):
     dtypes = frozenset({"float32", "float64"})
     masks = frozenset({"causal", "sliding_window"})  # every positional mask: one band
     returns_lse = True
+    finite_inputs_only = True  # 0 * inf in the product: portattn checks the values
     priority = 5  # below the built-in tiled kernel: runs when asked for by name
     calls = 0
 
