@@ -9,8 +9,8 @@ NaN or inf); a row whose scores are NaN or overflow comes out as zeros (torch's 
 kernel, Triton); a backward pass meets hidden inputs in its products (``dS @ K``).
 So dispatch reads each row's magnitude from the output (one small pass) and, only
 when a row is exactly zero or gradients will flow, the extremes of the inputs. A call
-that fails runs on a kernel that follows the rule. Under tracing (``jax.jit``,
-``torch.compile``) and on lazy Dask arrays no value can be read: nothing is checked."""
+that fails runs on a kernel that follows the rule. On accelerators, under tracing
+(``jax.jit``, ``torch.compile``) and on lazy Dask arrays nothing is checked."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ __all__ = ["distrust"]
 def distrust(inputs: AttentionInputs, out: Any) -> str | None:
     """Why ``out``, from a kernel exact only on finite inputs, may break the rule for
     non-finite inputs; None when it cannot (or the values cannot be read)."""
-    if math.prod(out.shape) == 0 or not values_readable(out):
+    # On an accelerator every read would stall the caller's stream (a host sync per
+    # call, which decode loops cannot afford): the check is made on the host only.
+    if inputs.device != "cpu" or math.prod(out.shape) == 0 or not values_readable(out):
         return None
     xp, wide = inputs.xp, inputs.compute_dtype
     rows = xp.sum(xp.abs(_plain(out)), axis=-1, dtype=wide)  # NaN, inf and zero rows stay so
