@@ -7,8 +7,8 @@ versions of everything measured. Dispatch asks :func:`measured_choice` which of 
 kernels that can run a call was measured fastest for that call's band; without a
 usable file the declared priorities stand.
 
-A file from another machine (``foreign``) or from other versions of the measured
-distributions (``stale``) is ignored with a :class:`TuneWarning`: its times say
+A file from another machine (``foreign``), from other versions of the measured
+distributions or missing a kernel distribution installed since (``stale``) is ignored with a :class:`TuneWarning`: its times say
 nothing about this installation. The file's location: ``$PORTATTN_TUNE_FILE``, else
 ``$XDG_CACHE_HOME/portattn/tune.json`` (``~/.cache`` when unset; ``%LOCALAPPDATA%`` on
 Windows). ``PORTATTN_TUNE_FILE=""`` turns measured dispatch off.
@@ -29,6 +29,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ._registry import kernel_entries
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -172,8 +174,14 @@ def _read(path: Path) -> _Table | None:
         return None
     changed = [f"{dist} {old} (now {installed_version(dist) or 'not installed'})"
                for dist, old in sorted(versions.items()) if installed_version(dist) != old]
-    if changed:
-        _warn(f"ignoring tune file {path}: stale, measured with {', '.join(changed)}; "
+    stale = [f"measured with {', '.join(changed)}"] if changed else []
+    # A kernel installed since was never timed: it could be the fastest.
+    newcomers = sorted({f"{e.distribution} {e.version}" for e in kernel_entries()
+                        if e.distribution not in versions})
+    if newcomers:
+        stale.append(f"{', '.join(newcomers)} installed since")
+    if stale:
+        _warn(f"ignoring tune file {path}: stale, {'; '.join(stale)}; "
               "run `python -m portattn tune` again")
         return None
     return _Table(created[:10], ranked)

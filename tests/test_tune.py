@@ -28,9 +28,15 @@ def tune_file(tmp_path, monkeypatch):
 def _write(path, entries, *, machine=None, versions=None, created="2026-12-01T12:00:00+00:00"):
     contents = {"format": _tune.FORMAT, "created": created,
                 "machine": _tune.machine() if machine is None else machine,
-                "versions": {"portattn": portattn.__version__} if versions is None else versions,
+                "versions": _versions() if versions is None else versions,
                 "entries": entries}
     path.write_text(json.dumps(contents), encoding="utf-8")
+
+
+def _versions():
+    """What a tune run here records: portattn and every kernel distribution."""
+    return {"portattn": portattn.__version__,
+            **{e.distribution: e.version for e in portattn.kernels()}}
 
 
 def _row(times, *, library="numpy", dtype="float32", head_dim=64, mask="none", band="medium"):
@@ -143,6 +149,15 @@ def test_a_distribution_since_removed_makes_it_stale(tune_file):
     _write(tune_file, [_row({"tiled": 0.01})],
            versions={"portattn": portattn.__version__, "no-such-distribution-x": "1.0"})
     with pytest.warns(_tune.TuneWarning, match="no-such-distribution-x 1.0 .now not installed"):
+        assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+
+
+def test_a_kernel_distribution_installed_since_makes_it_stale(tune_file):
+    measured = _versions()
+    newcomer = next(d for d in measured if d != "portattn")
+    del measured[newcomer]
+    _write(tune_file, [_row({"tiled": 0.01})], versions=measured)
+    with pytest.warns(_tune.TuneWarning, match=f"stale, {newcomer} .* installed since"):
         assert _tune.measured_choice(_inputs(), RUNNABLE) is None
 
 
