@@ -10,8 +10,9 @@ usable file the declared priorities stand.
 A file from another machine (``foreign``), from other versions of the measured
 distributions or missing a kernel distribution installed since (``stale``) is ignored
 with a :class:`TuneWarning`: its times say nothing about this installation. The
-file's location: ``$PORTATTN_TUNE_FILE``, else ``$XDG_CACHE_HOME/portattn/tune.json`` (``~/.cache`` when unset; ``%LOCALAPPDATA%`` on
-Windows). ``PORTATTN_TUNE_FILE=""`` turns measured dispatch off.
+file's location: ``$PORTATTN_TUNE_FILE``, else ``$XDG_CACHE_HOME/portattn/tune.json``
+(``~/.cache`` when unset; ``%LOCALAPPDATA%`` on Windows). ``PORTATTN_TUNE_FILE=""``
+turns measured dispatch off.
 
 No array library is imported here (nor by ``_tune_run``, until it times one).
 """
