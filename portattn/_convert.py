@@ -74,10 +74,11 @@ def place(a: Any, xp: Any, *, device: Any = None, dtype: Any = None) -> Any:
     if same:
         out = xp.asarray(xp.astype(a, target), copy=True)
         return out if device is None else to_device(out, device)
+    # copy=True: a view of host memory may be read-only (JAX's) or the caller's own.
     host = to_host(a)
     if device is None:
-        return xp.asarray(host, dtype=target)
-    return xp.asarray(host, dtype=target, device=device)
+        return xp.asarray(host, dtype=target, copy=True)
+    return xp.asarray(host, dtype=target, device=device, copy=True)
 
 
 def check_like(xp: Any, dev: Any, a: Any, name: str, anchor: str) -> None:
