@@ -12,10 +12,16 @@ from __future__ import annotations
 import os
 import shlex
 import statistics
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+# OpenBLAS's threads spin for ~0.1 s after a multi-threaded product (an sgemm peer) and
+# would slow the call timed next; read when OpenBLAS loads, so set before NumPy is.
+if "numpy" not in sys.modules:
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -175,6 +175,53 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
                  f"{work / median:.0%} median per round")
 
 
+def _bare_tiles(n: int, block_q: int = 256, block_k: int = 1024) -> Any:
+    """The calls numpy_fast's tiles make, and nothing else: per tile of one head the
+    score product, ``exp2`` in place, the weights-times-values product and the row
+    sums (a product with ones), accumulated; no masking, checks, threads or division."""
+    q, k, v = (x[0] for x in _inputs(n))
+    q = np.ascontiguousarray(q * (math.log2(math.e) / math.sqrt(HEAD_DIM)))
+    tile = np.empty((block_k, block_q), np.float32)
+    acc, part = np.empty((2, block_q, HEAD_DIM), np.float32)
+    sums, part_sums = np.empty((2, block_q), np.float32)
+    ones = np.ones(block_k, np.float32)
+
+    def run() -> None:
+        for h in range(HEADS):
+            for q0 in range(0, n, block_q):
+                for k0 in range(0, n, block_k):
+                    np.matmul(k[h, k0:k0 + block_k], q[h, q0:q0 + block_q].T, out=tile)
+                    np.exp2(tile, out=tile)
+                    np.matmul(tile.T, v[h, k0:k0 + block_k], out=part)
+                    np.matmul(ones, tile, out=part_sums)
+                    if k0 == 0:
+                        acc[...], sums[...] = part, part_sums
+                    else:
+                        np.add(acc, part, out=acc)
+                        np.add(sums, part_sums, out=sums)
+
+    return run
+
+
+def test_ceiling_in_turns(in_turns: Any, benchmark: Any,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    """What the tile schedule's own calls reach on one core, as a share of one core's
+    sgemm (the two timed in alternation), at (1, 8, 2048, 64): the most numpy_fast can
+    reach with these NumPy and BLAS calls. Its score product has an inner dimension of
+    the head dim (64) and ``exp2`` reads every score once more."""
+    import threadpoolctl
+
+    n = 2048
+    with threadpoolctl.threadpool_limits(1):
+        best, median = in_turns(_bare_tiles(n), _sgemm(), TURNS[n])
+    work = 4 * HEADS * n * n * HEAD_DIM / SGEMM_FLOPS
+    benchmark.group = "in turns: the tile schedule's bare calls, share of one core's sgemm"
+    benchmark.extra_info.update(n=n, share_by_minimum=work / best,
+                                share_median_per_round=work / median)
+    _say(capsys, f"\nbare tile calls N={n}, one core, share of one core's sgemm rate, in "
+                 f"turns: {work / best:.0%} by minimum, {work / median:.0%} median per round")
+
+
 SMALL = {  # query shapes; a decode step (one query row) meets 4096 keys
     "64x16x16": ((1, 64, 16, 16), None),
     "8x16x32x32-causal": ((8, 16, 32, 32), masks.causal()),
