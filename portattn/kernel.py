@@ -58,11 +58,11 @@ class Kernel:
     grad: ClassVar[bool] = False
     deterministic: ClassVar[bool] = True
     finite_inputs_only: ClassVar[bool] = False
-    """Exact only on finite inputs whose scores cannot overflow: on the CPU the
-    README's rule for non-finite inputs is then kept by dispatch, which checks the
-    output of each call whose values can be read (NaN or inf in it, or a row of zeros
-    from a NaN or overflowing row) and runs such calls again on a kernel that follows
-    the rule; a forced kernel raises ``KernelNotUsableError`` for them."""
+    """Exact only on finite inputs (a hidden NaN may reach the output as ``0 * NaN``).
+    On the CPU dispatch then checks the output of each call whose mask or bias can hide
+    anything, and the inputs of those that need gradients, and runs a call that fails
+    again on a kernel that follows the README's rule for non-finite inputs; a forced
+    kernel raises ``KernelNotUsableError`` for it."""
     priority: ClassVar[int] = 0
 
     #: Capability names shown by ``python -m portattn info`` and read by the

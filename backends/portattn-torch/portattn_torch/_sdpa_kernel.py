@@ -9,8 +9,9 @@ give exactly is declared unsupported, so dispatch runs the portable kernels inst
   backward pass on CPU, so the tiled kernel does better.
 - ``return_weights``: SDPA never forms the softmax matrix.
 - non-finite inputs (``finite_inputs_only``): SDPA lets a NaN the mask hides reach the
-  output through ``0 * NaN``, and its CPU kernel gives 0 for a row with a NaN query
-  or overflowing scores; dispatch checks the values and runs another kernel.
+  output through ``0 * NaN``; on the CPU dispatch checks the output and runs another
+  kernel then. (Its CPU kernel also gives 0 for a row with a NaN query or overflowing
+  scores, which is left as it is.)
 - gradients through a structured mask that SDPA could only take as a dense
   ``(Lq, Lk)`` mask built here, when the mask has a bounded window (measured at
   L = 512...4096, 8 heads, head dim 64, float32 CPU: forward + backward with ``tiled``
@@ -54,8 +55,7 @@ class TorchSDPAKernel(Kernel):
     dropout = grad = True
     # The CUDA backward passes accumulate with atomics; dropout draws from torch's RNG.
     deterministic = False
-    # SDPA multiplies hidden values by weight 0 (0 * NaN = NaN) and its CPU kernel gives
-    # 0 for a NaN row: dispatch reads the inputs' extremes and sends such calls elsewhere.
+    # SDPA multiplies hidden values by weight 0 (0 * NaN = NaN): dispatch checks.
     finite_inputs_only = True
     priority = 100
 

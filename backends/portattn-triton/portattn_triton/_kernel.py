@@ -50,8 +50,7 @@ class TritonFlashKernel(Kernel):
     masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths"})
     softcap = gqa = value_head_dim = empty = True
     returns_lse = grad = True
-    # A hidden inf value meets weight 0 in the P @ V product (0 * inf), and a NaN or
-    # overflowing row comes out as zeros: dispatch checks the output and reruns those.
+    # A hidden inf value meets weight 0 in the P @ V product (0 * inf): dispatch checks.
     finite_inputs_only = True
     priority = 200
 
