@@ -11,8 +11,9 @@ _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f6
           "causal": "causal", "sliding_window": "window", "key_lengths": "klen",
           "query_lengths": "qlen", "dense": "dense"}
 _FLAGS = ("bias", "softcap", "gqa", "value_head_dim", "empty", "returns_lse",
-          "returns_weights", "dropout", "grad", "deterministic")
-_FLAG_TITLES = ("bias", "cap", "gqa", "dv", "empty", "lse", "wts", "drop", "grad", "det")
+          "returns_weights", "dropout", "grad", "deterministic", "finite_inputs_only")
+_FLAG_TITLES = ("bias", "cap", "gqa", "dv", "empty", "lse", "wts", "drop", "grad", "det",
+                "fin")
 
 
 def _listed(values: object, order: tuple[str, ...] = ()) -> str:
@@ -52,7 +53,7 @@ def info() -> int:
                      _listed(k.masks, masks),
                      *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
     print("\ndeclared capabilities (cap = softcap, dv = value head dim != head dim, "
-          "wts = weights, det = deterministic):")
+          "wts = weights, det = deterministic, fin = finite inputs only):")
     _table(caps)
     return 0
 
