@@ -54,12 +54,12 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     ct = inputs.compute_dtype
     hkv = inputs.num_kv_heads
     block_q, block_k = block_sizes(inputs)
-    k = group_kv(xp, cast(xp, inputs.key, ct))
     # Non-finite entries the mask hides (in keys, values or padded queries) must not
-    # reach the gradients through 0 * NaN in a product: those take the entries zeroed.
-    # A row that attends one has a NaN output, hence a NaN Delta and dS, already.
+    # reach the gradients through 0 * NaN in a product: every product takes them
+    # zeroed. A row that attends one has a NaN output and lse, hence NaN P and dS.
+    k, _ = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.key, ct)))
     v, _ = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
-    k_clean, _ = split_nonfinite(xp, k)
+    query, _ = split_nonfinite(xp, inputs.query)
     lse = finite_or_zero(xp, cast(xp, lse, ct))
     # Written block by block in place (functionally where arrays are immutable), so
     # no list of blocks and its concatenation are ever alive at once.
@@ -69,8 +69,7 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
     for q0 in range(0, inputs.q_len, block_q):
         q1 = min(inputs.q_len, q0 + block_q)
-        q = group_queries(xp, cast(xp, inputs.query[..., q0:q1, :], ct) * inputs.scale, hkv)
-        q_clean, _ = split_nonfinite(xp, q)
+        q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
         do = cast(xp, dout[..., q0:q1, :], ct)
         d = xp.sum(do * cast(xp, out[..., q0:q1, :], ct), axis=-1, keepdims=True)
         if dlse is not None:
@@ -94,8 +93,8 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
                 bias.add(ds, q0, q1, k0, k1)
             if t is not None:
                 ds = ds * (1 - t * t)
-            dq_tile = xp.matmul(ds, k_clean[..., k0:k1, :])
-            dk_tile = xp.sum(xp.matmul(xp.matrix_transpose(ds), q_clean), axis=-3)
+            dq_tile = xp.matmul(ds, k[..., k0:k1, :])
+            dk_tile = xp.sum(xp.matmul(xp.matrix_transpose(ds), q), axis=-3)
             dq_block = dq_tile if dq_block is None else dq_block + dq_tile
             dk = xpx.at(dk)[..., k0:k1, :].add(cast(xp, dk_tile, dk.dtype))
             dv = xpx.at(dv)[..., k0:k1, :].add(cast(xp, dv_tile, dv.dtype))
