@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any
 from portattn.kernel import ANY, Kernel
 
 from ._availability import torch_unavailable
-from ._translate import as_4d, band_of, bias_reasons, restricts, sdpa_mask, structured_form
+from ._translate import (
+    as_4d,
+    band_of,
+    bias_reasons,
+    needs_mask_tensor,
+    restricts,
+    sdpa_mask,
+    structured_form,
+)
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -113,7 +121,8 @@ def sdpa_attention(inputs: AttentionInputs) -> Any:
     if inputs.q_len == 0 or inputs.kv_len == 0:
         shape = (*batch, inputs.num_heads, inputs.q_len, inputs.value_head_dim)
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
-    if inputs.mask is None and inputs.bias is None and len(batch) == 1:
+    if (inputs.mask is None and inputs.bias is None and len(batch) == 1
+            and not needs_mask_tensor(inputs)):
         # The common call, kept as short as calling SDPA directly.
         return sdpa(q, k, v, dropout_p=inputs.dropout_p, scale=inputs.scale, enable_gqa=gqa)
     spec = sdpa_mask(inputs)

@@ -8,7 +8,10 @@ both, so the cheapest exact form is chosen per call:
 - a single bottom-right causal mask with ``Lq < Lk`` on an accelerator: torch's
   lower-right causal bias, which its fused kernels apply without a mask tensor;
 - anything else: one boolean mask (float when there is a bias) built on the device,
-  broadcast rather than expanded to ``(..., Hq, Lq, Lk)``.
+  broadcast rather than expanded to ``(..., Hq, Lq, Lk)``. Calls on the CPU with
+  fewer than :data:`CPU_MASKLESS_MIN_KEYS` keys get one too, even all true: without
+  a mask tensor torch's CPU kernel gives 0 instead of NaN there for a row with a NaN
+  query or overflowing scores.
 
 Rows that the mask leaves no key are given every key instead (so no SDPA backend
 sees a row of ``-inf``, which some turn into NaN in the output or the gradient) and
@@ -36,6 +39,18 @@ class SDPAMask:
     is_causal: bool = False
     keep: Any = None
     """Boolean ``(..., Lq, 1)``, False on fully masked rows; None when there are none."""
+
+
+#: Below this many keys, torch's CPU kernel (seen in torch 2.13) without a mask tensor
+#: gives 0 for the row of a NaN query or of float32 scores that overflow; given any
+#: boolean mask it keeps the NaN.
+CPU_MASKLESS_MIN_KEYS = 16
+
+
+def needs_mask_tensor(inputs: AttentionInputs) -> bool:
+    """Whether SDPA must be given a mask tensor even where the mask excludes nothing
+    (see :data:`CPU_MASKLESS_MIN_KEYS`)."""
+    return inputs.kv_len < CPU_MASKLESS_MIN_KEYS and inputs.device == "cpu"
 
 
 def band_of(inputs: AttentionInputs) -> Band | None:
@@ -95,7 +110,7 @@ def structured_form(inputs: AttentionInputs) -> SDPAMask | None:
     """SDPA's mask arguments when no mask tensor has to be built here, else None."""
     band = band_of(inputs)
     lq, lk = inputs.q_len, inputs.kv_len
-    if inputs.bias is not None or _array_kinds(inputs):
+    if inputs.bias is not None or _array_kinds(inputs) or needs_mask_tensor(inputs):
         return None
     if band is None:
         return SDPAMask()
@@ -127,6 +142,9 @@ def _dense_mask(inputs: AttentionInputs) -> SDPAMask:
     if restricts(inputs):
         allowed = inputs.mask.tile(inputs.xp, 0, lq, 0, lk, lq, lk, inputs.device_obj)
     if inputs.bias is None:
+        if allowed is None:  # a mask tensor only for torch's sake: no row is empty
+            return SDPAMask(attn_mask=torch.ones((lq, lk), dtype=torch.bool,
+                                                 device=inputs.device_obj))
         keep = allowed.any(dim=-1, keepdim=True)
         return SDPAMask(attn_mask=allowed | ~keep, keep=keep)
     # Masked pairs become -inf in the float mask.

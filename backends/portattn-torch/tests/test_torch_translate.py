@@ -28,7 +28,7 @@ def _reference(q, k, v, **kwargs):
     return out.numpy(), lse.numpy()
 
 
-def _qkv(lq=6, lk=6, hq=4, hkv=4, d=8, dtype=torch.float64, seed=0):
+def _qkv(lq=20, lk=20, hq=4, hkv=4, d=8, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(2, hq, lq, d, generator=g, dtype=dtype),
             torch.randn(2, hkv, lk, d, generator=g, dtype=dtype),
@@ -62,7 +62,8 @@ def test_no_mask_passes_nothing(sdpa_calls):
 
 
 @pytest.mark.parametrize(("alignment", "lq", "lk"), [
-    ("top_left", 6, 6), ("top_left", 3, 9), ("top_left", 9, 3), ("bottom_right", 6, 6)])
+    ("top_left", 20, 20), ("top_left", 17, 30), ("top_left", 30, 17),
+    ("bottom_right", 20, 20)])
 def test_causal_uses_is_causal(sdpa_calls, alignment, lq, lk):
     call = _run(sdpa_calls, *_qkv(lq, lk), mask=masks.causal(alignment))
     assert call["attn_mask"] is None
@@ -72,6 +73,22 @@ def test_causal_uses_is_causal(sdpa_calls, alignment, lq, lk):
 def test_window_without_left_bound_is_causal(sdpa_calls):
     call = _run(sdpa_calls, *_qkv(), mask=masks.sliding_window(None, 0))
     assert call["is_causal"] is True
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal("top_left")], ids=["none", "causal"])
+def test_few_keys_on_cpu_get_a_mask_tensor(sdpa_calls, mask):
+    # Without one, torch's CPU kernel gives 0 for a NaN query's row below 16 keys.
+    q, k, v = _qkv(5, 15)
+    q[1, 2, 3] = math.nan
+    out = sdpa_attention(describe(q, k, v, mask=mask))  # the kernel, without dispatch
+    call = sdpa_calls[0]
+    assert call["attn_mask"].dtype == torch.bool
+    assert call["is_causal"] is False
+    assert out[1, 2, 3].isnan().all()
+    assert out.isnan().sum() == out.shape[-1]
+    # the reference's NaN row in the same place, and its numbers everywhere else
+    np.testing.assert_allclose(out.numpy(), _reference(q, k, v, mask=mask)[0], rtol=1e-9,
+                               atol=1e-10)
 
 
 @pytest.mark.parametrize(("lq", "lk"), [(3, 9), (9, 3)])

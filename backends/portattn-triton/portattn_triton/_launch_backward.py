@@ -66,6 +66,14 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      ((dq, hq, lq, d), (dk, hkv, lk, d), (dvalue, hkv, lk, dv)))
     kl = _lengths(key_lengths, z)
     ql = _lengths(query_lengths, z)
+    # The kernels read whole tiles, keys and queries past the lengths included: their
+    # weight is 0, but a NaN there would reach the gradients as 0 * NaN. Bounding the
+    # loads costs the dK/dV and dQ passes registers they do not have (ptxas spills at
+    # sm_90), so those rows are zeroed here, in one pass over the inputs.
+    if kl is not None:
+        k, v = _zero_past(k, kl), _zero_past(v, kl)
+    if ql is not None:
+        q, do = _zero_past(q, ql), _zero_past(do, ql)
     dummy = lse_rows  # stands in for absent optional tensors; never read
     flags = {
         "BLOCK_D": block_dim(d), "BLOCK_DV": block_dim(dv), "EVEN_D": is_even(d, dv),
@@ -104,3 +112,11 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             REVERSE=upper is not None and lower is None,
             num_warps=c.num_warps, num_stages=c.num_stages)
     return dq, dk, dvalue
+
+
+def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``x (Z, H, L, E)`` with the rows at or past each batch element's length zeroed."""
+    import torch
+
+    past = torch.arange(x.shape[-2], device=x.device) >= lengths.view(-1, 1, 1, 1)
+    return x.masked_fill(past.view(-1, 1, x.shape[-2], 1), 0)

@@ -104,7 +104,8 @@ def decode_merge_kernel(
         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid ``(Z * num_kv_heads,)``: out = sum_s w_s o_s / sum_s w_s with
     ``w_s = exp(lse_s - max lse)``; lse = max + log(sum w). Splits that saw no key
-    have lse -inf and weight 0; rows no split saw give 0 and -inf."""
+    have lse -inf and weight 0; rows no split saw give 0 and -inf; a row with a NaN
+    lse in any split is NaN (whether ``tl.max`` skips NaN or not)."""
     pid_zh = tl.program_id(0).to(tl.int64)
     off_z = pid_zh // num_kv_heads
     off_kvh = pid_zh % num_kv_heads
@@ -115,8 +116,9 @@ def decode_merge_kernel(
 
     lse_ptrs = PartLse + (base + splits[:, None]) * BLOCK_M + rows[None, :]
     lses = tl.load(lse_ptrs, mask=splits[:, None] < num_splits, other=float("-inf"))
+    nan_row = tl.max((lses != lses).to(tl.int32), 0) > 0
     top = tl.max(lses, 0)
-    seen = top > float("-inf")
+    seen = (top > float("-inf")) | nan_row
     top_safe = tl.where(seen, top, 0.0)
     weights = tl.math.exp2((lses - top_safe[None, :]) * LOG2E)  # [BLOCK_S, BLOCK_M]
     total = tl.sum(weights, 0)

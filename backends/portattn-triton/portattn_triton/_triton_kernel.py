@@ -64,8 +64,9 @@ def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, sm_scale, softcap,
 @triton.jit
 def finish_rows(acc, l_i, m_i, offs_m, q_valid):
     """``(out, lse)`` of the running state; rows with no allowed key (or query
-    padding) give 0 and -inf."""
-    has_mass = (l_i > 0.0) & (offs_m < q_valid)
+    padding) give 0 and -inf. A row whose sum is NaN (a NaN query, or scores that
+    overflow to +inf) stays NaN."""
+    has_mass = ((l_i > 0.0) | (l_i != l_i)) & (offs_m < q_valid)
     l_safe = tl.where(has_mass, l_i, 1.0)
     out = acc / l_safe[:, None]
     out = tl.where(has_mass[:, None], out, 0.0)
@@ -91,14 +92,15 @@ def block_order(num_heads, q_len, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr):
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
-            stride_kn, stride_kd, stride_vn, stride_vd, kv_len, kv_valid, head_dim,
+            stride_kn, stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
             value_head_dim, sm_scale, softcap, lower_off, upper_off,
             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
             HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
             INPUT_PRECISION: tl.constexpr):
     """Fold key blocks ``[lo, hi)`` into the running state, loading through pointers.
     ``MASKED`` tiles may hold disallowed pairs or keys past the end; the others are
-    fully inside the band."""
+    fully inside the band. Keys past the key length are never read: their weight is
+    0, but a NaN there would still reach ``P @ V`` as ``0 * NaN``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -106,7 +108,7 @@ def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
         k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
         v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         if MASKED:
-            in_k = cols < kv_len
+            in_k = cols < kv_valid
             if EVEN_D:
                 k = tl.load(k_ptrs, mask=in_k[None, :], other=0.0)
                 v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
@@ -226,7 +228,7 @@ def flash_forward_kernel(
             lo, hi = u_hi, t_hi
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
-            stride_kn, stride_kd, stride_vn, stride_vd, kv_len, kv_valid, head_dim,
+            stride_kn, stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
             value_head_dim, sm_scale, softcap, lower_off, upper_off,
             part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
 

@@ -35,6 +35,9 @@ def _attend_tma(acc, l_i, m_i, q, DescK, DescV, off_z, off_kvh, offs_m, lo, hi, 
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = DescK.load([off_z, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         v = DescV.load([off_z, off_kvh, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
+        if MASKED:  # boxes load whole: values past the key length are zeroed, as
+            # their weight 0 would meet a NaN there as 0 * NaN
+            v = tl.where((start_n + offs_n < kv_valid)[:, None], v, tl.zeros_like(v))
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, tl.trans(k), v, start_n + offs_n, offs_m,
                                   kv_valid, sm_scale, softcap, lower_off, upper_off, MASKED,
                                   HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)

@@ -104,17 +104,43 @@ def test_decode_default_config_and_splits():
     check(hq=8, hkv=2, lq=1, lk=1000, d=64, causal="bottom_right", config=None)
 
 
-def test_decode_reads_no_key_past_the_lengths():
+@pytest.mark.parametrize("path", ["pointer", "tma", "decode"])
+def test_no_key_past_the_lengths_is_read(path):
+    # Key length 70 in blocks of 16: the tile at 64 holds 6 keys and 10 it must not read.
     q = torch.randn(1, 4, 2, 16)
     k, v = (torch.randn(1, 2, 200, 16) for _ in range(2))
     lengths = torch.tensor([70])
-    clean = flash_forward(q, k, v, key_lengths=lengths, config=DECODE, path="decode",
-                          num_splits=5)
+    config = DECODE if path == "decode" else TMA_CONFIGS[1]
+    options = {"num_splits": 5} if path == "decode" else {}
+    clean = flash_forward(q, k, v, key_lengths=lengths, config=config, path=path, **options)
     k[..., 70:, :] = float("nan")
     v[..., 70:, :] = float("nan")
-    poisoned = flash_forward(q, k, v, key_lengths=lengths, config=DECODE, path="decode",
-                             num_splits=5)
+    poisoned = flash_forward(q, k, v, key_lengths=lengths, config=config, path=path,
+                             **options)
     assert all(torch.equal(a, b) for a, b in zip(clean, poisoned, strict=True))
+
+
+# The interpreter's NumPy warns about the NaN and the overflow, as it should.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("path", ["pointer", "tma", "decode"])
+@pytest.mark.parametrize("case", ["nan_query", "overflow"])
+def test_nan_rows_stay_nan(path, case):
+    # Row 1 of each head holds a NaN query or scores beyond float32: NaN out and lse
+    # there, whatever the path, and the other rows as without it.
+    q = torch.randn(1, 4, 3, 16)
+    k, v = (torch.randn(1, 2, 200, 16) for _ in range(2))
+    config = DECODE if path == "decode" else TMA_CONFIGS[1]
+    options = {"num_splits": 5} if path == "decode" else {}
+    clean = flash_forward(q, k, v, causal="bottom_right", config=config, path=path, **options)
+    q[..., 1, :] = float("nan") if case == "nan_query" else 1e30
+    if case == "overflow":
+        k[..., 0, :] = 1e30  # key 0 scores +inf with row 1 (and some others)
+    out, lse = flash_forward(q, k, v, causal="bottom_right", config=config, path=path,
+                             **options)
+    assert out[..., 1, :].isnan().all()
+    assert lse[..., 1].isnan().all()
+    if case == "nan_query":
+        assert torch.equal(out[..., [0, 2], :], clean[0][..., [0, 2], :])
 
 
 def test_decode_rerun_is_bitwise_equal():
