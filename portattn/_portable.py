@@ -87,6 +87,23 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
     return (s, t) if keep_tanh else s
 
 
+def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: Any,
+                    q0: int, q1: int, k0: int, k1: int) -> Any:
+    """:func:`scores` of queries and keys split by :func:`split_nonfinite`, with NaN put
+    back where a row that held a non-finite entry meets such a key unmasked: the same
+    scores, but autograd's ``dS @ K`` and ``dS^T @ Q`` never see ``0 * NaN`` from a
+    hidden key or a padded query."""
+    s = scores(inputs, q, k, q0, q1, k0, k1)
+    if bad_q is None and bad_k is None:
+        return s
+    xp = inputs.xp
+    bad = xp.zeros((), dtype=s.dtype, device=inputs.device_obj)
+    bad = bad + (0 if bad_q is None else bad_q) + (
+        0 if bad_k is None else xp.matrix_transpose(bad_k))
+    return xp.where((bad > 0) & (s > -math.inf), xp.asarray(math.nan, dtype=s.dtype,
+                                                            device=inputs.device_obj), s)
+
+
 def safe_max(xp: Any, s: Any) -> Any:
     """Row maximum, with ``-inf`` rows (fully masked) replaced by 0 so ``s - m`` is finite."""
     return finite_or_zero(xp, xp.max(s, axis=-1, keepdims=True))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from ._portable import (
@@ -15,7 +14,7 @@ from ._portable import (
     group_queries,
     is_empty,
     safe_max,
-    scores,
+    scores_of_clean,
     split_nonfinite,
     ungroup,
 )
@@ -51,7 +50,9 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     q = group_queries(xp, cast(xp, inputs.query, ct) * inputs.scale, inputs.num_kv_heads)
     k = group_kv(xp, cast(xp, inputs.key, ct))
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
-    s = _scores_of_clean(inputs, q, k)
+    q, bad_q = split_nonfinite(xp, q)
+    k, bad_k = split_nonfinite(xp, k)
+    s = scores_of_clean(inputs, q, bad_q, k, bad_k, 0, lq, 0, lk)
     m = safe_max(xp, s)
     p = xp.exp(s - m)
     denom = xp.sum(p, axis=-1, keepdims=True)
@@ -62,24 +63,6 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         ungroup(xp, lse, trailing=1) if inputs.return_lse else None,
         cast(xp, ungroup(xp, weights), inputs.query.dtype) if inputs.return_weights else None,
     )
-
-
-def _scores_of_clean(inputs: AttentionInputs, q: Any, k: Any) -> Any:
-    """The scores, with products taken over queries and keys whose non-finite entries
-    are zeroed and NaN put back where such a row meets such a key unmasked: the same
-    scores, but autograd's ``dS @ K`` and ``dS^T @ Q`` never see ``0 * NaN`` from a
-    hidden key or padded query."""
-    xp = inputs.xp
-    q, bad_q = split_nonfinite(xp, q)
-    k, bad_k = split_nonfinite(xp, k)
-    s = scores(inputs, q, k, 0, inputs.q_len, 0, inputs.kv_len)
-    if bad_q is None and bad_k is None:
-        return s
-    bad = xp.zeros((), dtype=s.dtype, device=inputs.device_obj)
-    bad = bad + (0 if bad_q is None else bad_q) + (
-        0 if bad_k is None else xp.matrix_transpose(bad_k))
-    return xp.where((bad > 0) & (s > -math.inf), xp.asarray(math.nan, dtype=s.dtype,
-                                                            device=inputs.device_obj), s)
 
 
 def _nothing_of(inputs: AttentionInputs, dtype: Any) -> Any:

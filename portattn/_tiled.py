@@ -22,7 +22,7 @@ from ._portable import (
     group_kv,
     group_queries,
     is_empty,
-    scores,
+    scores_of_clean,
     split_nonfinite,
     ungroup,
 )
@@ -48,7 +48,8 @@ class TiledKernel(PortableKernel):
         attach = attach_for(inputs.namespace) if inputs.requires_grad else None
         # With gradients, the library's wiring saves (q, k, v, out, lse) and runs the
         # flash backward; recording every tile instead would keep O(Lq * Lk).
-        out, lse = tiled_attention(inputs) if attach is None else attach(inputs)
+        out, lse = (tiled_attention(inputs, recorded=inputs.requires_grad) if attach is None
+                    else attach(inputs))
         return out, lse if inputs.return_lse else None, None
 
 
@@ -61,22 +62,28 @@ def block_sizes(inputs: AttentionInputs) -> tuple[int, int]:
 
 
 def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
-                    block_k: int | None = None) -> tuple[Any, Any]:
-    """``(out, lse)`` computed tile by tile."""
+                    block_k: int | None = None, *, recorded: bool = False) -> tuple[Any, Any]:
+    """``(out, lse)`` computed tile by tile. ``recorded``: the library's autograd records
+    the tiles (no wiring is installed), so the score products take queries and keys
+    cleaned of non-finite entries (see :func:`scores_of_clean`)."""
     if is_empty(inputs):
         return empty_result(inputs)
     xp = inputs.xp
     default_q, default_k = block_sizes(inputs)
     block_q, block_k = block_q or default_q, block_k or default_k
     ct = inputs.compute_dtype
-    k = group_kv(xp, cast(xp, inputs.key, ct))
+    k, bad_k = group_kv(xp, cast(xp, inputs.key, ct)), None
+    if recorded:
+        k, bad_k = split_nonfinite(xp, k)
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     outs, lses = [], []
     for q0 in range(0, inputs.q_len, block_q):
         q1 = min(inputs.q_len, q0 + block_q)
         q = cast(xp, inputs.query[..., q0:q1, :], ct) * inputs.scale
-        q = group_queries(xp, q, inputs.num_kv_heads)
-        out, lse = _query_block(inputs, q, k, v, bad, q0, q1, block_k)
+        q, bad_q = group_queries(xp, q, inputs.num_kv_heads), None
+        if recorded:
+            q, bad_q = split_nonfinite(xp, q)
+        out, lse = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, q0, q1, block_k)
         outs.append(out)
         lses.append(lse)
     out = ungroup(xp, xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0])
@@ -84,9 +91,12 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
     return cast(xp, out, inputs.query.dtype), lse
 
 
-def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, bad: Any, q0: int,
-                 q1: int, block_k: int) -> tuple[Any, Any]:
+def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[Any, Any],
+                 v: Any, bad: Any, q0: int, q1: int, block_k: int) -> tuple[Any, Any]:
+    """One query block against its key tiles; ``queries`` and ``keys`` are
+    ``(values, rows that held a non-finite entry or None)``."""
     xp = inputs.xp
+    (q, bad_q), (k, bad_k) = queries, keys
     lo, hi = (0, inputs.kv_len) if inputs.mask is None else inputs.mask.key_range(
         q0, q1, inputs.q_len, inputs.kv_len)
     acc = denom = m = m_safe = None
@@ -95,7 +105,8 @@ def _query_block(inputs: AttentionInputs, q: Any, k: Any, v: Any, bad: Any, q0: 
         if inputs.mask is not None and inputs.mask.hides(q0, q1, k0, k1, inputs.q_len,
                                                          inputs.kv_len):
             continue  # e.g. a key block of another document
-        s = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1)
+        s = scores_of_clean(inputs, q, bad_q, k[..., k0:k1, :],
+                            None if bad_k is None else bad_k[..., k0:k1, :], q0, q1, k0, k1)
         m_tile = xp.max(s, axis=-1, keepdims=True)
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
         m_safe = finite_or_zero(xp, m_new)

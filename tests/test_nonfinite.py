@@ -23,7 +23,7 @@ import pytest
 from fuzz_oracle import attention64
 
 import portattn
-from portattn import masks
+from portattn import _wiring, masks
 from portattn.errors import KernelNotUsableError, NoKernelError
 from portattn.kernel import ANY
 
@@ -132,11 +132,18 @@ def test_nonfinite_inputs(case, backend):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("wiring", ["installed", "absent"])
 @pytest.mark.parametrize("case", ["nan_padded_value", "nan_padded_key"])
-def test_masked_nonfinite_inputs_do_not_reach_the_gradients(case, backend):
+def test_masked_nonfinite_inputs_do_not_reach_the_gradients(case, wiring, backend,
+                                                            monkeypatch):
+    """With the torch plugin's autograd wiring (the flash backward) and without it,
+    where torch's autograd records the tiled kernel's tiles."""
     if backend.namespace != "torch":
         pytest.skip(f"{backend.name}: gradients are checked through torch")
     import torch
+
+    if wiring == "absent":
+        monkeypatch.setitem(_wiring._attached, "torch", None)
 
     q, k, v, parts, _, _ = _case(case)
     problems = []
