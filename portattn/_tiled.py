@@ -72,17 +72,19 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
     default_q, default_k = block_sizes(inputs)
     block_q, block_k = block_q or default_q, block_k or default_k
     ct = inputs.compute_dtype
+    hkv = inputs.num_kv_heads
+    query, bad_query = inputs.query, None
     k, bad_k = group_kv(xp, cast(xp, inputs.key, ct)), None
-    if recorded:
+    if recorded:  # split once per call, not per block (each split reads the values)
+        query, bad_query = split_nonfinite(xp, query)
         k, bad_k = split_nonfinite(xp, k)
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     outs, lses = [], []
     for q0 in range(0, inputs.q_len, block_q):
         q1 = min(inputs.q_len, q0 + block_q)
-        q = cast(xp, inputs.query[..., q0:q1, :], ct) * inputs.scale
-        q, bad_q = group_queries(xp, q, inputs.num_kv_heads), None
-        if recorded:
-            q, bad_q = split_nonfinite(xp, q)
+        q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
+        bad_q = None if bad_query is None else group_queries(
+            xp, cast(xp, bad_query[..., q0:q1, :], ct), hkv)
         out, lse = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, q0, q1, block_k)
         outs.append(out)
         lses.append(lse)
