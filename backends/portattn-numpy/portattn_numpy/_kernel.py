@@ -18,7 +18,7 @@ class NumpyFastKernel(Kernel):
     """Tiled, threaded attention for NumPy float32/float64 arrays on the CPU.
 
     BLAS does the two products of each tile; the softmax runs in place on a score
-    tile sized for the L2 cache; a thread pool works through (batch, head, query
+    tile of twice the L2 cache; a thread pool works through (batch, head, query
     tile) units. Thread count: :func:`portattn_numpy.set_num_threads`, else the
     ``PORTATTN_NUMPY_THREADS`` environment variable, else the CPUs available.
     """
