@@ -7,13 +7,12 @@ The contract (README, "Non-finite inputs"):
 - a row that does attend a non-finite value, has a NaN query, or whose scores overflow
   gets a non-finite output (NaN), never a finite number.
 
-Kernels that declare ``finite_inputs_only`` (torch's SDPA, Triton, the README's example
+Kernels that declare ``finite_inputs_only`` (torch's SDPA, the README's example
 plugin) are kept to the first rule by dispatch, which checks their output: forced by
 name on such inputs they raise ``KernelNotUsableError``, and the dispatched call
 (``kernel=None``, checked here on every backend) answers by the rule. ``KNOWN`` lists
-what breaks the rule anyway (bfloat16 scores that overflow come out as 0 from torch's
-CPU kernel), as strict expected failures: each one turns into an error as soon as it
-is fixed.
+what breaks the rule anyway, as strict expected failures: each one turns into an error
+as soon as it is fixed.
 """
 
 from __future__ import annotations
@@ -31,11 +30,8 @@ CASES = ("nan_padded_value", "nan_padded_key", "inf_future_value", "nan_padded_q
          "nan_query_row", "overflowing_scores", "overflowing_scores_bfloat16")
 #: The cases' dtype, where it is not float32.
 DTYPES = {"overflowing_scores_bfloat16": "bfloat16"}
-
-_ZERO_ROW = ("an overflowing bfloat16 row comes out as 0 (unmasked calls are not "
-             "checked: finding the row costs a pass over the inputs)")
-KNOWN = {("overflowing_scores_bfloat16", kernel): _ZERO_ROW
-         for kernel in ("torch_sdpa", "torch_sdpa_dlpack")}
+#: ``(case, kernel): why`` for what breaks the rule; none does now.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _case(name):

@@ -11,7 +11,8 @@ give exactly is declared unsupported, so dispatch runs the portable kernels inst
 - non-finite inputs (``finite_inputs_only``): SDPA lets a NaN the mask hides reach the
   output through ``0 * NaN``; on the CPU dispatch checks the output and runs another
   kernel then. (Its CPU kernel also gives 0 for a row with a NaN query or overflowing
-  scores, which is left as it is.)
+  scores: below 16 keys it is given a mask tensor, and bfloat16 calls whose scores
+  may overflow float32 run in float32; see ``_translate``.)
 - gradients through a structured mask that SDPA could only take as a dense
   ``(Lq, Lk)`` mask built here, when the mask has a bounded window (measured at
   L = 512...4096, 8 heads, head dim 64, float32 CPU: forward + backward with ``tiled``
@@ -34,6 +35,7 @@ from ._translate import (
     bias_reasons,
     needs_mask_tensor,
     restricts,
+    scores_may_overflow,
     sdpa_mask,
     structured_form,
 )
@@ -121,6 +123,11 @@ def sdpa_attention(inputs: AttentionInputs) -> Any:
     if inputs.q_len == 0 or inputs.kv_len == 0:
         shape = (*batch, inputs.num_heads, inputs.q_len, inputs.value_head_dim)
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    if scores_may_overflow(inputs):
+        # In float32 torch's kernel gives such a row NaN, as every kernel does.
+        wide = inputs._replace(query=q.float(), key=k.float(), value=inputs.value.float(),
+                               dtype="float32")
+        return sdpa_attention(wide).to(q.dtype)
     if (inputs.mask is None and inputs.bias is None and len(batch) == 1
             and not needs_mask_tensor(inputs)):
         # The common call, kept as short as calling SDPA directly.

@@ -53,6 +53,31 @@ def needs_mask_tensor(inputs: AttentionInputs) -> bool:
     return inputs.kv_len < CPU_MASKLESS_MIN_KEYS and inputs.device == "cpu"
 
 
+#: bfloat16 has float32's exponent range, so its scores can overflow the float32 they
+#: are summed in; torch's CPU kernel (seen in torch 2.13) then gives 0 for the row.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def scores_may_overflow(inputs: AttentionInputs) -> bool:
+    """Whether a bfloat16 call on the CPU could have a score (with its bias) beyond
+    float32: ``|q . k| * scale <= D * max|q| * max|k| * |scale|`` bounds it, from one
+    min/max reduction over the queries and one over the keys. NaN inputs count too."""
+    if inputs.dtype != "bfloat16" or inputs.device != "cpu" or not inputs.q_len:
+        return False
+    import torch
+
+    ends = [*torch.aminmax(inputs.query), *torch.aminmax(inputs.key)]
+    if inputs.bias is not None and inputs.bias.numel():
+        ends.append(inputs.bias.amax().clamp(min=0))
+    ends = [float(x) for x in ends]
+    if not all(map(math.isfinite, ends)):
+        return True
+    q_min, q_max, k_min, k_max, *bias_max = ends
+    bound = (max(-q_min, q_max) * max(-k_min, k_max) * inputs.head_dim
+             * abs(inputs.scale) + sum(bias_max))
+    return not bound < FLOAT32_MAX
+
+
 def band_of(inputs: AttentionInputs) -> Band | None:
     """The mask's causal and sliding-window parts as one band, None when they exclude
     nothing (no such part, or windows wider than the call)."""

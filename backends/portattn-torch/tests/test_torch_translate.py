@@ -91,6 +91,33 @@ def test_few_keys_on_cpu_get_a_mask_tensor(sdpa_calls, mask):
                                atol=1e-10)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "key_lengths"])
+@pytest.mark.parametrize("lk", [16, 40])
+def test_bfloat16_scores_that_overflow_give_nan_rows(sdpa_calls, mask, lk):
+    # torch's CPU kernel gives 0 there; summed in float32, the scores overflow to inf.
+    mask = {"none": None, "causal": masks.causal(),
+            "key_lengths": masks.key_lengths(torch.tensor([7, lk]))}[mask]
+    q, k, v = _qkv(5, lk, dtype=torch.bfloat16)
+    q[0, 1, 2] = 1e30
+    k[0, 1] = (k[0, 1].abs() + 0.5) * 1e30  # row (0, 1, 2) meets +inf scores
+    out = sdpa_attention(describe(q, k, v, mask=mask))
+    assert out[0, 1, 2].isnan().all()
+    assert sdpa_calls[0]["query"].dtype == torch.float32
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("big", ["none", "bias"])
+def test_bfloat16_calls_run_in_float32_only_when_scores_may_overflow(sdpa_calls, big):
+    q, k, v = _qkv(5, 20, dtype=torch.bfloat16)
+    q, k = q * 1e18, k * 1e18  # scores up to about 1e37: still in range
+    bias = torch.zeros(5, 20)
+    if big == "bias":
+        bias[2, 3] = 3.4e38  # finite, but a score plus it may overflow
+    sdpa_attention(describe(q, k, v, bias=bias))
+    assert sdpa_calls[0]["query"].dtype == (torch.float32 if big == "bias"
+                                            else torch.bfloat16)
+
+
 @pytest.mark.parametrize(("lq", "lk"), [(3, 9), (9, 3)])
 def test_bottom_right_causal_on_cpu_is_a_boolean_mask(sdpa_calls, lq, lk):
     call = _run(sdpa_calls, *_qkv(lq, lk), mask=masks.causal("bottom_right"))

@@ -23,7 +23,8 @@ from ._configs import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PATHS", "band", "flash_forward", "pick_path"]
+__all__ = ["PATHS", "band", "cut_keys", "flash_forward", "not_finite", "pick_path",
+           "value_poison"]
 
 _ALIGNMENTS = ("bottom_right", "top_left")
 
@@ -111,10 +112,11 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
         path = pick_path(capability, q, k, v, decode=config is None)
     kl = _lengths(key_lengths, z)
     ql = _lengths(query_lengths, z)
+    poison = value_poison(v, lower, upper, lq)
     if path == "decode":
         from ._launch_decode import decode_forward
 
-        out, lse = decode_forward(q, k, v, scale, softcap, lower, upper, kl, ql,
+        out, lse = decode_forward(q, k, v, scale, softcap, lower, upper, kl, ql, poison,
                                   capability, config, num_splits)
         return out.view(*batch, hq, lq, dv), lse.view(*batch, hq, lq)
 
@@ -130,20 +132,20 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     flags = {"BLOCK_D": block_dim(d), "BLOCK_DV": block_dim(dv),
              "HAS_LOWER": lower is not None, "HAS_UPPER": upper is not None,
              "HAS_KEY_LENGTHS": kl is not None, "HAS_QUERY_LENGTHS": ql is not None,
-             "SOFTCAP": softcap is not None,
+             "HAS_POISON": poison is not None, "SOFTCAP": softcap is not None,
              "REVERSE": upper is not None and lower is None,
              "INPUT_PRECISION": _precision(query.dtype)}
-    lengths = (dummy if kl is None else kl, dummy if ql is None else ql)
+    optional = tuple(dummy if t is None else t for t in (kl, ql, poison))
     with _on_device(dev):
         if path == "tma":
             from ._launch_tma import launch_tma
 
-            launch_tma(q, k, v, o, lse, lengths, scalars, factors, flags, config,
+            launch_tma(q, k, v, o, lse, optional, scalars, factors, flags, config,
                        capability if autotune else None)
             return out, lse
         from ._triton_kernel import flash_forward_kernel
 
-        args = (q, k, v, o, lse, *lengths, *q.stride(), *k.stride(), *v.stride(),
+        args = (q, k, v, o, lse, *optional, *q.stride(), *k.stride(), *v.stride(),
                 *o.stride(), *scalars, d, dv, *factors)
         flags["EVEN_D"] = is_even(d, dv)
         if autotune:
@@ -156,6 +158,57 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
                 *args, **flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
+
+
+#: The widest key tile of any path, forward or backward.
+MAX_BLOCK_N = 256
+
+
+def cut_keys(lower: int | None, upper: int | None, q_len: int,
+             kv_len: int) -> tuple[int, int] | None:
+    """The keys ``[a, b)`` that the band hides from some row while a tile the kernels
+    read holds them (None: there are none), a superset for any tile size.
+
+    A hidden key still meets its weight 0 in a tile's products, and ``0 * NaN`` is NaN.
+    Keys hidden by the lower bound are the first ``q_len - 1 + lower``, read from the
+    first tile the band reaches; keys hidden by the upper bound come after ``upper``,
+    read up to the last tile it reaches. So ``O(q_len + MAX_BLOCK_N)`` keys a side,
+    and none for a decode step under a causal mask. (Keys past the lengths are never
+    read by the forward and zeroed before the backward.)
+    """
+    spans = []
+    if lower is not None:
+        spans.append((max(lower, 0) // MAX_BLOCK_N * MAX_BLOCK_N,
+                      min(q_len - 1 + lower, kv_len)))
+    if upper is not None:
+        spans.append((max(upper + 1, 0),
+                      min(-(-(q_len + upper) // MAX_BLOCK_N) * MAX_BLOCK_N, kv_len)))
+    spans = [(a, b) for a, b in spans if a < b]
+    if not spans:
+        return None
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def not_finite(x: Any, a: int, b: int) -> Any:
+    """``(Z, H, L)`` float32: NaN where row ``j`` of ``x (Z, H, L, E)`` holds NaN or inf,
+    for ``a <= j < b``, 0 elsewhere. One pass over those rows: a row's extremes are
+    both finite iff all of it is, and ``0 * y`` is 0 for finite ``y``, NaN otherwise."""
+    import torch
+
+    flags = torch.zeros(x.shape[:3], dtype=torch.float32, device=x.device)
+    low, high = torch.aminmax(x[..., a:b, :], dim=-1)
+    flags[..., a:b] = low.float() * 0 + high.float() * 0
+    return flags
+
+
+def value_poison(v: Any, lower: int | None, upper: int | None, q_len: int) -> Any:
+    """The forward kernels' ``Poison`` (None when no key needs it): NaN for each cut key
+    (:func:`cut_keys`) whose value row is not finite. In masked tiles they load such
+    values as 0 and make their keys score NaN (see ``fold_tile``), so exactly the rows
+    that attend such a value come out NaN, in every column. (A non-finite key needs
+    nothing: its scores are replaced where hidden.)"""
+    cut = cut_keys(lower, upper, q_len, v.shape[2])
+    return None if cut is None else not_finite(v, *cut)
 
 
 def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: Any, *,

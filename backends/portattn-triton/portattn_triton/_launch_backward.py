@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ._configs import BackwardConfig, block_dim, delta_rows, is_even, pick_backward_config
-from ._launch import Band, _lengths, _on_device, _precision, band
+from ._launch import Band, _lengths, _on_device, _precision, band, cut_keys, not_finite
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +74,14 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k, v = _zero_past(k, kl), _zero_past(v, kl)
     if ql is not None:
         q, do = _zero_past(q, ql), _zero_past(do, ql)
+    # For the same reason, keys the band cuts whose key or value is not finite are
+    # zeroed too, and the rows that attend them get a NaN lse: their gradients are NaN,
+    # as the chain rule makes them through a non-finite key or value.
+    cut = cut_keys(lower, upper, lq, lk)
+    if cut is not None:
+        bad = (not_finite(k, *cut) + not_finite(v, *cut)).isnan()
+        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+        lse_rows = _nan_where_met(lse_rows, bad, lower, upper, hq // hkv, lq)
     dummy = lse_rows  # stands in for absent optional tensors; never read
     flags = {
         "BLOCK_D": block_dim(d), "BLOCK_DV": block_dim(dv), "EVEN_D": is_even(d, dv),
@@ -120,3 +128,19 @@ def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
     past = torch.arange(x.shape[-2], device=x.device) >= lengths.view(-1, 1, 1, 1)
     return x.masked_fill(past.view(-1, 1, x.shape[-2], 1), 0)
+
+
+def _nan_where_met(lse: torch.Tensor, bad: torch.Tensor, lower: int | None,
+                   upper: int | None, group: int, q_len: int) -> torch.Tensor:
+    """``lse (Z * Hq, Lq)`` with NaN on the rows whose band holds a ``bad (Z, Hkv, Lk)``
+    key; rows with no key at all (lse ``-inf``) keep theirs."""
+    import torch
+
+    kv_len = bad.shape[-1]
+    before = torch.nn.functional.pad(bad.cumsum(-1), (1, 0))  # bad keys before each j
+    i = torch.arange(q_len, device=bad.device)
+    lo = torch.zeros_like(i) if lower is None else (i + lower).clamp(0, kv_len)
+    hi = torch.full_like(i, kv_len) if upper is None else (i + upper + 1).clamp(0, kv_len)
+    met = before[..., torch.maximum(hi, lo)] - before[..., lo] > 0  # (Z, Hkv, Lq)
+    met = met.repeat_interleave(group, dim=1).reshape(lse.shape)
+    return lse.masked_fill(met & (lse != -math.inf), math.nan)

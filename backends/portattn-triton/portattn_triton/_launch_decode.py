@@ -24,7 +24,7 @@ __all__ = ["decode_forward"]
 
 
 def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
-                   lower: int | None, upper: int | None, kl: Any, ql: Any,
+                   lower: int | None, upper: int | None, kl: Any, ql: Any, poison: Any,
                    capability: tuple[int, int] | None, config: Config | None = None,
                    num_splits: int | None = None) -> tuple[Any, Any]:
     """``(out (Z, Hq, Lq, Dv), lse (Z, Hq, Lq) float32)``; two launches: the splits,
@@ -67,15 +67,17 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
 
     with _on_device(dev):
         decode_split_kernel[(z * hkv, num_splits)](
-            q, k, v, part_out, part_lse, dummy if kl is None else kl,
-            dummy if ql is None else ql, *q.stride(), *k.stride(), *v.stride(),
+            q, k, v, part_out, part_lse,
+            *(dummy if t is None else t for t in (kl, ql, poison)),
+            *q.stride(), *k.stride(), *v.stride(),
             hkv, group, lq, lk, d, dv, split_len, scale,
             1.0 if softcap is None else float(softcap),
             0 if lower is None else lower, 0 if upper is None else upper,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_dim(d),
             BLOCK_DV=bdv, EVEN_D=is_even(d, dv), HAS_LOWER=lower is not None,
             HAS_UPPER=upper is not None, HAS_KEY_LENGTHS=kl is not None,
-            HAS_QUERY_LENGTHS=ql is not None, SOFTCAP=softcap is not None,
+            HAS_QUERY_LENGTHS=ql is not None, HAS_POISON=poison is not None,
+            SOFTCAP=softcap is not None,
             INPUT_PRECISION=_precision(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages)
         decode_merge_kernel[(z * hkv,)](

@@ -17,7 +17,7 @@ __all__ = ["autotuned", "launch_tma", "tma_reasons"]
 
 #: Autotuning reruns the kernel per candidate: one kind of call (not one length) each.
 _TUNING_KEY = ["BLOCK_D", "BLOCK_DV", "HAS_LOWER", "HAS_UPPER", "HAS_KEY_LENGTHS",
-               "HAS_QUERY_LENGTHS", "SOFTCAP", "INPUT_PRECISION"]
+               "HAS_QUERY_LENGTHS", "HAS_POISON", "SOFTCAP", "INPUT_PRECISION"]
 
 
 def tma_reasons(*tensors: Any) -> list[str]:
@@ -63,7 +63,7 @@ def _set_block_shapes(nargs: dict) -> None:
     nargs["DescO"].block_shape = [1, 1, m, dv]
 
 
-def launch_tma(q: Any, k: Any, v: Any, o: Any, lse: Any, lengths: tuple, scalars: tuple,
+def launch_tma(q: Any, k: Any, v: Any, o: Any, lse: Any, optional: tuple, scalars: tuple,
                factors: tuple, flags: dict, config: Config | None,
                tune_for: tuple[int, int] | None) -> None:
     """Launch the tensor-descriptor kernel on ``(Z, H, L, D)`` views; ``config`` None
@@ -75,7 +75,7 @@ def launch_tma(q: Any, k: Any, v: Any, o: Any, lse: Any, lengths: tuple, scalars
     c = config or Config(16, 16, 4, 1)  # placeholder blocks, reset by the pre-hook
     descs = (_descriptor(q, c.block_m, bd), _descriptor(k, c.block_n, bd),
              _descriptor(v, c.block_n, bdv), _descriptor(o, c.block_m, bdv))
-    args = (*descs, lse, *lengths, *scalars, *factors)
+    args = (*descs, lse, *optional, *scalars, *factors)
     if config is None:
         kernel = autotuned(flash_forward_tma_kernel, tune_for, q.element_size(),
                            q.shape[-1], v.shape[-1])

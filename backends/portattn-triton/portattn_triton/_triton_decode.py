@@ -25,7 +25,7 @@ __all__ = ["decode_merge_kernel", "decode_split_kernel"]
 
 @triton.jit
 def decode_split_kernel(
-        Q, K, V, PartOut, PartLse, KeyLengths, QueryLengths,
+        Q, K, V, PartOut, PartLse, KeyLengths, QueryLengths, Poison,
         stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
@@ -34,7 +34,7 @@ def decode_split_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-        HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr,
+        HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, SOFTCAP: tl.constexpr,
         INPUT_PRECISION: tl.constexpr):
     """Grid ``(Z * num_kv_heads, num_splits)``. ``PartOut`` is
     ``(Z * num_kv_heads, num_splits, BLOCK_M, BLOCK_DV)`` float32, ``PartLse``
@@ -69,6 +69,7 @@ def decode_split_kernel(
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     K += off_z * stride_kz + off_kvh * stride_kh
     V += off_z * stride_vz + off_kvh * stride_vh
+    Poison += pid_zh.to(tl.int64) * kv_len
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -76,19 +77,25 @@ def decode_split_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         in_k = cols < hi
+        k_other = 0.0
+        if HAS_POISON:  # poisoned keys load as NaN, their values as 0
+            poison = tl.load(Poison + cols, mask=in_k, other=0.0)
+            k_other = poison[None, :]
+            in_k &= poison == 0.0
         k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
         v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         if EVEN_D:
-            k = tl.load(k_ptrs, mask=in_k[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
             v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
         else:
-            k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim), other=0.0)
+            k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
+                        other=k_other)
             v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
                         other=0.0)
         # Every tile is masked: its keys stop at hi, and each row has its own band.
-        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, pos, hi, sm_scale, softcap,
-                                  lower_off, upper_off, True, HAS_LOWER, HAS_UPPER,
-                                  SOFTCAP, INPUT_PRECISION)
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, pos, hi, 0.0, sm_scale,
+                                  softcap, lower_off, upper_off, True, HAS_LOWER,
+                                  HAS_UPPER, False, SOFTCAP, INPUT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i, pos, tl.where(in_rows, q_valid, 0))
     part = pid_zh.to(tl.int64) * tl.num_programs(1) + split

@@ -26,14 +26,18 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, sm_scale, softcap,
+def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, poison, sm_scale, softcap,
               lower_off, upper_off, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
-              HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_UPPER: tl.constexpr, POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
               INPUT_PRECISION: tl.constexpr):
     """One step of the online softmax: scores of ``q`` against the key tile ``k``
     (``[BLOCK_D, BLOCK_N]``) at key indices ``cols``, folded with ``v`` into the running
     ``(acc, l_i, m_i)``. ``MASKED`` tiles may hold pairs outside the band or keys at or
-    past ``kv_valid``. Shared by every forward path (pointers, tensor descriptors)."""
+    past ``kv_valid``. Their poisoned keys (``Poison``: a value that is not finite; the
+    value is loaded as 0) must score NaN in every row, so that exactly the rows that
+    attend them come out NaN: the pointer paths load such keys as NaN, and with
+    ``POISON_SCORES`` the ``poison`` (NaN there, else 0) is added to the scores here.
+    Shared by every forward path."""
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
     if SOFTCAP:
         # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
@@ -42,6 +46,8 @@ def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, sm_scale, softcap,
     else:
         s = qk * (sm_scale * LOG2E)
     if MASKED:
+        if POISON_SCORES:
+            s += poison[None, :]
         keep = cols[None, :] < kv_valid
         if HAS_LOWER:
             keep &= (cols[None, :] - offs_m[:, None]) >= lower_off
@@ -91,30 +97,40 @@ def block_order(num_heads, q_len, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
+def _attend(acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
             stride_kn, stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
             value_head_dim, sm_scale, softcap, lower_off, upper_off,
             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-            HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+            HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr,
+            POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
             INPUT_PRECISION: tl.constexpr):
     """Fold key blocks ``[lo, hi)`` into the running state, loading through pointers.
     ``MASKED`` tiles may hold disallowed pairs or keys past the end; the others are
-    fully inside the band. Keys past the key length are never read: their weight is
-    0, but a NaN there would still reach ``P @ V`` as ``0 * NaN``."""
+    fully inside the band. Keys past the key length are never read, nor poisoned
+    values: their weight may be 0, but a NaN would still reach ``P @ V`` as
+    ``0 * NaN``. ``POISON_SCORES``: ...or the poison goes into the scores instead (the
+    form ptxas fits in registers for float32 tiles; 2-byte tiles take the other)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
         v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        poison = 0.0
         if MASKED:
             in_k = cols < kv_valid
+            k_other = 0.0
+            if HAS_POISON:  # poisoned values load as 0, and their keys as NaN...
+                poison = tl.load(Poison + cols, mask=in_k, other=0.0)
+                if not POISON_SCORES:
+                    k_other = poison[None, :]
+                in_k &= poison == 0.0
             if EVEN_D:
-                k = tl.load(k_ptrs, mask=in_k[None, :], other=0.0)
+                k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
                 v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
             else:
                 k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
-                            other=0.0)
+                            other=k_other)
                 v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
                             other=0.0)
         elif EVEN_D:
@@ -123,9 +139,10 @@ def _attend(acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
         else:
             k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
-        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, sm_scale,
-                                  softcap, lower_off, upper_off, MASKED, HAS_LOWER,
-                                  HAS_UPPER, SOFTCAP, INPUT_PRECISION)
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, poison,
+                                  sm_scale, softcap, lower_off, upper_off, MASKED,
+                                  HAS_LOWER, HAS_UPPER, POISON_SCORES, SOFTCAP,
+                                  INPUT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -171,7 +188,7 @@ def key_tiles(m0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr
 
 @triton.jit
 def flash_forward_kernel(
-        Q, K, V, Out, Lse, KeyLengths, QueryLengths,
+        Q, K, V, Out, Lse, KeyLengths, QueryLengths, Poison,
         stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
@@ -181,9 +198,10 @@ def flash_forward_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-        HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr):
-    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``. (The
+        HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, SOFTCAP: tl.constexpr,
+        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``.
+    ``Poison`` is ``(Z, Hkv, kv_len)`` float32 (see :func:`fold_tile`). (The
     tensor-descriptor kernel orders its grid for L2 with :func:`block_order`; here the
     index arithmetic would cost sm_80 tiles their last free registers.)"""
     pid_zh = tl.program_id(0)
@@ -214,6 +232,7 @@ def flash_forward_kernel(
                     other=0.0)
     K += off_z * stride_kz + off_kvh * stride_kh
     V += off_z * stride_vz + off_kvh * stride_vh
+    Poison += (off_z * (num_heads // group_size) + off_kvh) * kv_len
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -227,10 +246,11 @@ def flash_forward_kernel(
         else:
             lo, hi = u_hi, t_hi
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, K, V, offs_m, offs_d, offs_dv, lo, hi,
+            acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
             stride_kn, stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
             value_head_dim, sm_scale, softcap, lower_off, upper_off,
-            part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
+            part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_POISON,
+            HAS_POISON and Q.dtype.element_ty == tl.float32, SOFTCAP, INPUT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i, offs_m, q_valid)
 

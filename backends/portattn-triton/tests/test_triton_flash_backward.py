@@ -163,3 +163,46 @@ def test_nothing_past_the_lengths_is_read():
                               **lengths)
     for a, b in zip(clean, poisoned, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(("options", "bad", "row"), [
+    ({"window": (4, 0)}, [37], 0),  # key 37 is seen by row 0 only
+    ({"causal": "bottom_right"}, [43], 2),  # key 43 by row 2 only
+    ({"window": (4, 0)}, [33, 34], None),  # seen by no row, in a tile that is read
+], ids=["window", "causal", "unseen"])
+def test_values_the_band_hides_reach_no_other_row(options, bad, row):
+    # Three queries over 44 keys in tiles of 16. The rows that attend a bad key have
+    # NaN gradients (their lse is NaN); the others' dQ is bitwise as without it.
+    q, k, v, dout, dlse = _data("float32", (1,), 4, 2, 3, 44, 16, 16)
+    dout, dlse = dout.float(), dlse.float()
+
+    def gradients():
+        out, lse = flash_attention(q, k, v, config=FWD, **options)
+        return flash_backward(q, k, v, out, lse, dout, dlse, config=SMALL, **options)
+
+    clean = gradients()
+    k[..., bad[0], :] = float("nan")
+    v[..., bad[-1], :] = float("inf")
+    poisoned = gradients()
+    if row is None:
+        assert all(torch.equal(a, b) for a, b in zip(clean, poisoned, strict=True))
+        return
+    others = [i for i in range(3) if i != row]
+    assert poisoned[0][..., row, :].isnan().all()
+    assert torch.equal(poisoned[0][..., others, :], clean[0][..., others, :])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_an_infinite_key_under_softcap_gives_nan_gradients_to_its_rows():
+    # tanh saturates: row 0's output stays finite, but d/dq of softcap * tanh(q . k)
+    # meets 0 * inf, so the chain rule gives NaN there; row 0 alone sees key 37.
+    q, k, v, dout, dlse = _data("float32", (1,), 2, 2, 3, 44, 16, 16)
+    options = {"window": (4, 0), "softcap": 5.0}
+    k[..., 37, 0] = float("inf")
+    out, lse = flash_attention(q, k, v, config=FWD, **options)
+    assert out.isfinite().all()
+    dq = flash_backward(q, k, v, out, lse, dout.float(), dlse.float(), config=SMALL,
+                        **options)[0]
+    assert dq[..., 0, :].isnan().all()
+    assert dq[..., 1:, :].isfinite().all()

@@ -120,6 +120,49 @@ def test_no_key_past_the_lengths_is_read(path):
     assert all(torch.equal(a, b) for a, b in zip(clean, poisoned, strict=True))
 
 
+#: Three queries over 44 keys, bottom-right: under a window of 4 to the left, key 37 is
+#: seen by row 0 only (and keys 32-36 by none, though their tile is read); under a
+#: causal mask key 43 is seen by row 2 only.
+BAND_CASES = {"window": ({"window": (4, 0)}, 37, 0), "causal": ({"causal": "bottom_right"},
+                                                                43, 2)}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("path", ["pointer", "tma", "decode"])
+@pytest.mark.parametrize("mask", BAND_CASES)
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_values_the_band_hides_change_nothing(path, mask, where, bad):
+    # The rows that attend the bad key come out NaN, all others bitwise as without it.
+    options, key, row = BAND_CASES[mask]
+    q = torch.randn(1, 4, 3, 16)
+    k, v = (torch.randn(1, 2, 44, 16) for _ in range(2))
+    config = DECODE if path == "decode" else TMA_CONFIGS[1]
+    if path == "decode":
+        options = {**options, "num_splits": 2}
+    clean = flash_forward(q, k, v, config=config, path=path, **options)
+    (k if where == "key" else v)[..., key, :] = bad
+    out, lse = flash_forward(q, k, v, config=config, path=path, **options)
+    others = [i for i in range(3) if i != row]
+    assert out[..., row, :].isnan().all()
+    assert lse[..., row].isnan().all()
+    assert torch.equal(out[..., others, :], clean[0][..., others, :])
+    assert torch.equal(lse[..., others], clean[1][..., others])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("path", ["pointer", "tma", "decode"])
+def test_values_hidden_from_every_row_change_nothing(path):
+    q = torch.randn(1, 4, 3, 16)
+    k, v = (torch.randn(1, 2, 44, 16) for _ in range(2))
+    config = DECODE if path == "decode" else TMA_CONFIGS[1]
+    options = {"window": (4, 0), **({"num_splits": 2} if path == "decode" else {})}
+    clean = flash_forward(q, k, v, config=config, path=path, **options)
+    k[..., 33, :], v[..., 34, :] = float("nan"), float("inf")  # in a tile that is read
+    poisoned = flash_forward(q, k, v, config=config, path=path, **options)
+    assert all(torch.equal(a, b) for a, b in zip(clean, poisoned, strict=True))
+
+
 # The interpreter's NumPy warns about the NaN and the overflow, as it should.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("path", ["pointer", "tma", "decode"])

@@ -22,9 +22,9 @@ import tempfile
 
 #: Kernel variants: the plain path (the deepest software pipeline, so the most shared
 #: memory) and every feature at once (the most registers: band masks, lengths,
-#: softcap), with head dims that are powers of two ("all_even") and not ("all").
+#: softcap, poisoned keys), with head dims that are powers of two ("all_even") and not ("all").
 _FEATURES = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
-             "HAS_QUERY_LENGTHS": True, "SOFTCAP": True, "REVERSE": True}
+             "HAS_QUERY_LENGTHS": True, "HAS_POISON": True, "SOFTCAP": True, "REVERSE": True}
 VARIANTS = {
     "plain": {},
     "all_even": _FEATURES,
@@ -47,7 +47,7 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 _INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
                   "stride_dkd", "stride_dvd", "stride_dqd")
-_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse")
+_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison")
 _DESCRIPTORS = {"DescQ": ("BLOCK_M", "BLOCK_D"), "DescK": ("BLOCK_N", "BLOCK_D"),
                 "DescV": ("BLOCK_N", "BLOCK_DV"), "DescO": ("BLOCK_M", "BLOCK_DV")}
 #: What the compiled code is searched for: PTX instructions and SASS opcodes.
@@ -161,7 +161,8 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
         constants = {
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": dim,
             "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
-            "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "SOFTCAP": False,
+            "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "HAS_POISON": False,
+            "SOFTCAP": False,
             "REVERSE": False,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
             **VARIANTS[variant],
