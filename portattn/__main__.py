@@ -55,6 +55,12 @@ def info() -> int:
     print("\ndeclared capabilities (cap = softcap, dv = value head dim != head dim, "
           "wts = weights, det = deterministic, fin = finite inputs only):")
     _table(caps)
+    tuned = [(entry.name, name, ",".join(map(str, values)), str(entry.kernel.tuned(name)))
+             for entry in entries if entry.kernel is not None
+             for name, values in entry.kernel.tunables.items()]
+    if tuned:
+        print("\nsettings `python -m portattn tune` chooses (None: not tuned here):")
+        _table([("kernel", "setting", "values timed", "tuned"), *tuned])
     return 0
 
 

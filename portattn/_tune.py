@@ -5,7 +5,8 @@ representative calls (per library, dtype, head dim, mask kind and size band) on 
 machine and writes the times to a small per-user file, with the machine and the
 versions of everything measured. Dispatch asks :func:`measured_choice` which of the
 kernels that can run a call was measured fastest for that call's band; without a
-usable file the declared priorities stand.
+usable file the declared priorities stand. The file also holds the value of each
+kernel's ``tunables`` timed fastest, which kernels read through ``_settings``.
 
 A file from another machine (``foreign``), from other versions of the measured
 distributions or missing a kernel distribution installed since (``stale``) is ignored
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._registry import kernel_entries
+from ._settings import install as install_settings_reader
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -147,6 +149,8 @@ class _Table:
 
     date: str
     ranked: dict[tuple, tuple[str, ...]]
+    settings: dict[str, dict[str, Any]]
+    """``kernel name -> setting -> value`` chosen by the run."""
 
 
 def _read(path: Path) -> _Table | None:
@@ -160,6 +164,8 @@ def _read(path: Path) -> _Table | None:
         recorded_machine, versions = dict(data["machine"]), dict(data["versions"])
         ranked = {_key_of(row): tuple(sorted(row["times"], key=row["times"].get))
                   for row in rows}
+        settings = {str(kernel): {str(name): found["chosen"] for name, found in dict(
+            chosen).items()} for kernel, chosen in dict(data.get("settings", {})).items()}
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -185,7 +191,7 @@ def _read(path: Path) -> _Table | None:
         _warn(f"ignoring tune file {path}: stale, {'; '.join(stale)}; "
               "run `python -m portattn tune` again")
         return None
-    return _Table(created[:10], ranked)
+    return _Table(created[:10], ranked, settings)
 
 
 def _warn(message: str) -> None:
@@ -234,6 +240,14 @@ def tuned() -> bool:
     """Whether a usable tune file is there (as cheap as :func:`measured_choice`): without
     one, dispatch may stop at the first kernel that can run a call."""
     return _table() is not None
+
+
+def _settings_in_use() -> dict[str, dict[str, Any]]:
+    table = _table()
+    return {} if table is None else table.settings
+
+
+install_settings_reader(_settings_in_use)
 
 
 def measured_choice(inputs: AttentionInputs, runnable: Sequence[str]) -> tuple[str, str] | None:

@@ -2,14 +2,17 @@
 
 Each call (library, dtype, head dim, mask kind, size band: see ``_tune``) is made
 with random inputs in its library and timed on every kernel that can run it, in turns.
-The library is imported only here, when it is measured.
+Then each kernel's ``tunables`` are timed, value against value, on the calls that
+kernel ran. The library is imported only here, when it is measured.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
+import math
 import os
 import sys
 import time
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._settings import trying
 from ._tune import (
     BAND_SIZES,
     FORMAT,
@@ -32,7 +36,7 @@ from ._tune import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["LIBRARIES", "MASKS", "main", "measure", "tune", "write"]
+__all__ = ["LIBRARIES", "MASKS", "main", "measure", "measure_settings", "tune", "write"]
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,11 @@ def _time_in_turns(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[st
     return best
 
 
-def measure(library: str, dtype: str, head_dim: int, mask: str, band_name: str, *,
-            heads: int = 8, repeats: int = 5) -> dict[str, Any] | None:
-    """One representative call timed on every kernel that can run it (None when the
-    library is missing or cannot make that dtype)."""
+def _call(library: str, dtype: str, head_dim: int, mask: str, band_name: str,
+          heads: int) -> tuple[Any, Callable[..., Any]] | None:
+    """``(plan, run)`` for one representative call: ``run(kernel)`` makes it on that
+    kernel and waits for the result. None when the library is missing or cannot make
+    that dtype."""
     import importlib
 
     from ._api import attention, explain
@@ -120,30 +125,81 @@ def measure(library: str, dtype: str, head_dim: int, mask: str, band_name: str, 
         module = importlib.import_module(lib.module)
     except ImportError:
         return None
-    n = BAND_SIZES[band_name]
-    shape = (1, heads, n, head_dim)
+    shape = (1, heads, BAND_SIZES[band_name], head_dim)
     try:
         q, k, v = (lib.make(module, shape, dtype, seed) for seed in range(3))
     except (AttributeError, TypeError, ValueError):
         return None
     m = _mask(mask)
-    plan = explain(q, k, v, mask=m)
-    runnable = [entry.name for entry, why in plan.candidates if not why]
+
+    def run(kernel: str) -> Any:
+        return lib.wait(module, attention(q, k, v, mask=m, kernel=kernel))
+    return explain(q, k, v, mask=m), run
+
+
+def measure(library: str, dtype: str, head_dim: int, mask: str, band_name: str, *,
+            heads: int = 8, repeats: int = 5) -> dict[str, Any] | None:
+    """One representative call timed on every kernel that can run it (None when the
+    library is missing or cannot make that dtype)."""
+    made = _call(library, dtype, head_dim, mask, band_name, heads)
+    if made is None:
+        return None
+    plan, run = made
     calls = {}
-    for name in runnable:
-        def call(name: str = name) -> Any:
-            return lib.wait(module, attention(q, k, v, mask=m, kernel=name))
-        try:
-            call()  # a kernel that fails here is simply not measured
-        except Exception as e:  # any failure of a plugin
-            warnings.warn(f"tune: {name} failed on {library} {shape} {dtype} {mask}: {e}",
-                          TuneWarning, stacklevel=2)
+    for entry, why in plan.candidates:
+        if why:
             continue
-        calls[name] = call
+        try:
+            run(entry.name)  # a kernel that fails here is simply not measured
+        except Exception as e:  # any failure of a plugin
+            warnings.warn(f"tune: {entry.name} failed on {library} {dtype} d={head_dim} "
+                          f"{mask} {band_name}: {e}", TuneWarning, stacklevel=2)
+            continue
+        calls[entry.name] = functools.partial(run, entry.name)
     times = _time_in_turns(calls, repeats)
     return {"library": library, "device": plan.inputs.device, "dtype": dtype,
-            "head_dim": head_dim, "mask": mask, "band": band_name, "shape": list(shape),
-            "times": times}
+            "head_dim": head_dim, "mask": mask, "band": band_name,
+            "shape": [1, heads, BAND_SIZES[band_name], head_dim], "times": times}
+
+
+def measure_settings(rows: Sequence[dict[str, Any]], *, repeats: int = 5,
+                     say: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Each value of each kernel's ``tunables``, timed in turns against the others on
+    every measured call that kernel ran. The value with the smallest geometric mean of
+    its time over the call's best time wins: ``{kernel: {setting: {"chosen": value,
+    "ratios": {value: mean}}}}``."""
+    from ._registry import kernels
+
+    found: dict[str, Any] = {}
+    for entry in kernels():
+        tunables = entry.kernel.tunables if entry.kernel is not None else {}
+        ran = [row for row in rows if entry.name in row["times"]]
+        for setting, values in tunables.items():
+            logs: dict[str, list[float]] = {str(value): [] for value in values}
+            for row in ran:
+                made = _call(row["library"], row["dtype"], row["head_dim"], row["mask"],
+                             row["band"], row["shape"][1])
+                if made is None:
+                    continue
+                calls = {str(value): functools.partial(_run_with, made[1], entry.name,
+                                                       setting, value) for value in values}
+                times = _time_in_turns(calls, repeats)
+                best = min(times.values())
+                for value, t in times.items():
+                    logs[value].append(math.log(t / best))
+            if not all(logs.values()):
+                continue
+            ratios = {value: round(math.exp(sum(x) / len(x)), 4) for value, x in logs.items()}
+            chosen = min(values, key=lambda value: ratios[str(value)])
+            found.setdefault(entry.name, {})[setting] = {"chosen": chosen, "ratios": ratios}
+            listed = ", ".join(f"{value} {ratio:.3f}" for value, ratio in ratios.items())
+            say(f"{entry.name} {setting}: {chosen} (time over the best, per value: {listed})")
+    return found
+
+
+def _run_with(run: Callable[[str], Any], kernel: str, setting: str, value: Any) -> Any:
+    with trying(kernel, setting, value):
+        return run(kernel)
 
 
 def _distribution_versions(libraries: Sequence[str]) -> dict[str, str]:
@@ -182,9 +238,11 @@ def tune(libraries: Sequence[str], dtypes: Sequence[str], head_dims: Sequence[in
                         say(f"{library} {dtype} d={head_dim} {mask} {band_name} "
                             f"(L={BAND_SIZES[band_name]}): {listed}")
     measured = sorted({row["library"] for row in rows})
+    settings = measure_settings(rows, repeats=repeats, say=say)
     return {"format": FORMAT,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "versions": _distribution_versions(measured), "entries": rows}
+            "machine": machine(), "versions": _distribution_versions(measured), "entries": rows,
+            "settings": settings}
 
 
 def write(contents: dict[str, Any], path: Path) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from . import _settings
 from ._inputs import AttentionInputs
 from .masks import Band, Mask
 
@@ -64,6 +65,10 @@ class Kernel:
     again on a kernel that follows the README's rule for non-finite inputs; a forced
     kernel raises ``KernelNotUsableError`` for it."""
     priority: ClassVar[int] = 0
+    tunables: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    """Settings ``python -m portattn tune`` may choose for this machine, each with the
+    values to time (JSON numbers or strings). The kernel reads the winner with
+    :meth:`tuned`, and keeps its own default where there is none."""
 
     #: Capability names shown by ``python -m portattn info`` and read by the
     #: conformance kit.
@@ -76,6 +81,12 @@ class Kernel:
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
         return {c: getattr(cls, c) for c in cls.CAPABILITIES}
+
+    @classmethod
+    def tuned(cls, setting: str) -> Any:
+        """The value of ``setting`` (one of :attr:`tunables`) measured fastest on this
+        machine; None without a usable tune file or a measurement of it."""
+        return _settings.value(cls.name, setting)
 
     @classmethod
     def available(cls) -> str | None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
 import portattn
-from portattn import _tune, _tune_run, masks
+from portattn import _registry, _settings, _tune, _tune_run, masks
 from portattn.__main__ import main as cli
+from portattn.kernel import Kernel
 
 
 @pytest.fixture
@@ -25,11 +28,12 @@ def tune_file(tmp_path, monkeypatch):
     _tune.refresh()
 
 
-def _write(path, entries, *, machine=None, versions=None, created="2026-12-01T12:00:00+00:00"):
+def _write(path, entries, *, machine=None, versions=None, created="2026-12-01T12:00:00+00:00",
+           settings=None):
     contents = {"format": _tune.FORMAT, "created": created,
                 "machine": _tune.machine() if machine is None else machine,
                 "versions": _versions() if versions is None else versions,
-                "entries": entries}
+                "entries": entries, **({} if settings is None else {"settings": settings})}
     path.write_text(json.dumps(contents), encoding="utf-8")
 
 
@@ -246,3 +250,64 @@ def test_a_new_tune_file_reaches_calls_dispatch_remembered(tune_file, monkeypatc
     other = "tiled" if first != "tiled" else "reference"
     _write(tune_file, [_row({first: 0.5, other: 0.01}, head_dim=8, band="short")])
     assert kernel_run() == other
+
+
+class _Tunable(Kernel):
+    """A kernel whose one setting decides its speed: ``spin=3`` is the fastest."""
+
+    name = "tunable"
+    namespaces = frozenset({"numpy"})
+    devices = frozenset({"cpu"})
+    dtypes = frozenset({"float32"})
+    tunables: ClassVar[dict[str, tuple[int, ...]]] = {"spin": (1, 3, 9)}
+
+    def run(self, inputs):
+        spin = self.tuned("spin")
+        time.sleep(0.001 + 0.003 * abs((1 if spin is None else spin) - 3))
+        out = np.full((*inputs.batch_shape, inputs.num_heads, inputs.q_len,
+                       inputs.value_head_dim), -1.0 if spin is None else spin, np.float32)
+        return out, None, None
+
+
+@pytest.fixture
+def tunable(monkeypatch):
+    entries = _registry.kernel_entries()
+    entry = _registry.KernelEntry(_Tunable.name, _Tunable(), "portattn-test", "0.0")
+    monkeypatch.setattr(_registry, "_discovered", (_registry.order([*entries, entry]), None))
+    installed = _tune.installed_version  # as if its distribution were installed
+    monkeypatch.setattr(_tune, "installed_version",
+                        lambda dist: "0.0" if dist == "portattn-test" else installed(dist))
+    return _Tunable
+
+
+def test_tune_times_each_value_of_a_tunable_and_the_kernel_reads_the_fastest(
+        tune_file, tunable, monkeypatch, capsys):
+    monkeypatch.setitem(_tune.BAND_SIZES, "short", 16)
+    q = np.zeros((1, 2, 16, 8), np.float32)
+    assert tunable.tuned("spin") is None  # no tune file: the kernel's default
+    assert float(portattn.attention(q, q, q, kernel="tunable")[0, 0, 0, 0]) == -1.0
+    assert cli(["tune", "--libraries", "numpy", "--dtypes", "float32", "--head-dims", "8",
+                "--masks", "none", "--bands", "short", "--repeats", "3"]) == 0
+    assert "tunable spin: 3 (time over the best, per value: 1 " in capsys.readouterr().out
+    found = json.loads(tune_file.read_text(encoding="utf-8"))["settings"]["tunable"]["spin"]
+    assert found["chosen"] == 3
+    assert set(found["ratios"]) == {"1", "3", "9"}
+    assert found["ratios"]["3"] < found["ratios"]["1"] < found["ratios"]["9"]
+    assert tunable.tuned("spin") == 3
+    assert float(portattn.attention(q, q, q, kernel="tunable")[0, 0, 0, 0]) == 3.0
+    assert cli(["info"]) == 0
+    shown = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("tunable ") and "spin" in line)
+    assert shown.split() == ["tunable", "spin", "1,3,9", "3"]
+
+
+def test_a_tuned_setting_is_read_only_from_a_usable_file(tune_file, tunable):
+    settings = {"tunable": {"spin": {"chosen": 9, "ratios": {}}}}
+    _write(tune_file, [], settings=settings)
+    assert tunable.tuned("spin") == 9
+    assert tunable.tuned("other") is None
+    _write(tune_file, [], settings=settings, machine={"cpu": "elsewhere"})
+    with pytest.warns(_tune.TuneWarning, match="another machine"):
+        assert tunable.tuned("spin") is None
+    with _settings.trying("tunable", "spin", 1):  # how tune times each value
+        assert tunable.tuned("spin") == 1

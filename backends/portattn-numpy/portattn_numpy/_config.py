@@ -69,7 +69,8 @@ class Config:
     measured fastest; the results do not depend on them."""
 
     tile_bytes: int | None = None
-    """Bytes of one score tile; None: :func:`machine_tile_bytes` (twice one core's L2)."""
+    """Bytes of one score tile; None: the size ``python -m portattn tune`` timed fastest
+    on this machine, else :func:`machine_tile_bytes` (twice one core's L2)."""
     min_block_q: int = 16
     max_block_q: int = 512
     max_block_k: int = 1024
@@ -100,7 +101,14 @@ class Config:
 
     def score_tile_bytes(self) -> int:
         """Bytes of one score tile, with the machine's default filled in."""
-        return machine_tile_bytes() if self.tile_bytes is None else self.tile_bytes
+        if self.tile_bytes is not None:
+            return self.tile_bytes
+        from ._kernel import NumpyFastKernel
+
+        tuned = NumpyFastKernel.tuned("tile_bytes")
+        if isinstance(tuned, int) and tuned > 0:
+            return tuned
+        return machine_tile_bytes()
 
 
 _DEFAULT = Config()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from portattn.kernel import Kernel
 
@@ -18,9 +18,10 @@ class NumpyFastKernel(Kernel):
     """Tiled, threaded attention for NumPy float32/float64 arrays on the CPU.
 
     BLAS does the two products of each tile; the softmax runs in place on a score
-    tile of twice the L2 cache; a thread pool works through (batch, head, query
-    tile) units. Thread count: :func:`portattn_numpy.set_num_threads`, else the
-    ``PORTATTN_NUMPY_THREADS`` environment variable, else the CPUs available.
+    tile of twice the L2 cache (or the size ``python -m portattn tune`` timed fastest);
+    a thread pool works through (batch, head, query tile) units. Thread count:
+    :func:`portattn_numpy.set_num_threads`, else the ``PORTATTN_NUMPY_THREADS``
+    environment variable, else the CPUs available.
     """
 
     name = "numpy_fast"
@@ -31,6 +32,9 @@ class NumpyFastKernel(Kernel):
     bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = True
     priority = 50
+    # Bytes of one score tile (see Config.tile_bytes): the best size differs by machine.
+    tunables: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tile_bytes": (512 << 10, 1 << 20, 2 << 20, 4 << 20)}
 
     @classmethod
     def check_available(cls) -> str | None:

@@ -23,14 +23,13 @@ if TYPE_CHECKING:
 __all__ = ["block_sizes", "build", "useful_threads"]
 
 
-def block_sizes(q_len: int, kv_len: int, itemsize: int, config: Config, *, heads: int = 1,
+def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads: int = 1,
                 threads: int = 1) -> tuple[int, int]:
-    """Query and key block lengths whose score tile fills the configured tile bytes.
+    """Query and key block lengths whose score tile holds ``elements`` entries.
 
     Keys come in blocks of at most ``max_block_k``; queries fill the rest, and shrink
     when there would be too few units to keep every thread busy.
     """
-    elements = config.score_tile_bytes() // itemsize
     block_k = min(max(kv_len, 1), config.max_block_k)
     block_q = min(config.max_block_q, max(config.min_block_q, elements // block_k))
     want_tiles = math.ceil(config.min_units_per_thread * threads / max(heads, 1))
@@ -64,7 +63,9 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     parts = split(inputs.mask, lq, lk)
     positional = functools.reduce(operator.and_, parts.positional) if parts.positional else None
     heads = math.prod(inputs.batch_shape) * hq
-    block_q, block_k = block_sizes(lq, lk, query.itemsize, config, heads=heads,
+    # read once, here: worker threads see neither a tune run's trial nor a newer file
+    tile_elements = config.score_tile_bytes() // query.itemsize
+    block_q, block_k = block_sizes(lq, lk, tile_elements, config, heads=heads,
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
     base2 = inputs.bias is None  # a bias would need its own pass to change base
@@ -79,7 +80,8 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
         positional=positional, dense=parts.dense,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
-        config=config, query_len=parts.query_len, key_len=parts.key_len,
+        tile_elements=tile_elements, config=config, query_len=parts.query_len,
+        key_len=parts.key_len,
     )
     strategy = choose(problem, inputs, threads)
     # set once, before any worker sees the problem (dataclasses.replace costs ~10 us)

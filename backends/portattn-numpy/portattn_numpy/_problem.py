@@ -44,6 +44,8 @@ class Problem:
     group: int
     block_q: int
     block_k: int
+    tile_elements: int
+    """Entries of one score tile (``Config.score_tile_bytes`` over the item size)."""
     config: Config
     """The settings this call was planned with (``_config``)."""
     query_len: Any = None
@@ -53,6 +55,3 @@ class Problem:
     strategy: Strategy | None = None
     """How the call is cut into units and each unit computed (``_strategy``)."""
 
-    @property
-    def tile_elements(self) -> int:
-        return self.config.score_tile_bytes() // self.query.itemsize

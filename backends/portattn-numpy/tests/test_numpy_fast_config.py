@@ -63,3 +63,32 @@ def test_l2_read_from_sysfs_when_sysconf_does_not_say(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sysconf", no_answer)
     assert _config._l2_bytes(tmp_path) == 2 << 20
     assert _config._l2_bytes(tmp_path / "missing") == 0
+
+
+@pytest.mark.parametrize(("chosen", "want"), [(256 << 10, 256 << 10), ("big", None),
+                                              (None, None)])
+def test_the_tile_size_tune_chose_is_used(chosen, want, tmp_path, monkeypatch):
+    import json
+
+    from portattn_numpy._plan import build
+
+    import portattn
+    from portattn import _tune
+
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv(_tune.TUNE_ENV, str(path))
+    _tune.refresh()
+    settings = {} if chosen is None else {"numpy_fast": {"tile_bytes": {"chosen": chosen}}}
+    path.write_text(json.dumps({
+        "format": _tune.FORMAT, "created": "2026-12-01T00:00:00+00:00",
+        "machine": _tune.machine(), "entries": [], "settings": settings,
+        "versions": {"portattn": portattn.__version__,
+                     **{e.distribution: e.version for e in portattn.kernels()}}}))
+    q = np.zeros((1, 1, 4096, 64), np.float32)
+    try:
+        problem, _ = build(portattn.explain(q, q, q).inputs)
+    finally:
+        _tune.refresh()
+    expected = _config.machine_tile_bytes() if want is None else want
+    assert problem.tile_elements == expected // 4  # a bad value leaves the default
+    assert problem.block_q * problem.block_k == min(expected // 4, 512 * 1024)
