@@ -61,14 +61,19 @@ FLOAT32_MAX = 3.4028234663852886e38
 def scores_may_overflow(inputs: AttentionInputs) -> bool:
     """Whether a bfloat16 call on the CPU could have a score (with its bias) beyond
     float32: ``|q . k| * scale <= D * max|q| * max|k| * |scale|`` bounds it, from one
-    min/max reduction over the queries and one over the keys. NaN inputs count too."""
-    if inputs.dtype != "bfloat16" or inputs.device != "cpu" or not inputs.q_len:
+    min/max reduction over the queries and one over the keys. NaN inputs count too.
+    Under ``torch.compile`` no value can be read: False."""
+    if (inputs.dtype != "bfloat16" or inputs.device != "cpu" or not inputs.query.numel()
+            or not inputs.key.numel()):
         return False
     import torch
 
-    ends = [*torch.aminmax(inputs.query), *torch.aminmax(inputs.key)]
+    if torch.compiler.is_compiling():
+        return False
+    # read without the autograd record: these values are no part of the result
+    ends = [*torch.aminmax(inputs.query.detach()), *torch.aminmax(inputs.key.detach())]
     if inputs.bias is not None and inputs.bias.numel():
-        ends.append(inputs.bias.amax().clamp(min=0))
+        ends.append(inputs.bias.detach().amax().clamp(min=0))
     ends = [float(x) for x in ends]
     if not all(map(math.isfinite, ends)):
         return True

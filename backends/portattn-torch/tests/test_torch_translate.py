@@ -118,6 +118,23 @@ def test_bfloat16_calls_run_in_float32_only_when_scores_may_overflow(sdpa_calls,
                                             else torch.bfloat16)
 
 
+def test_the_bfloat16_bound_reads_no_autograd_record():
+    # (reading a tensor that requires grad as a number warns)
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.bfloat16))
+    portattn.attention(q, k, v, kernel="torch_sdpa").sum().backward()
+    assert q.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_the_bfloat16_bound_is_left_out_under_torch_compile():
+    # No value can be read while tracing: the call must still trace as one graph.
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    portattn.kernels()
+    compiled = torch.compile(lambda q, k, v: portattn.attention(q, k, v, kernel="torch_sdpa"),
+                             backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), SDPA(q, k, v))
+
+
 @pytest.mark.parametrize(("lq", "lk"), [(3, 9), (9, 3)])
 def test_bottom_right_causal_on_cpu_is_a_boolean_mask(sdpa_calls, lq, lk):
     call = _run(sdpa_calls, *_qkv(lq, lk), mask=masks.causal("bottom_right"))

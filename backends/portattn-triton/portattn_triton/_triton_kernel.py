@@ -108,8 +108,9 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
     ``MASKED`` tiles may hold disallowed pairs or keys past the end; the others are
     fully inside the band. Keys past the key length are never read, nor poisoned
     values: their weight may be 0, but a NaN would still reach ``P @ V`` as
-    ``0 * NaN``. ``POISON_SCORES``: ...or the poison goes into the scores instead (the
-    form ptxas fits in registers for float32 tiles; 2-byte tiles take the other)."""
+    ``0 * NaN``. Masked tiles load poisoned keys as NaN, or, with ``POISON_SCORES``,
+    add the poison to the scores instead (the form ptxas fits in registers for
+    float32 tiles; 2-byte tiles take the other)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -120,7 +121,7 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
         if MASKED:
             in_k = cols < kv_valid
             k_other = 0.0
-            if HAS_POISON:  # poisoned values load as 0, and their keys as NaN...
+            if HAS_POISON:  # poisoned values load as 0
                 poison = tl.load(Poison + cols, mask=in_k, other=0.0)
                 if not POISON_SCORES:
                     k_other = poison[None, :]

@@ -132,11 +132,12 @@ BAND_CASES = {"window": ({"window": (4, 0)}, 37, 0), "causal": ({"causal": "bott
 @pytest.mark.parametrize("mask", BAND_CASES)
 @pytest.mark.parametrize("where", ["key", "value"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_values_the_band_hides_change_nothing(path, mask, where, bad):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_values_the_band_hides_change_nothing(path, mask, where, bad, dtype):
     # The rows that attend the bad key come out NaN, all others bitwise as without it.
     options, key, row = BAND_CASES[mask]
-    q = torch.randn(1, 4, 3, 16)
-    k, v = (torch.randn(1, 2, 44, 16) for _ in range(2))
+    q = torch.randn(1, 4, 3, 16, dtype=dtype)
+    k, v = (torch.randn(1, 2, 44, 16, dtype=dtype) for _ in range(2))
     config = DECODE if path == "decode" else TMA_CONFIGS[1]
     if path == "decode":
         options = {**options, "num_splits": 2}
@@ -152,9 +153,10 @@ def test_values_the_band_hides_change_nothing(path, mask, where, bad):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("path", ["pointer", "tma", "decode"])
-def test_values_hidden_from_every_row_change_nothing(path):
-    q = torch.randn(1, 4, 3, 16)
-    k, v = (torch.randn(1, 2, 44, 16) for _ in range(2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_values_hidden_from_every_row_change_nothing(path, dtype):
+    q = torch.randn(1, 4, 3, 16, dtype=dtype)
+    k, v = (torch.randn(1, 2, 44, 16, dtype=dtype) for _ in range(2))
     config = DECODE if path == "decode" else TMA_CONFIGS[1]
     options = {"window": (4, 0), **({"num_splits": 2} if path == "decode" else {})}
     clean = flash_forward(q, k, v, config=config, path=path, **options)
