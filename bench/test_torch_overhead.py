@@ -94,3 +94,49 @@ def test_dispatch_only(benchmark, repeated):
         def dispatch():
             return choose(describe(q, k, v))
     benchmark.pedantic(dispatch, warmup_rounds=3, rounds=200, iterations=10)
+
+
+GUARD_SIZES = (256, 2048)
+
+
+# dynamo warns about array-api-compat's lru_caches, inductor about torch's own deprecations
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("n", GUARD_SIZES, ids=lambda n: f"N={n}")
+@pytest.mark.parametrize("mask", ["causal", "key_lengths"])
+def test_nonfinite_guard_under_compile(benchmark, mask, n):
+    """Under ``torch.compile`` no value can be read, so ``torch_sdpa`` keeps the rule for
+    non-finite inputs on the device (``portattn_torch._nonfinite``): a pass over the
+    keys and values and a copy of them. Timed in turns against SDPA compiled with the
+    same mask arguments (``is_causal``; the boolean key-length mask), the cost a
+    compiled CPU call, and the closest one to a GPU's, pays for the rule."""
+    from portattn import masks
+
+    q, k, v = _inputs(n)
+    lengths = torch.tensor([n - n // 4])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if mask == "causal":
+        def ours(q, k, v):
+            return portattn.attention(q, k, v, mask=masks.causal("top_left"),
+                                      kernel="torch_sdpa")
+
+        def direct(q, k, v):
+            return sdpa(q, k, v, is_causal=True)
+    else:
+        def ours(q, k, v):
+            return portattn.attention(q, k, v, mask=masks.key_lengths(lengths),
+                                      kernel="torch_sdpa")
+
+        def direct(q, k, v):
+            return sdpa(q, k, v, attn_mask=torch.arange(n) < lengths[:, None, None, None])
+    portattn.kernels()  # discovery reads entry points, which dynamo does not trace
+    ours, direct = (torch.compile(f, fullgraph=True) for f in (ours, direct))
+    torch.testing.assert_close(ours(q, k, v), direct(q, k, v))
+    benchmark.group = f"torch_sdpa's non-finite rule under torch.compile, {mask} N={n}"
+    benchmark.extra_info.update(shape=(1, HEADS, n, HEAD_DIM), dtype="float32", mask=mask)
+    benchmark.pedantic(lambda: ours(q, k, v), warmup_rounds=3, **_rounds(n))
+    best, median = _alternating(lambda: direct(q, k, v), lambda: ours(q, k, v),
+                                *ALTERNATIONS.get(n, (100, 1)))
+    benchmark.extra_info.update(time_over_direct=best, median_time_over_direct=median)
+    print(f"\ncompiled torch_sdpa / compiled SDPA, {mask} N={n}, in turns: {best:.3f}x by "
+          f"minimum, {median:.3f}x median per round")

@@ -9,7 +9,9 @@ inf where it should not; and a backward pass meets hidden inputs in its products
 the output (one pass over it, a few microseconds) and, when gradients will flow,
 reads the extremes of the inputs; a call that fails runs on a kernel that follows
 the rule. On accelerators (a host sync per call), under tracing (``jax.jit``,
-``torch.compile``) and on lazy Dask arrays nothing is checked.
+``torch.compile``) and on lazy Dask arrays nothing is checked
+(``AttentionInputs.values_readable`` is False): there such a kernel keeps the rule
+itself or not at all (torch's SDPA kernel does, on the device).
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ def distrust(inputs: AttentionInputs, out: Any) -> str | None:
     non-finite inputs; None when it cannot (or the values cannot be read)."""
     if inputs.mask is None and inputs.bias is None:
         return None  # nothing is hidden: a NaN that reaches the output belongs there
-    # On an accelerator every read would stall the caller's stream (a host sync per
-    # call, which decode loops cannot afford): the check is made on the host only.
-    if inputs.device != "cpu" or math.prod(out.shape) == 0 or not values_readable(out):
+    if not inputs.values_readable or math.prod(out.shape) == 0 or not values_readable(out):
         return None
     xp = inputs.xp
     if not math.isfinite(float(xp.sum(_plain(out), dtype=inputs.compute_dtype))):

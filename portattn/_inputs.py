@@ -15,6 +15,7 @@ from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
 from . import masks as _masks
+from ._mask_values import values_readable
 
 if TYPE_CHECKING:
     from .masks import Mask
@@ -131,6 +132,14 @@ class AttentionInputs(NamedTuple):
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def values_readable(self) -> bool:
+        """Whether the call's values can be read on the host now: CPU arrays, neither
+        traced (``jax.jit``, ``torch.compile``) nor lazy (Dask). Only then does dispatch
+        check the output of a kernel that declares ``finite_inputs_only``: on an
+        accelerator each read would stall the caller's stream (a host sync per call)."""
+        return self.device == "cpu" and values_readable(self.query)
 
     def block(self) -> str:
         """The inputs block used in errors and logs."""

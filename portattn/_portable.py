@@ -129,12 +129,15 @@ def split_nonfinite(xp: Any, v: Any) -> tuple[Any, Any]:
     return clean, cast(xp, bad, v.dtype)
 
 
-def attend_values(xp: Any, p: Any, clean: Any, bad: Any) -> Any:
-    """``p @ v`` for values split by :func:`split_nonfinite`."""
+def attend_values(xp: Any, p: Any, clean: Any, bad: Any, s: Any) -> Any:
+    """``p @ v`` for values split by :func:`split_nonfinite`; ``s`` are the scores the
+    weights ``p`` came from."""
     pv = xp.matmul(p, clean)
     if bad is None:
         return pv
-    attended = xp.matmul(p, bad) > 0  # some weight on a non-finite value
+    # A row attends every key its scores do not hide (-inf), also one whose weight
+    # underflowed to 0: in exact arithmetic that weight times NaN is NaN too.
+    attended = xp.matmul(cast(xp, s > -math.inf, p.dtype), bad) > 0
     return xp.where(attended, xp.full_like(pv, math.nan), pv)
 
 

@@ -57,7 +57,7 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     p = xp.exp(s - m)
     denom = xp.sum(p, axis=-1, keepdims=True)
     weights, lse = finish(xp, p, m, denom)
-    out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad)), inputs.query.dtype)
+    out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad, s)), inputs.query.dtype)
     return (
         out,
         ungroup(xp, lse, trailing=1) if inputs.return_lse else None,

@@ -113,7 +113,8 @@ def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
         m_safe = finite_or_zero(xp, m_new)
         p = xp.exp(s - m_safe)
-        pv = attend_values(xp, p, v[..., k0:k1, :], None if bad is None else bad[..., k0:k1, :])
+        pv = attend_values(xp, p, v[..., k0:k1, :], None if bad is None else bad[..., k0:k1, :],
+                           s)
         row_sum = xp.sum(p, axis=-1, keepdims=True)
         if acc is None:
             acc, denom = pv, row_sum

@@ -63,7 +63,9 @@ class Kernel:
     On the CPU dispatch then checks the output of each call whose mask or bias can hide
     anything, and the inputs of those that need gradients, and runs a call that fails
     again on a kernel that follows the README's rule for non-finite inputs; a forced
-    kernel raises ``KernelNotUsableError`` for it."""
+    kernel raises ``KernelNotUsableError`` for it. Where
+    :attr:`AttentionInputs.values_readable` is False nothing is checked: a kernel that
+    wants the rule there keeps it itself."""
     priority: ClassVar[int] = 0
     tunables: ClassVar[dict[str, tuple[Any, ...]]] = {}
     """Settings ``python -m portattn tune`` may choose for this machine, each with the

@@ -16,13 +16,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("differential fuzzer")
     backends = sorted({b for b, _, _ in COUNTS})
     for name in backends:
-        for prefix in ("", "grad "):  # forward calls, then gradient calls
+        # forward calls, gradient calls, calls with non-finite inputs
+        for prefix in ("", "grad ", "nonfinite "):
             calls = COUNTS[name, "*", f"{prefix}calls"]
             if not calls:
                 continue
             terminalreporter.write_line(f"{name}: {calls} {prefix}calls")
             kernels = sorted({k for b, k, v in COUNTS if b == name and k != "*"
-                              and v.startswith(prefix)})
+                              and v in (f"{prefix}agreed", f"{prefix}refused")})
             for kernel in kernels:
                 agreed = COUNTS[name, kernel, f"{prefix}agreed"]
                 refused = COUNTS[name, kernel, f"{prefix}refused"]

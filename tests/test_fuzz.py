@@ -314,3 +314,89 @@ def test_every_grad_kernel_agrees_with_the_oracle(backend):
         assert not failures, f"{spec}\n" + "\n".join(failures)
 
     one_call()
+
+
+#: How a spoiled key row is spoiled: every entry of its key or of its value.
+SPOILS = ("key nan", "value nan", "value inf", "value -inf")
+#: Kernels that declare ``finite_inputs_only`` and leave the rule to dispatch's check.
+UNCHECKED = frozenset({"example_einsum"})
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+@pytest.mark.parametrize("readable", [True, False], ids=["values read", "values unread"])
+def test_every_kernel_keeps_the_rule_for_nonfinite_inputs(backend, readable, monkeypatch):
+    """Random key rows spoiled with NaN or inf: the rows the mask lets see one are
+    non-finite in every column, every other row is the oracle's answer on the clean
+    inputs. "values unread" is a call as on an accelerator: dispatch cannot check an
+    output, and a kernel that keeps the rule there must do it on its own (the README's
+    example plugin, exact on finite inputs only, does not: it is left out there)."""
+    from portattn._inputs import AttentionInputs
+
+    if not readable:
+        monkeypatch.setattr(AttentionInputs, "values_readable", property(lambda _: False))
+    tag = "" if readable else " (unread)"
+    # in CI, a third of the forward count per mode
+    count = int(EXAMPLES) if EXAMPLES else settings.get_profile(PROFILE).max_examples
+    count = count // 3 if PROFILE == "ci" and not EXAMPLES else count
+
+    @seed(SEED + 2)
+    @settings(settings.get_profile(PROFILE), max_examples=count)
+    @given(spec=specs(backend.dtypes), spoil=st.sampled_from(SPOILS),
+           share=st.sampled_from([0.05, 0.2, 0.5]))
+    def one_call(spec, spoil, share):
+        args, kwargs, oracle_args = build_call(spec, backend)
+        want_out, want_lse = attention64(*oracle_args, spec.scale, spec.softcap)
+        rng = np.random.default_rng(spec.seed + 2)
+        bad = rng.random((*spec.batch, spec.hkv, spec.lk)) < share
+        which, value = spoil.split()
+        q, k, v = (np.array(backend.to_numpy(a)) for a in args)  # writable copies
+        spoiled = {"key": k, "value": v}[which]
+        spoiled[bad] = float(value)
+        args = tuple(backend.asarray(a, spec.dtype) for a in (q, k, v))
+        allowed = oracle_args[3]
+        seen = np.repeat(bad, spec.hq // spec.hkv, axis=-2)[..., None, :]
+        sees = np.any(seen if allowed is None else allowed & seen, axis=-1)
+        sees = np.broadcast_to(sees, want_out.shape[:-1])
+        failures = []
+        names = [n for n in _kernel_names(backend) if readable or n not in UNCHECKED]
+        for name in [*names, None]:
+            label = (name or "dispatched") + tag
+            try:
+                with np.errstate(all="ignore"):
+                    result = portattn.attention(*args, **kwargs, kernel=name)
+                    out, lse = result if spec.lse else (result, None)
+                    got = np.asarray(backend.to_numpy(out), dtype=np.float64)
+            except KernelNotUsableError:
+                if name is None:
+                    failures.append("the dispatched call found no kernel")
+                COUNTS[backend.name, label, "nonfinite refused"] += 1
+                continue
+            except Exception as e:
+                failures.append(f"{label} raised {type(e).__name__}: {e}")
+                continue
+            problems = _nonfinite_problems(spec, got, want_out, sees)
+            if lse is not None and not problems:
+                got_lse = np.asarray(backend.to_numpy(lse), dtype=np.float64)
+                rtol, atol = tolerance(spec.dtype)
+                if not np.allclose(got_lse[~sees], want_lse[~sees], rtol=rtol, atol=atol):
+                    problems.append("lse differs on a row that sees no spoiled key")
+            if problems:
+                failures.append(f"{label}: {', '.join(problems)}")
+            else:
+                COUNTS[backend.name, label, "nonfinite agreed"] += 1
+        COUNTS[backend.name, "*", "nonfinite calls"] += 1
+        assert not failures, f"{spec} {spoil} {share}\n" + "\n".join(failures)
+
+    one_call()
+
+
+def _nonfinite_problems(spec, got, want_out, sees) -> list[str]:
+    if got.shape != want_out.shape:
+        return [f"out shape {got.shape} != {want_out.shape}"]
+    problems = []
+    if np.isfinite(got[sees]).any():
+        problems.append("a finite entry in a row that sees a spoiled key")
+    rtol, atol = tolerance(spec.dtype)
+    if not np.allclose(got[~sees], want_out[~sees], rtol=rtol, atol=atol):
+        problems.append("a spoiled key changed a row that does not see it")
+    return problems

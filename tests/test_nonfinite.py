@@ -27,7 +27,8 @@ from portattn.errors import KernelNotUsableError, NoKernelError
 from portattn.kernel import ANY
 
 CASES = ("nan_padded_value", "nan_padded_key", "inf_future_value", "nan_padded_query",
-         "nan_query_row", "overflowing_scores", "overflowing_scores_bfloat16")
+         "nan_query_row", "nan_value_of_underflowed_weight", "overflowing_scores",
+         "overflowing_scores_bfloat16")
 #: The cases' dtype, where it is not float32.
 DTYPES = {"overflowing_scores_bfloat16": "bfloat16"}
 #: ``(case, kernel): why`` for what breaks the rule; none does now.
@@ -58,6 +59,15 @@ def _case(name):
     elif name == "nan_query_row":
         q[..., 2, :] = np.nan
         nan_rows[2] = True
+    elif name == "nan_value_of_underflowed_weight":
+        # key 1 scores about -500 against every query: its weight underflows to 0, but
+        # the mask lets every row see it, so the NaN value makes every row NaN
+        q[..., 0], k[..., 1, :] = 5.0, 0.0
+        k[..., 1, 0] = -400.0
+        clean = (q.copy(), k.copy(), v.copy())
+        v[..., 1, :] = np.nan
+        parts = [("key_lengths", 4)]
+        nan_rows[:] = True
     elif name == "overflowing_scores":
         q, k = q * 1e30, k * 1e30
         nan_rows[:] = True

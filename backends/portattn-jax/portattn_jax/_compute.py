@@ -9,10 +9,12 @@ Three places where JAX's answer differs from portattn's are fixed here:
 - a query row with no allowed key gets the uniform average of the values from JAX
   (it masks with a large finite number); portattn's answer is 0, so such rows are
   zeroed. Zeroing with ``where`` also gives them zero gradients, which is exact;
-- NaN in padded value rows (beyond the key lengths), or any non-finite value a mask
-  hides, would reach the output through ``0 * NaN``; such values are zeroed first,
-  and on the XLA path one more value column marks the keys that held one, so a row
-  that does attend one is NaN;
+- NaN or inf in a key or value row a mask hides (padding beyond the key lengths, the
+  future under a causal mask) would reach the output through ``0 * NaN``. So when
+  the mask or bias can hide anything, every key row whose key or value is not finite
+  is zeroed in both, and the rows the mask lets see one are multiplied by NaN
+  afterwards: found by a prefix sum over the keys for bands and lengths (O(B * H *
+  (Lq + Lk))), from the boolean mask with a dense mask or a bias;
 - ``-inf`` in the bias would give JAX ``NaN`` rows (softmax of ``-inf`` only). It is
   replaced by a finite number far below any score, which is exact for rows that keep
   a finite score and leaves rows without one to the zeroing above.
@@ -62,32 +64,30 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
     kl = _combined(jnp.minimum, key_lengths)
     ql = _combined(jnp.minimum, query_lengths)
     allowed = _combined(jnp.logical_and, dense)
-    if kl is not None:
-        # Padded value rows get weight 0, but 0 * NaN is NaN: padding must not leak.
-        padded = jnp.arange(lk)[:, None] >= kl[..., None, None, None]
-        value = jnp.where(padded, jnp.zeros((), value.dtype), value)
-    marks = None
-    if plan.implementation == "xla":
-        # Any hidden non-finite value would reach the output through 0 * NaN too: the
-        # values are attended with such entries zeroed and one more column marking the
-        # keys that held one; a row with weight there attends it, so its output is NaN.
-        finite_v = jnp.isfinite(value)
-        marks = jnp.any(~finite_v, axis=-1, keepdims=True).astype(value.dtype)
-        value = jnp.concatenate([jnp.where(finite_v, value, jnp.zeros((), value.dtype)),
-                                 marks], axis=-1)
     if bias is not None:
         bias = bias.astype(jnp.float32)
         finite = bias != -jnp.inf
         bias = jnp.where(finite, bias, _FAR_BELOW)
     else:
         finite = None
+    seen = None
+    if plan.band is not None or kl is not None or allowed is not None or bias is not None:
+        # A hidden key gets weight 0, but 0 * NaN is NaN: the key rows that are not
+        # finite are zeroed, and the rows the mask lets see one are made NaN below.
+        key, value, bad = _clear_nonfinite(key, value)
+        group = query.shape[-3] // key.shape[-3]
+        if allowed is None and finite is None:
+            seen = jnp.repeat(_seen_in_band(bad, plan.band, lq, kl), group, axis=-2)
+        else:
+            pairs = _pairs(plan.band, lq, lk, kl, None, allowed, finite)
+            seen = jnp.any(pairs & jnp.repeat(bad, group, axis=-2)[..., None, :], axis=-1)
     if plan.implementation == "xla":  # float32 there; GPUs would default to TF32
         with jax.default_matmul_precision("highest"):
             out = _call_jax(query, key, value, bias, allowed, kl, ql, plan)
     else:
         out = _call_jax(query, key, value, bias, allowed, kl, ql, plan)
-    if marks is not None:
-        out = jnp.where(out[..., -1:] > 0, jnp.asarray(jnp.nan, out.dtype), out[..., :-1])
+    if seen is not None:  # times NaN, so that their gradients are NaN too
+        out = out * jnp.where(seen, jnp.nan, 1.0).astype(out.dtype)[..., None]
     if plan.fix_rows == "none":
         return out
     if plan.fix_rows == "band":
@@ -167,6 +167,37 @@ def _flatten_batch(x: Any, batch: tuple[int, ...]) -> Any:
     return jnp.reshape(x, (math.prod(batch), *rest))
 
 
+def _clear_nonfinite(key: Any, value: Any) -> tuple[Any, Any, Any]:
+    """``(key, value, bad)``: the key rows whose key or value is not finite zeroed in
+    both, and ``bad`` ``(*batch, Hkv, Lk)`` marking them."""
+    bad = ~(jnp.all(jnp.isfinite(key), axis=-1) & jnp.all(jnp.isfinite(value), axis=-1))
+    key = jnp.where(bad[..., None], jnp.zeros((), key.dtype), key)
+    value = jnp.where(bad[..., None], jnp.zeros((), value.dtype), value)
+    return key, value, bad
+
+
+def _seen_in_band(bad: Any, band: Band | None, lq: int, kl: Any) -> Any:
+    """``(*batch, Hkv, Lq)``: does row ``i`` see a key ``bad`` marks? Row ``i`` sees
+    keys ``max(0, i - left) <= j < min(n, i + right + 1)``; the marked ones among them
+    are counted by a prefix sum, O(Lq + Lk) per head."""
+    from ._translate import Band
+
+    lk = bad.shape[-1]
+    band = band or Band(None, None)
+    i = jnp.arange(lq)
+    stop = jnp.full((lq,), lk) if band.right is None else jnp.minimum(i + band.right + 1, lk)
+    if kl is not None:
+        stop = jnp.minimum(stop, kl[..., None, None])  # (*batch, 1, Lq)
+    stop = jnp.clip(stop, 0, lk)
+    start = jnp.zeros((lq,), stop.dtype) if band.left is None else i - band.left
+    start = jnp.clip(jnp.broadcast_to(start, stop.shape), 0, stop)
+    before = jnp.pad(jnp.cumsum(bad, axis=-1), [(0, 0)] * (bad.ndim - 1) + [(1, 0)])
+    shape = (*bad.shape[:-1], lq)
+    count = (jnp.take_along_axis(before, jnp.broadcast_to(stop, shape), axis=-1)
+             - jnp.take_along_axis(before, jnp.broadcast_to(start, shape), axis=-1))
+    return count > 0
+
+
 def _rows_from_band(band: Band | None, lq: int, lk: int, kl: Any, ql: Any) -> Any:
     """``(*batch|1, 1, Lq)``: does query row ``i`` keep a key? Without a score matrix.
 
@@ -191,6 +222,12 @@ def _rows_from_band(band: Band | None, lq: int, lk: int, kl: Any, ql: Any) -> An
 
 def _rows_from_mask(band, lq, lk, kl, ql, allowed, finite):
     """``(*batch|1, H|1, Lq)`` from the whole boolean mask, bias ``-inf`` included."""
+    # A size-1 key axis stands for every key (Lk >= 1 here), so any() over it is right.
+    return jnp.any(_pairs(band, lq, lk, kl, ql, allowed, finite), axis=-1)
+
+
+def _pairs(band, lq, lk, kl, ql, allowed, finite):
+    """The pairs the mask allows, ``(*batch|1, H|1, Lq|1, Lk|1)``, bias ``-inf`` hiding."""
     full = jnp.ones((1, 1), dtype=bool)
     if band is not None:
         left, right = band.window(lq, lk)
@@ -204,5 +241,4 @@ def _rows_from_mask(band, lq, lk, kl, ql, allowed, finite):
         full = full & allowed
     if finite is not None:
         full = full & finite
-    # A size-1 key axis stands for every key (Lk >= 1 here), so any() over it is right.
-    return jnp.any(full, axis=-1)
+    return full

@@ -85,7 +85,7 @@ def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: A
     k, v = _padding_zeroed(k.astype(ct), kl), _padding_zeroed(v.astype(ct), kl)
     # A masked key has weight exactly 0, but 0 * NaN is NaN: the values are attended
     # with non-finite entries zeroed, and ``marks`` (1 for keys that held one) tells
-    # which rows gave weight to such a value (their output is NaN).
+    # which rows attend such a value (their output is NaN).
     finite = jnp.isfinite(v)
     marks = jnp.any(~finite, axis=-1, keepdims=True).astype(ct)
     v = jnp.where(finite, v, jnp.zeros((), ct))
@@ -103,16 +103,13 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
     ct, qb, kb, vb, mb, gbias, gdense = _prepared(plan, q, k, v, bias, kl, ql, dense)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
-    # The marks ride along as one more value column: the same product accumulates, per
-    # row, the weight given to keys whose values were not finite.
-    vmb = jnp.concatenate([vb, mb], axis=-1)
 
     def query_step(tiles, xs):
         iq, qt = xs
         q0 = iq * plan.block_q
 
         def key_step(ik, carry):
-            acc, m, denom, n = carry
+            acc, m, denom, seen, n = carry
             k0 = ik * plan.block_k
             allowed = tile_allowed(plan, q0, k0, kl, ql, gdense)
             s, _ = _scores(plan, qt, _take(kb, ik), gbias, allowed, q0, k0)
@@ -120,18 +117,21 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, kl: Any, ql: Any
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # rows with no key yet
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", p, _take(vmb, ik))
-            return acc, m_new, denom * alpha + jnp.sum(p, axis=-1), n + 1
+            acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", p, _take(vb, ik))
+            # rows whose scores do not hide a marked key (-inf), whatever its weight
+            marked = _take(mb, ik)[..., 0][:, :, None, None, :] > 0
+            seen = seen | jnp.any((s > -jnp.inf) & marked, axis=-1)
+            return acc, m_new, denom * alpha + jnp.sum(p, axis=-1), seen, n + 1
 
         rows = (b, hkv, g, bq)
-        init = (jnp.zeros((*rows, dv + 1), ct), jnp.full(rows, -jnp.inf, ct),
-                jnp.zeros(rows, ct), tiles)
+        init = (jnp.zeros((*rows, dv), ct), jnp.full(rows, -jnp.inf, ct),
+                jnp.zeros(rows, ct), jnp.zeros(rows, bool), tiles)
         lo, hi = key_block_range(plan, iq, kl, ql)
-        acc, m, denom, tiles = lax.fori_loop(lo, hi, key_step, init)
+        acc, m, denom, seen, tiles = lax.fori_loop(lo, hi, key_step, init)
         has_mass = denom > 0
         safe = jnp.where(has_mass, denom, 1)
         lse = jnp.where(has_mass, m + jnp.log(safe), -jnp.inf)
-        out = jnp.where(acc[..., dv:] > 0, jnp.nan, acc[..., :dv] / safe[..., None])
+        out = jnp.where(seen[..., None], jnp.nan, acc / safe[..., None])
         return tiles, (out, lse)
 
     index = jnp.arange(plan.num_q_blocks, dtype=jnp.int32)

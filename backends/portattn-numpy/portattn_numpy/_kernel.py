@@ -59,12 +59,18 @@ class NumpyFastKernel(Kernel):
         if finite.all():  # the usual case: one pass over the values to know it
             return (*_attend(inputs), None)
         # A masked key has weight exactly 0, but 0 * NaN is NaN: attend the values with
-        # their non-finite entries zeroed, then attend a column that marks the keys that
-        # held one: a row with any weight there attends a non-finite value, so is NaN.
+        # their non-finite entries zeroed, then find the rows that attend a key that held
+        # one: zero queries give every key the mask and bias allow the same weight, so
+        # a column marking those keys gets weight in exactly those rows (also where the
+        # real weight underflowed to 0), which are NaN.
         clean = np.where(finite, inputs.value, 0)
         out, lse = _attend(inputs._replace(value=clean))
         marks = (~finite).any(axis=-1, keepdims=True).astype(inputs.value.dtype)
-        hits, _ = _attend(inputs._replace(value=marks, value_head_dim=1, return_lse=False))
+        bias = inputs.bias
+        hits, _ = _attend(inputs._replace(
+            query=np.zeros_like(inputs.query), value=marks, value_head_dim=1,
+            return_lse=False, softcap=None,
+            bias=None if bias is None else np.where(bias == -np.inf, bias, np.zeros_like(bias))))
         out[np.broadcast_to(hits > 0, out.shape)] = np.nan
         return out, lse, None
 

@@ -10,9 +10,11 @@ give exactly is declared unsupported, so dispatch runs the portable kernels inst
 - ``return_weights``: SDPA never forms the softmax matrix.
 - non-finite inputs (``finite_inputs_only``): SDPA lets a NaN the mask hides reach the
   output through ``0 * NaN``; on the CPU dispatch checks the output and runs another
-  kernel then. (Its CPU kernel also gives 0 for a row with a NaN query or overflowing
-  scores: below 16 keys it is given a mask tensor, and bfloat16 calls whose scores
-  may overflow float32 run in float32; see ``_translate``.)
+  kernel then. Where no value can be read (accelerators, torch.compile) the call
+  keeps the rule itself (``_nonfinite``). (Its CPU kernel also gives 0 for a row with
+  a NaN query or overflowing scores: below 16 keys it is given a mask tensor, and
+  bfloat16 calls whose scores may overflow float32 run in float32; see
+  ``_translate``.)
 - gradients through a structured mask that SDPA could only take as a dense
   ``(Lq, Lk)`` mask built here, when the mask has a bounded window (measured at
   L = 512...4096, 8 heads, head dim 64, float32 CPU: forward + backward with ``tiled``
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from portattn.kernel import ANY, Kernel
 
 from ._availability import torch_unavailable
+from ._nonfinite import clear_nonfinite, poison, rows_seeing
 from ._translate import (
     as_4d,
     band_of,
@@ -138,8 +141,16 @@ def sdpa_attention(inputs: AttentionInputs) -> Any:
         q, k, v = (as_4d(x, batch) for x in (q, k, v))
         if isinstance(attn_mask, torch.Tensor):
             attn_mask = as_4d(attn_mask, batch)
+    # Nothing checks the output where no value can be read: keep the rule here, for a
+    # call whose mask can hide anything.
+    guard = not inputs.values_readable and (attn_mask is not None or spec.is_causal)
+    if guard:
+        k, v, bad = clear_nonfinite(k, v)
     out = sdpa(q, k, v, attn_mask=attn_mask, dropout_p=inputs.dropout_p,
                is_causal=spec.is_causal, scale=inputs.scale, enable_gqa=gqa)
+    if guard:
+        out = poison(out, rows_seeing(bad, attn_mask, spec.is_causal, inputs.q_len,
+                                      inputs.group_size, q.dtype))
     if len(batch) != 1:
         out = out.reshape(*batch, *out.shape[1:])
     if spec.keep is not None:

@@ -1,0 +1,71 @@
+"""The rule for non-finite inputs where nothing can check SDPA's output.
+
+SDPA gives a key its mask hides weight 0, but ``0 * NaN`` is NaN, so a NaN or inf
+value there reaches the row; kernels that add the mask to the scores let a hidden NaN
+key through too. On the CPU dispatch sums the output and runs a call that fails
+elsewhere (``finite_inputs_only``). Where the values cannot be read on the host (an
+accelerator, where it would be a sync per call, or ``torch.compile``), the call is made
+safe on the device instead, without reading anything:
+
+- every key whose key or value row is not finite becomes 0 in both, so a hidden one
+  changes nothing;
+- the rows the mask lets see such a key are multiplied by NaN afterwards: their
+  output is NaN, as the rule says, and so are their gradients, as the chain rule
+  through a NaN makes them.
+
+It costs a pass to find such rows and a copy of the keys and values per call,
+O((Lq + Lk) * D) next to the attention's O(Lq * Lk * D), plus, with a mask tensor, a
+product of the mask with one column per head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def clear_nonfinite(key: Any, value: Any) -> tuple[Any, Any, Any]:
+    """``(key, value, bad)``: keys and values ``(B, Hkv, Lk, D)`` with the key rows that
+    hold a NaN or inf (in the key or its value) set to 0, and ``bad`` ``(B, Hkv, Lk)``
+    marking those rows."""
+    import torch
+
+    def finite_rows(x: Any) -> Any:
+        # max |x| per row, one reduction without a temporary; NaN propagates
+        return torch.linalg.vector_norm(x, ord=float("inf"), dim=-1) < float("inf")
+
+    bad = ~(finite_rows(key) & finite_rows(value))
+    return key.masked_fill(bad[..., None], 0), value.masked_fill(bad[..., None], 0), bad
+
+
+def rows_seeing(bad: Any, attn_mask: Any, is_causal: bool, q_len: int, group: int,
+                dtype: Any) -> Any:
+    """Boolean ``(B, Hq, Lq|1)``: the rows that SDPA's mask arguments let attend a key
+    ``bad`` marks (``(B, Hkv, Lk)``; ``group`` query heads per key head); one row
+    stands for all where the mask is the same for every row (key lengths)."""
+    import torch
+    from torch.nn.attention.bias import CausalBias
+
+    if group > 1:
+        bad = bad.repeat_interleave(group, dim=1)
+    lk = bad.shape[-1]
+    if is_causal or isinstance(attn_mask, CausalBias):
+        # Row i sees keys [0, i + 1 + offset): count the bad ones by a prefix sum.
+        offset = 0 if is_causal else lk - q_len
+        ends = torch.arange(1 + offset, q_len + 1 + offset, device=bad.device).clamp(0, lk)
+        before = torch.nn.functional.pad(torch.cumsum(bad, dim=-1), (1, 0))
+        return before[..., ends] > 0
+    allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+    allowed = allowed.expand(*allowed.shape[:-1], lk)  # query lengths give (.., Lq, 1)
+    # (.., Lq, Lk) @ (B, Hq, Lk, 1): a count of the bad keys each row may attend; a sum
+    # of zeros and ones is 0 exactly when every term is, in any float dtype.
+    seen = torch.matmul(allowed.to(dtype), bad.to(dtype)[..., None])
+    return seen[..., 0] > 0
+
+
+def poison(out: Any, rows: Any) -> Any:
+    """``out`` with the ``rows`` (``(B, Hq, Lq|1)``) multiplied by NaN."""
+    import torch
+
+    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    one = torch.ones((), dtype=out.dtype, device=out.device)
+    return out * torch.where(rows, nan, one)[..., None]
