@@ -31,7 +31,7 @@ def _qkv(lq, lk, hq=2, hkv=2, seed=0):
             torch.randn(2, hkv, lk, 8, generator=g))
 
 
-def _window_bias(lq, lk, hq):
+def _bias_hiding_key_5(lq, lk, hq):
     bias = torch.randn(2, hq, lq, lk, generator=torch.Generator().manual_seed(1))
     bias[..., 1:, 5] = -INF  # key 5 is hidden from every row but row 0
     return bias
@@ -57,7 +57,7 @@ def _case(name):
             lambda k, v: k[:, :, 9].fill_(NAN), [(slice(None), slice(None), slice(2, 4))]
     if name == "a key a bias hides, grouped heads":
         q, k, v = _qkv(20, 20, hq=4, hkv=2)
-        return q, k, v, {"bias": _window_bias(20, 20, 4)}, \
+        return q, k, v, {"bias": _bias_hiding_key_5(20, 20, 4)}, \
             lambda k, v: v[:, :, 5].fill_(NAN), [(slice(None), slice(None), 0)]
     if name == "a sliding window":
         q, k, v = _qkv(20, 20)
