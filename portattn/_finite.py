@@ -19,8 +19,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._mask_values import values_readable
-
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
@@ -32,7 +30,7 @@ def distrust(inputs: AttentionInputs, out: Any) -> str | None:
     non-finite inputs; None when it cannot (or the values cannot be read)."""
     if inputs.mask is None and inputs.bias is None:
         return None  # nothing is hidden: a NaN that reaches the output belongs there
-    if not inputs.values_readable or math.prod(out.shape) == 0 or not values_readable(out):
+    if not inputs.values_readable or math.prod(out.shape) == 0:
         return None
     xp = inputs.xp
     if not math.isfinite(float(xp.sum(_plain(out), dtype=inputs.compute_dtype))):

@@ -70,7 +70,7 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
         bias = jnp.where(finite, bias, _FAR_BELOW)
     else:
         finite = None
-    seen = None
+    seen = pairs = None
     if plan.band is not None or kl is not None or allowed is not None or bias is not None:
         # A hidden key gets weight 0, but 0 * NaN is NaN: the key rows that are not
         # finite are zeroed, and the rows the mask lets see one are made NaN below.
@@ -79,7 +79,7 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
         if allowed is None and finite is None:
             seen = jnp.repeat(_seen_in_band(bad, plan.band, lq, kl), group, axis=-2)
         else:
-            pairs = _pairs(plan.band, lq, lk, kl, None, allowed, finite)
+            pairs = _pairs(plan.band, lq, lk, kl, allowed, finite)
             seen = jnp.any(pairs & jnp.repeat(bad, group, axis=-2)[..., None, :], axis=-1)
     if plan.implementation == "xla":  # float32 there; GPUs would default to TF32
         with jax.default_matmul_precision("highest"):
@@ -92,8 +92,8 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
         return out
     if plan.fix_rows == "band":
         has_keys = _rows_from_band(plan.band, lq, lk, kl, ql)
-    else:
-        has_keys = _rows_from_mask(plan.band, lq, lk, kl, ql, allowed, finite)
+    else:  # a dense mask or a bias: the pairs were built above
+        has_keys = _rows_from_pairs(pairs, lq, ql)
     return jnp.where(has_keys[..., None], out, jnp.zeros((), out.dtype))
 
 
@@ -220,14 +220,17 @@ def _rows_from_band(band: Band | None, lq: int, lk: int, kl: Any, ql: Any) -> An
     return ok[..., None, :] if ok.ndim > 1 else ok
 
 
-def _rows_from_mask(band, lq, lk, kl, ql, allowed, finite):
-    """``(*batch|1, H|1, Lq)`` from the whole boolean mask, bias ``-inf`` included."""
+def _rows_from_pairs(pairs, lq, ql):
+    """``(*batch|1, H|1, Lq)``: does row ``i`` keep a pair (bias ``-inf`` hiding) and lie
+    below the query lengths?"""
     # A size-1 key axis stands for every key (Lk >= 1 here), so any() over it is right.
-    return jnp.any(_pairs(band, lq, lk, kl, ql, allowed, finite), axis=-1)
+    rows = jnp.any(pairs, axis=-1)
+    return rows if ql is None else rows & (jnp.arange(lq) < ql[..., None, None])
 
 
-def _pairs(band, lq, lk, kl, ql, allowed, finite):
-    """The pairs the mask allows, ``(*batch|1, H|1, Lq|1, Lk|1)``, bias ``-inf`` hiding."""
+def _pairs(band, lq, lk, kl, allowed, finite):
+    """The pairs the mask allows, ``(*batch|1, H|1, Lq|1, Lk|1)``, bias ``-inf`` hiding;
+    query lengths aside."""
     full = jnp.ones((1, 1), dtype=bool)
     if band is not None:
         left, right = band.window(lq, lk)
@@ -235,8 +238,6 @@ def _pairs(band, lq, lk, kl, ql, allowed, finite):
         full = (j >= i - left) & (j <= i + right)
     if kl is not None:
         full = full & (jnp.arange(lk) < kl[..., None, None, None])
-    if ql is not None:
-        full = full & (jnp.arange(lq)[:, None] < ql[..., None, None, None])
     if allowed is not None:
         full = full & allowed
     if finite is not None:
