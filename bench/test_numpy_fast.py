@@ -175,13 +175,21 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
                  f"{work / median:.0%} median per round")
 
 
-def _bare_tiles(n: int, block_q: int = 256, block_k: int = 1024) -> Any:
+def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
     """The calls numpy_fast's tiles make, and nothing else: per tile of one head the
-    score product, ``exp2`` in place, the weights-times-values product and the row
-    sums (a product with ones), accumulated; no masking, checks, threads or division."""
+    score product into rows padded to a cache line past 2 KiB, the exponential NumPy
+    computes faster here (``Config.in_base2``) over the tile in place, the
+    weights-times-values product and the row sums (a product with ones), accumulated;
+    no masking, checks, threads or division."""
+    from portattn_numpy import Config
+
+    base2 = Config().in_base2(np.float32)
+    exp = np.exp2 if base2 else np.exp
     q, k, v = (x[0] for x in _inputs(n))
-    q = np.ascontiguousarray(q * (math.log2(math.e) / math.sqrt(HEAD_DIM)))
-    tile = np.empty((block_k, block_q), np.float32)
+    q = np.ascontiguousarray(q * ((math.log2(math.e) if base2 else 1) / math.sqrt(HEAD_DIM)))
+    stride = block_q + (16 if block_q * 4 % 2048 == 0 else 0)
+    flat = np.zeros(block_k * stride, np.float32)
+    tile = flat.reshape(block_k, stride)[:, :block_q]
     acc, part = np.empty((2, block_q, HEAD_DIM), np.float32)
     sums, part_sums = np.empty((2, block_q), np.float32)
     ones = np.ones(block_k, np.float32)
@@ -191,7 +199,8 @@ def _bare_tiles(n: int, block_q: int = 256, block_k: int = 1024) -> Any:
             for q0 in range(0, n, block_q):
                 for k0 in range(0, n, block_k):
                     np.matmul(k[h, k0:k0 + block_k], q[h, q0:q0 + block_q].T, out=tile)
-                    np.exp2(tile, out=tile)
+                    flat.reshape(block_k, stride)[:, block_q:] = 0
+                    exp(flat, out=flat)
                     np.matmul(tile.T, v[h, k0:k0 + block_k], out=part)
                     np.matmul(ones, tile, out=part_sums)
                     if k0 == 0:
@@ -208,7 +217,7 @@ def test_ceiling_in_turns(in_turns: Any, benchmark: Any,
     """What the tile schedule's own calls reach on one core, as a share of one core's
     sgemm (the two timed in alternation), at (1, 8, 2048, 64): the most numpy_fast can
     reach with these NumPy and BLAS calls. Its score product has an inner dimension of
-    the head dim (64) and ``exp2`` reads every score once more."""
+    the head dim (64) and the exponential reads every score once more."""
     import threadpoolctl
 
     n = 2048
@@ -252,6 +261,47 @@ def test_small_heads_in_turns(case: str, in_turns: Any, benchmark: Any,
     best, median = in_turns(run("numpy_fast"), run("tiled"), 20)
     benchmark.extra_info.update(case=case, by_minimum=best, median_per_round=median)
     _say(capsys, f"\nnumpy_fast over tiled, {case}, in turns: {best:.3f} by minimum, "
+                 f"{median:.3f} median per round")
+
+
+SHORT = {  # (query shape, key length, causal): short sequences and decode steps
+    "8x256x64": ((1, 8, 256, 64), 256, False),
+    "8x256x64-causal": ((1, 8, 256, 64), 256, True),
+    "4x8x256x64": ((4, 8, 256, 64), 256, False),
+    "16x256x128": ((1, 16, 256, 128), 256, False),
+    "decode-8x4096x64": ((1, 8, 1, 64), 4096, True),
+    "decode-32x4096x128": ((1, 32, 1, 128), 4096, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SHORT), ids=list(SHORT))
+def test_short_over_torch_in_turns(case: str, in_turns: Any, benchmark: Any,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy_fast over torch's SDPA on short sequences and decode steps (warm calls)."""
+    torch = pytest.importorskip("torch")
+    shape, keys, causal = SHORT[case]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(shape, dtype=np.float32)
+    k, v = (rng.standard_normal((*shape[:2], keys, shape[3]), dtype=np.float32)
+            for _ in range(2))
+    mask = masks.causal() if causal else None
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # torch's is_causal is top-left: for one query row over the cache, no mask at all
+    top_left = causal and shape[2] == keys
+
+    def ours() -> None:
+        for _ in range(SMALL_REPEATS):
+            portattn.attention(q, k, v, mask=mask, kernel="numpy_fast")
+
+    def peer() -> None:
+        for _ in range(SMALL_REPEATS):
+            sdpa(tq, tk, tv, is_causal=top_left)
+
+    benchmark.group = "in turns: numpy_fast over torch SDPA, short sequences"
+    best, median = in_turns(ours, peer, 20)
+    benchmark.extra_info.update(case=case, by_minimum=best, median_per_round=median)
+    _say(capsys, f"\nnumpy_fast over torch SDPA, {case}, in turns: {best:.3f} by minimum, "
                  f"{median:.3f} median per round")
 
 

@@ -83,7 +83,12 @@ class Config:
     min_squares: int = 4
     """Fewest diagonal squares in a unit: fewer and its fixed calls outweigh its work."""
     min_scores_per_thread: int = 1 << 18
-    """Score entries a thread must get before handing it work pays (~0.5 ms of work)."""
+    """Work a thread must get before handing it work pays (~0.5 ms), counted in scores
+    (``_units.work``: key and value rows read count too)."""
+    exponential: str | None = None
+    """``"exp2"`` or ``"exp"`` for scores without a bias; None: ``exp2``, unless NumPy
+    computes ``exp`` much faster on this machine (``_exponential``). With a bias,
+    always ``exp`` (changing the bias's base would cost a pass)."""
     try_fast: bool = True
     """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
     strategies: tuple[str, ...] = STRATEGIES
@@ -94,10 +99,23 @@ class Config:
     """Called as ``on_unit(strategy, trusted)`` after a unit's fast way."""
 
     def __post_init__(self) -> None:
+        if self.exponential not in (None, "exp2", "exp"):
+            msg = f"exponential must be 'exp2', 'exp' or None; got exponential={self.exponential!r}"
+            raise ValueError(msg)
         unknown = sorted(set(self.strategies) - set(STRATEGIES))
         if unknown:
             msg = f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
             raise ValueError(msg)
+
+    def in_base2(self, dtype: Any) -> bool:
+        """Whether scores without a bias go through ``exp2`` (else ``exp``)."""
+        if self.exponential is not None:
+            return self.exponential == "exp2"
+        import numpy as np
+
+        from ._exponential import base2_is_faster
+
+        return base2_is_faster(np.dtype(dtype))
 
     def score_tile_bytes(self) -> int:
         """Bytes of one score tile, with the machine's default filled in."""

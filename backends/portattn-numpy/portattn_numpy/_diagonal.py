@@ -26,6 +26,7 @@ import numpy as np
 from . import _blocks
 from ._memo import Store
 from ._scores import hide, scores, trustworthy
+from ._scratch import take
 from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
@@ -177,17 +178,18 @@ def _unit_plan(p: Problem, d: Diagonal, q0: int, q1: int) -> UnitPlan:
 
 
 class Scratch:
-    """One worker's buffers for units along the diagonal, reused for every unit."""
+    """One worker's buffers for units along the diagonal, kept for later calls."""
 
     def __init__(self, p: Problem, d: Diagonal) -> None:
         dt = p.query.dtype
         rows = (d.squares + 1) * d.size  # a unit's squares and the rows after the last
         widest = max(d.block_k, p.block_k)
-        self.q = np.empty((rows, p.query.shape[-1]), dt)
+        self.q = take("diagonal.q", (rows, p.query.shape[-1]), dt)
         # the values' columns, then the row sums: one add accumulates both
-        self.acc = np.empty((rows, p.value.shape[-1] + 1), dt)
-        self.part = np.empty((d.size, p.value.shape[-1] + 1), dt)
-        self.scores = np.empty(max(d.squares * d.size**2, d.size * widest), dt)
+        self.acc = take("diagonal.acc", (rows, p.value.shape[-1] + 1), dt)
+        self.part = take("diagonal.part", (d.size, p.value.shape[-1] + 1), dt)
+        self.scores = take("diagonal.scores", (max(d.squares * d.size**2, d.size * widest),),
+                           dt)
         self.ones = np.ones(max(d.size, widest), dt)
 
 

@@ -55,6 +55,11 @@ class NumpyFastKernel(Kernel):
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         import numpy as np
 
+        if not _hides_any_pair(inputs):
+            # every row weighs every value: NaN or inf among them reaches exactly the
+            # rows that see them, and no pass over the values (a decode step's whole
+            # cost) is needed to know it
+            return (*_attend(inputs), None)
         finite = np.isfinite(inputs.value)
         if finite.all():  # the usual case: one pass over the values to know it
             return (*_attend(inputs), None)
@@ -75,6 +80,14 @@ class NumpyFastKernel(Kernel):
         return out, lse, None
 
 
+def _hides_any_pair(inputs: AttentionInputs) -> bool:
+    """Can the mask or bias hide a key from a row? (Known from the structure alone.)"""
+    if inputs.bias is not None:
+        return True
+    mask, lq, lk = inputs.mask, inputs.q_len, inputs.kv_len
+    return mask is not None and not mask.covers(0, lq, 0, lk, lq, lk)
+
+
 def _attend(inputs: AttentionInputs) -> tuple[Any, Any]:
     from ._plan import build, useful_threads
     from ._strategy import work
@@ -84,5 +97,5 @@ def _attend(inputs: AttentionInputs) -> tuple[Any, Any]:
     problem, units = build(inputs, threads)
     if units:
         run_parallel(lambda queue: work(problem, queue), units,
-                     useful_threads(units, threads, problem.config))
+                     useful_threads(problem, units, threads))
     return problem.out, problem.lse

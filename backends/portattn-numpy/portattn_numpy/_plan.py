@@ -14,6 +14,7 @@ from ._config import current
 from ._mask_kinds import split
 from ._problem import Problem, Unit
 from ._strategy import choose
+from ._units import work
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -38,10 +39,12 @@ def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads
     return max(1, min(block_q, q_len)), block_k
 
 
-def useful_threads(units: list[Unit], threads: int, config: Config) -> int:
+def useful_threads(p: Problem, units: list[Unit], threads: int) -> int:
     """How many of ``threads`` the units can keep busy."""
-    scores = sum((q1 - q0) * (hi - lo) for _, _, q0, q1, lo, hi in units)
-    return max(1, min(threads, scores // config.min_scores_per_thread))
+    heads, width = p.strategy.heads, p.query.shape[-1] + p.value.shape[-1]
+    total = sum(work(len(heads(p, h)), q1 - q0, hi - lo, width)
+                for _, h, q0, q1, lo, hi in units)
+    return max(1, min(threads, total // p.config.min_scores_per_thread))
 
 
 def _blas_ready(a: Any) -> Any:
@@ -68,7 +71,8 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     block_q, block_k = block_sizes(lq, lk, tile_elements, config, heads=heads,
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
-    base2 = inputs.bias is None  # a bias would need its own pass to change base
+    # a bias would need its own pass to change base
+    base2 = inputs.bias is None and config.in_base2(query.dtype)
     to_base = math.log2(math.e) if base2 else 1.0
     problem = Problem(
         query=query, key=key, value=value,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from . import _diagonal, _stacked, _tiles
+from ._scratch import reusing
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -64,7 +65,8 @@ def work(p: Problem, units: Iterable[Unit]) -> None:
     """Compute every unit taken from ``units`` (one worker thread)."""
     redo_carefully, tile_scratch = _tiles.redo_carefully, _tiles.tile_scratch
     strategy, config = p.strategy, p.config
-    with np.errstate(all="ignore"):  # overflow is detected by value, masked rows by design
+    # overflow is detected by value, masked rows by design
+    with np.errstate(all="ignore"), reusing():
         scratch = strategy.scratch(p)
         careful = None
         for unit in units:

@@ -30,7 +30,8 @@ from portattn.masks import slice_tile
 
 from ._blocks import blocks as unit_blocks
 from ._blocks import head_view
-from ._scores import hide, scores, trustworthy
+from ._scores import ScoreTile, hide, scores, trustworthy
+from ._scratch import take
 from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Tiles:
         return range(h, h + 1)
 
     def scratch(self, p: Problem) -> _Scratch:
-        return _Scratch(p)
+        return _Scratch(p, "tiles")
 
     def attend(self, p: Problem, s: _Scratch, unit: Unit) -> bool:
         return _attend(p, s, *unit, careful=False)
@@ -67,21 +68,23 @@ def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Tiles:
 
 
 class _Scratch:
-    """One worker's buffers, allocated once per call and reused for every unit."""
+    """One worker's buffers for every unit of a call (``role``: of the ``tiles``
+    strategy, or for the units redone ``careful``ly), kept for later calls."""
 
-    def __init__(self, p: Problem) -> None:
-        dt, tq, tk = p.query.dtype, p.block_q, p.block_k
-        self.q = np.empty((tq, p.query.shape[-1]), dt)
-        self.scores = np.empty(tq * tk, dt)
-        self.acc = np.empty((tq, p.value.shape[-1]), dt)
-        self.acc_part = np.empty_like(self.acc)
+    def __init__(self, p: Problem, role: str) -> None:
+        dt, tq, tk, dv = p.query.dtype, p.block_q, p.block_k, p.value.shape[-1]
+        self.q = take(f"{role}.q", (tq, p.query.shape[-1]), dt)
+        self.tile = ScoreTile(f"{role}.scores", tk, tq, dt)
+        self.acc = take(f"{role}.acc", (tq, dv), dt)
+        self.acc_part = take(f"{role}.acc_part", (tq, dv), dt)
         self.ones = np.ones(tk, dt)
-        self.rows = np.empty((5, tq), dt)  # sums, partial sums, max, new max, rescale
+        # sums, partial sums, max, new max, rescale
+        self.rows = take(f"{role}.rows", (5, tq), dt)
 
 
 def tile_scratch(p: Problem) -> _Scratch:
-    """Buffers for units computed in tiles (also to redo other strategies' units)."""
-    return _Scratch(p)
+    """Buffers to redo any strategy's units in tiles, carefully."""
+    return _Scratch(p, "careful")
 
 
 def redo_carefully(p: Problem, s: _Scratch, unit: Unit, heads: range) -> None:
@@ -133,14 +136,14 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
         if p.config.on_tile is not None:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, rows = k1 - k0, slice(r0, r1)
-        tile = s.scores[:width * (r1 - r0)].reshape(width, r1 - r0)
-        scores(p, k[k0:k1], q[rows].T, tile)
+        span, tile = s.tile.scores(width, r1 - r0)
+        scores(p, k[k0:k1], q[rows].T, tile, span)
         if bias is not None:
             np.add(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1).T, out=tile)
         if careful:
             hide(tile, masks, -np.inf)
             _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows], exp)
-        exp(tile, out=tile)
+        tile = s.tile.exponentiate(exp, width, r1 - r0)
         if not careful:
             # masked after exp: ufunc exp slows down several-fold on -inf lanes
             hide(tile, masks, 0.0)

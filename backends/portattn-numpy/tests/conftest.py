@@ -11,7 +11,8 @@ from portattn import attention
 from portattn.testing import assert_close, oracle
 from portattn.testing.plugin import backend, xp
 
-__all__ = ["backend", "check", "path", "results_of", "threads", "tiles", "tiny_tiles", "xp"]
+__all__ = ["backend", "check", "exponential", "path", "results_of", "threads", "tiles",
+           "tiny_tiles", "xp"]
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +40,14 @@ def tiny_tiles():
 def path(request):
     """Run with the fast way first (the default) or the careful way only."""
     with configured(try_fast=request.param == "fast"):
+        yield request.param
+
+
+@pytest.fixture(params=["exp2", "exp"])
+def exponential(request):
+    """Scores through ``exp2`` or ``exp``: each machine gets the one NumPy computes
+    faster there, so both must give the same answers."""
+    with configured(exponential=request.param):
         yield request.param
 
 

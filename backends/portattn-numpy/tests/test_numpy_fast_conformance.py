@@ -1,4 +1,5 @@
-"""The conformance kit on numpy_fast: default tiles, and tiny tiles on both paths."""
+"""The conformance kit on numpy_fast: default tiles, and tiny tiles on both paths
+with either exponential."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def test_conformance(case, backend):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_conformance_tiny_tiles(case, path, tiny_tiles):
-    # many query tiles and key blocks: online accumulation, rescaling, mask chunks
+def test_conformance_tiny_tiles(case, path, exponential, tiny_tiles):
+    # many query tiles and key blocks: online accumulation, rescaling, mask chunks; in
+    # base 2 and base e
     check_case(NumpyFastKernel, case, get_backend("numpy"))
 
 

@@ -30,7 +30,7 @@ def _check(dtype, q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scores_past_exp_range(dtype, path, tiny_tiles):
+def test_scores_past_exp_range(dtype, path, exponential, tiny_tiles):
     # exp(scores) overflows: the fast way must notice and redo the tile carefully
     rng = np.random.default_rng(1)
     q, k, v = _qkv(rng, dtype)
@@ -87,3 +87,37 @@ def test_long_keys_use_several_blocks(tiles):
     q, k, v = _qkv(rng, "float32", (1, 1, 40, 32), (1, 1, 3000, 32), dv=8)
     _check("float32", q, k, v, mask=masks.causal())
     assert len({(k0, k1) for *_, k0, k1 in tiles}) > 1
+
+
+@pytest.mark.parametrize(("q_len", "mask", "reads"), [
+    (37, None, False),                                    # every row sees every key
+    (1, masks.causal(), False),                           # a decode step sees them all
+    (37, masks.causal(), True),                           # a causal mask hides keys
+    (37, masks.key_lengths(np.array([50, 21])), True),    # so does padding
+])
+def test_the_values_are_read_for_non_finite_entries_only_when_a_key_can_be_hidden(
+        monkeypatch, q_len, mask, reads):
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, "float32", (2, 4, q_len, 16))
+    checked = []
+    real = np.isfinite
+    monkeypatch.setattr(np, "isfinite", lambda a, *args, **kw: checked.append(np.shape(a))
+                        or real(a, *args, **kw))
+    _check("float32", q, k, v, mask=mask)
+    assert (v.shape in checked) is reads
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize(("q_len", "mask"), [(37, None), (1, masks.causal())])
+def test_a_non_finite_value_every_row_sees_reaches_every_row(bad, q_len, mask):
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng, "float32", (2, 4, q_len, 16))
+    v[1, 0, 11] = bad  # value row 11 of batch 1, key/value head 0 (query heads 0 and 1)
+    out = attention(q, k, v, kernel="numpy_fast", mask=mask)
+    assert not np.isfinite(out[1, :2]).any()
+    clean = v.copy()
+    clean[1, 0, 11] = 0
+    want = _check("float32", q, k, clean, mask=mask)[0]
+    # the other rows as without it (within rounding: its unit may be redone carefully)
+    assert_close(out[0], want[0], "float32", "out")
+    assert_close(out[1, 2:], want[1, 2:], "float32", "out")

@@ -85,8 +85,7 @@ def test_blas_is_held_to_one_thread_inside(threads):
     # the BLAS libraries loaded when the kernel first ran (NumPy's among them)
     q = np.ones((1, 4, 64, 8), np.float32)
     attention(q, q, q, kernel="numpy_fast")
-    blas = _threads._blas_controller().select(user_api="blas")
-    paths = {c.filepath for c in blas.lib_controllers}
+    paths = {c.filepath for c in _threads._blas_libraries()}
 
     def blas_threads() -> list[int]:
         return [i["num_threads"] for i in threadpool_info() if i["filepath"] in paths]
@@ -128,3 +127,31 @@ def test_a_forked_child_gets_its_own_pool(threads):
         os.waitpid(pid, 0)
     assert done[0] == pid, "the child hung in attention after fork"
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def _units_and_threads(q_shape, kv_len):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(q_shape).astype(np.float32)
+    k = rng.standard_normal((*q_shape[:2], kv_len, q_shape[3])).astype(np.float32)
+    units, seen = [], set()
+    with configured(on_unit=lambda *_: units.append(threading.get_ident())):
+        attention(q, k, k, kernel="numpy_fast")
+    seen = set(units)
+    return len(units), len(seen)
+
+
+def test_stacked_heads_are_shared_out_when_the_work_fills_two_threads(threads):
+    threads(2)
+    # 8 heads of 256 x 256 fit one stacked unit; their 2^19 scores fill two threads
+    assert _units_and_threads((1, 8, 256, 64), 256) == (2, 2)
+    threads(1)
+    assert _units_and_threads((1, 8, 256, 64), 256) == (1, 1)
+    threads(2)
+    assert _units_and_threads((1, 8, 64, 64), 64)[1] == 1  # 2^15 scores: one thread
+
+
+def test_a_decode_step_is_shared_out_by_the_cache_it_reads(threads):
+    threads(2)
+    # one query row: few scores, but every key and value row is read
+    assert _units_and_threads((1, 32, 1, 128), 4096)[1] == 2
+    assert _units_and_threads((1, 8, 1, 64), 4096)[1] == 1
