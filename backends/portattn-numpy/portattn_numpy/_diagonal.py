@@ -184,11 +184,11 @@ class Scratch:
         dt = p.query.dtype
         rows = (d.squares + 1) * d.size  # a unit's squares and the rows after the last
         widest = max(d.block_k, p.block_k)
-        self.q = take("diagonal.q", (rows, p.query.shape[-1]), dt)
+        self.q = take("unit.q", (rows, p.query.shape[-1]), dt)
         # the values' columns, then the row sums: one add accumulates both
-        self.acc = take("diagonal.acc", (rows, p.value.shape[-1] + 1), dt)
-        self.part = take("diagonal.part", (d.size, p.value.shape[-1] + 1), dt)
-        self.scores = take("diagonal.scores", (max(d.squares * d.size**2, d.size * widest),),
+        self.acc = take("unit.acc", (rows, p.value.shape[-1] + 1), dt)
+        self.part = take("unit.part", (d.size, p.value.shape[-1] + 1), dt)
+        self.scores = take("unit.scores", (max(d.squares * d.size**2, d.size * widest),),
                            dt)
         self.ones = np.ones(max(d.size, widest), dt)
 

@@ -4,7 +4,10 @@ A fresh large array comes from the operating system, and its first touch costs a
 fault per 4 KiB page, zeroing included: in calls of (1, 16, 256, 128), whose heads are
 stacked into new arrays, the kernel's page faults took about a quarter of the time. So
 each thread keeps its scratch buffers, by name and dtype, grown to the largest size
-asked for: a few score tiles (a few MiB) per thread, held while the thread lives.
+asked for, and held while the thread lives. The strategies share the names
+``unit.*`` (a thread runs one strategy at a time), and the units redone carefully
+beside them use ``careful.*``: what a thread holds is what one call needed of it, about
+two score tiles (a few MiB).
 """
 
 from __future__ import annotations

@@ -134,11 +134,11 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
         for h in range(h0, h0 + kv * p.group):
             p.config.on_tile(b, h, 0, p.q_len, 0, p.kv_len)
     queries = _heads(p.query, b, h0, kv, p.group)  # (kv, group, Lq, D)
-    q = np.multiply(queries, p.factor, out=take("stacked.q", queries.shape, queries.dtype))
+    q = np.multiply(queries, p.factor, out=take("unit.q", queries.shape, queries.dtype))
     k = p.key[(*b, slice(kv0, kv0 + kv))][:, None]     # (kv, 1, Lk, D)
     v = p.value[(*b, slice(kv0, kv0 + kv))][:, None]
     lead = q.shape[:2]  # (kv, group, Lk, Lq): keys by queries
-    tile = scores(p, k, q.swapaxes(-1, -2), take("stacked.scores", (*lead, p.kv_len, p.q_len),
+    tile = scores(p, k, q.swapaxes(-1, -2), take("unit.scores", (*lead, p.kv_len, p.q_len),
                                                   q.dtype))
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
@@ -147,7 +147,7 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
         tile *= _heads(st.keep, b, h0, kv, p.group)
     sums = np.add.reduce(tile, axis=-2)  # (kv, group, Lq)
     acc = np.matmul(tile.swapaxes(-1, -2), v,  # (kv, group, Lq, Dv)
-                    out=take("stacked.acc", (*lead, p.q_len, v.shape[-1]), q.dtype))
+                    out=take("unit.acc", (*lead, p.q_len, v.shape[-1]), q.dtype))
     # a where= array, even all True, takes NumPy's masked loop: True when no row is empty
     with_keys = True if st.has_keys is None else _heads(st.has_keys, b, h0, kv, p.group)
     has_keys = True if st.has_keys is None else np.broadcast_to(with_keys[..., 0], sums.shape)

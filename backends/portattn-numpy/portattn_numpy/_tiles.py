@@ -57,7 +57,7 @@ class Tiles:
         return range(h, h + 1)
 
     def scratch(self, p: Problem) -> _Scratch:
-        return _Scratch(p, "tiles")
+        return _Scratch(p, "unit")
 
     def attend(self, p: Problem, s: _Scratch, unit: Unit) -> bool:
         return _attend(p, s, *unit, careful=False)
@@ -68,8 +68,8 @@ def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Tiles:
 
 
 class _Scratch:
-    """One worker's buffers for every unit of a call (``role``: of the ``tiles``
-    strategy, or for the units redone ``careful``ly), kept for later calls."""
+    """One worker's buffers for every unit of a call (``role``: ``unit`` for the
+    ``tiles`` strategy, ``careful`` for units redone carefully), kept for later calls."""
 
     def __init__(self, p: Problem, role: str) -> None:
         dt, tq, tk, dv = p.query.dtype, p.block_q, p.block_k, p.value.shape[-1]
