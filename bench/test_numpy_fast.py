@@ -287,8 +287,9 @@ def test_short_over_torch_in_turns(case: str, in_turns: Any, benchmark: Any,
     mask = masks.causal() if causal else None
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    # torch's is_causal is top-left: for one query row over the cache, no mask at all
-    top_left = causal and shape[2] == keys
+    # torch's is_causal is top-left; bottom-right causal is that with as many queries as
+    # keys, and no mask at all for one query row over the cache
+    is_causal = causal and shape[2] == keys
 
     def ours() -> None:
         for _ in range(SMALL_REPEATS):
@@ -296,7 +297,7 @@ def test_short_over_torch_in_turns(case: str, in_turns: Any, benchmark: Any,
 
     def peer() -> None:
         for _ in range(SMALL_REPEATS):
-            sdpa(tq, tk, tv, is_causal=top_left)
+            sdpa(tq, tk, tv, is_causal=is_causal)
 
     benchmark.group = "in turns: numpy_fast over torch SDPA, short sequences"
     best, median = in_turns(ours, peer, 20)

@@ -1,9 +1,9 @@
 """The ``tiles`` strategy: one query tile of one head against its keys.
 
 Each key block costs two BLAS products and a few in-place ufunc passes over a score
-tile that stays in the core's cache (``_scores``). Without a bias the scores are kept
-in base 2 (``log2(e)`` folded into the queries), because ``exp2`` costs less than
-``exp``. Two ways through a unit:
+tile that stays near the core (``_scores.ScoreTile``). Without a bias the scores are
+kept in base 2 (``log2(e)`` folded into the queries) where NumPy's ``exp2`` is the
+faster of the two (``_exponential``). Two ways through a unit:
 
 * fast: ``p = exp(s)`` with no max subtracted. ``exp`` has the same relative accuracy
   over its whole normal range, so this is as accurate as subtracting the max as long
