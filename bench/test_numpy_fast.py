@@ -182,14 +182,14 @@ def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
     weights-times-values product and the row sums (a product with ones), accumulated;
     no masking, checks, threads or division."""
     from portattn_numpy import Config
+    from portattn_numpy._scores import ScoreTile  # the kernel's own tile memory
 
     base2 = Config().in_base2(np.float32)
     exp = np.exp2 if base2 else np.exp
     q, k, v = (x[0] for x in _inputs(n))
     q = np.ascontiguousarray(q * ((math.log2(math.e) if base2 else 1) / math.sqrt(HEAD_DIM)))
-    stride = block_q + (16 if block_q * 4 % 2048 == 0 else 0)
-    flat = np.zeros(block_k * stride, np.float32)
-    tile = flat.reshape(block_k, stride)[:, :block_q]
+    scores = ScoreTile("bench.scores", block_k, block_q, np.float32)
+    _, tile = scores.scores(block_k, block_q)
     acc, part = np.empty((2, block_q, HEAD_DIM), np.float32)
     sums, part_sums = np.empty((2, block_q), np.float32)
     ones = np.ones(block_k, np.float32)
@@ -199,8 +199,7 @@ def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
             for q0 in range(0, n, block_q):
                 for k0 in range(0, n, block_k):
                     np.matmul(k[h, k0:k0 + block_k], q[h, q0:q0 + block_q].T, out=tile)
-                    flat.reshape(block_k, stride)[:, block_q:] = 0
-                    exp(flat, out=flat)
+                    scores.exponentiate(exp, block_k, block_q)
                     np.matmul(tile.T, v[h, k0:k0 + block_k], out=part)
                     np.matmul(ones, tile, out=part_sums)
                     if k0 == 0:

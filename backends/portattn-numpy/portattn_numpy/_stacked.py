@@ -69,7 +69,7 @@ class Stacked:
         return range(h, min(p.query.shape[-3], h + self.kv_heads * p.group))
 
     def scratch(self, p: Problem) -> None:
-        return None  # every unit allocates its own: its arrays are small
+        return None  # each unit takes its arrays, shaped for its heads (``_scratch.take``)
 
     def attend(self, p: Problem, _scratch: None, unit: Unit) -> bool:
         return _attend(p, self, *unit)
