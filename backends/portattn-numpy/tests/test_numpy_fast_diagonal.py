@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from portattn_numpy import _diagonal
+from portattn_numpy import _diagonal, configured
 
 from portattn import attention, masks
 
@@ -14,6 +14,15 @@ def along(results_of):
     return results_of("diagonal")
 
 
+@pytest.fixture(params=[1, 2], ids=["a block per square", "groups of 2 squares"])
+def group(request, tiny_tiles, dtype):
+    """Squares sharing their earlier keys' blocks: tiny tiles hold 2-row squares, and
+    groups of ``tile / max_block_k`` rows."""
+    elements = tiny_tiles.tile_bytes // np.dtype(dtype).itemsize
+    with configured(max_block_k=elements // (2 * request.param)):
+        yield request.param
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(("lq", "lk", "mask"), [
     (64, 64, masks.causal()),
@@ -21,11 +30,31 @@ def along(results_of):
     (37, 53, masks.causal("top_left")),          # keys past the last row's diagonal
     (30, 30, masks.causal() & masks.sliding_window(None, 0)),
 ])
-def test_matches_the_oracle(check, lq, lk, mask, dtype, along, tiny_tiles):
-    # tiny tiles: squares of 2 rows, 4 squares per unit, blocks of 8 keys
+def test_matches_the_oracle(check, lq, lk, mask, dtype, along, group):
     check((2, 4, lq, 16), (2, 2, lk, 16), dtype=dtype, mask=mask)
     assert along
     assert all(along)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("lq", "lk", "mask"), [
+    (64, 64, masks.causal()),
+    (37, 53, masks.causal()),
+    (37, 53, masks.causal("top_left")),
+])
+def test_every_allowed_pair_is_computed_once(lq, lk, mask, dtype, group, tiles):
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((1, 1, n, 8)).astype(dtype) for n in (lq, lk))
+    attention(q, k, k, mask=mask, kernel="numpy_fast")
+    times = np.zeros((lq, lk), int)
+    for *_, q0, q1, k0, k1 in tiles:
+        times[q0:q1, k0:k1] += 1
+    allowed = np.broadcast_to(mask.tile(np, 0, lq, 0, lk, lq, lk), (lq, lk))
+    assert (times[allowed] == 1).all()
+    # beyond them, only the upper halves of the 2 x 2 diagonal squares
+    assert times[~allowed].sum() <= lq // 2
+    # a group's rows share blocks of their earlier keys
+    assert max(q1 - q0 for *_, q0, q1, _, _ in tiles) == 2 * group
 
 
 def test_softcap_and_default_sizes(check, along):
