@@ -121,6 +121,8 @@ def test_bad_cu_seqlens():
 
 def test_under_jax_jit_the_ids_are_traced_and_the_result_the_same():
     jax = pytest.importorskip("jax")
+    # portattn-jax registers masks as pytrees, so they can be jit arguments
+    pytest.importorskip("portattn_jax")
     jnp = jax.numpy
     ids, q, k, v = packed(np.random.default_rng(4), LENGTHS)
     a = [jnp.asarray(x, dtype=jnp.float32) for x in (q, k, v)]
