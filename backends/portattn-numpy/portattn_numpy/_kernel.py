@@ -58,8 +58,9 @@ class NumpyFastKernel(Kernel):
         if not _hides_any_pair(inputs):
             # every row weighs every value: NaN or inf among them reaches exactly the
             # rows that see them, and no pass over the values (a decode step's whole
-            # cost) is needed to know it
-            return (*_attend(inputs), None)
+            # cost) is needed to know it; a mask that hides nothing (causal, one
+            # decode step) is not applied either
+            return (*_attend(inputs._replace(mask=None)), None)
         finite = np.isfinite(inputs.value)
         if finite.all():  # the usual case: one pass over the values to know it
             return (*_attend(inputs), None)

@@ -107,6 +107,25 @@ def test_the_values_are_read_for_non_finite_entries_only_when_a_key_can_be_hidde
     assert (v.shape in checked) is reads
 
 
+@pytest.mark.parametrize(("q_len", "applied"), [
+    (1, False),   # a decode step: the causal mask hides no key
+    (37, True),
+])
+def test_a_mask_that_hides_nothing_is_not_applied(monkeypatch, q_len, applied):
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, "float32", (2, 4, q_len, 16))
+    mask = masks.causal()
+    with monkeypatch.context() as patch:
+        tiles = []
+        real = type(mask).tile
+        patch.setattr(type(mask), "tile", lambda self, *args, **kw: tiles.append(args)
+                      or real(self, *args, **kw))
+        out = attention(q, k, v, mask=mask, kernel="numpy_fast")
+    assert bool(tiles) is applied
+    assert_close(out, oracle(*(a.astype(np.float64) for a in (q, k, v)), mask=mask)[0],
+                 "float32", "out")
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize(("q_len", "mask"), [(37, None), (1, masks.causal())])
 def test_a_non_finite_value_every_row_sees_reaches_every_row(bad, q_len, mask):
