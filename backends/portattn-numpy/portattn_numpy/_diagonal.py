@@ -209,13 +209,14 @@ class Scratch:
         dt = p.query.dtype
         rows = (d.squares + 1) * d.size  # a unit's squares and the rows after the last
         block_rows = d.group * d.size
-        widest = max(d.block_k, d.group_k, p.block_k)
+        widest = max(d.group_k, block_rows, p.block_k)  # a square's keys: fewer than a group's rows
         self.q = take("unit.q", (rows, p.query.shape[-1]), dt)
         # the values' columns, then the row sums: one add accumulates both
         self.acc = take("unit.acc", (rows, p.value.shape[-1] + 1), dt)
         self.part = take("unit.part", (block_rows, p.value.shape[-1] + 1), dt)
-        # the blocks' padded tiles, and the stacked squares in the same memory
-        self.tile = ScoreTile("unit.scores", widest, block_rows, dt)
+        # the blocks' padded tiles (the group's are the largest), and the stacked
+        # squares in the same memory
+        self.tile = ScoreTile("unit.scores", d.group_k, block_rows, dt)
         self.stacked = take("unit.scores", (d.squares * d.size**2,), dt)
         self.ones = np.ones(max(d.size, widest), dt)
 

@@ -42,7 +42,8 @@ def row_stride(rows: int, itemsize: int) -> int:
 class ScoreTile:
     """Memory for one score tile, reused tile after tile: ``keys x rows`` views into
     one flat buffer (this thread's buffer ``name``, ``_scratch``), :func:`row_stride`
-    entries from row to row.
+    entries from row to row. It holds a ``keys x rows`` tile from the start, and grows
+    when a larger one is asked for.
 
     Element-wise passes run over the contiguous span holding a view, its padding
     included (NumPy iterates a strided 2-D operand through copies, at twice the cost);
@@ -52,12 +53,16 @@ class ScoreTile:
 
     def __init__(self, name: str, keys: int, rows: int, dtype: Any) -> None:
         dt = np.dtype(dtype)
+        self._name = name
         self._buffer = take(name, (keys * (rows + _CACHE_LINE // dt.itemsize),), dt)
 
     def scores(self, keys: int, rows: int) -> tuple[Any, Any]:
         """``(span, view)``: a ``keys x rows`` view to write scores to, and the
         contiguous span holding it."""
-        span = self._buffer[:keys * row_stride(rows, self._buffer.itemsize)]
+        size = keys * row_stride(rows, self._buffer.itemsize)
+        if size > self._buffer.size:
+            self._buffer = take(self._name, (size,), self._buffer.dtype)
+        span = self._buffer[:size]
         return span, span.reshape(keys, -1)[:, :rows]
 
     def exponentiate(self, exp: Any, keys: int, rows: int) -> Any:

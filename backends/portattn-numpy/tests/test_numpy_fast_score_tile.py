@@ -34,6 +34,15 @@ def test_views_lie_in_their_span(keys, rows):
     np.testing.assert_array_equal(span.reshape(keys, -1)[:, :rows], view)
 
 
+def test_a_larger_tile_grows_the_buffer():
+    tile = ScoreTile("test.grow", 16, 128, np.float32)
+    span, view = tile.scores(64, 512)
+    assert view.shape == (64, 512)
+    assert span.size == 64 * row_stride(512, 4)
+    view[...] = 1.0
+    assert tile.exponentiate(np.exp2, 64, 512).sum() == 2.0 * 64 * 512
+
+
 def test_exponentiate_writes_exp_of_the_view_and_keeps_the_padding_finite():
     rng = np.random.default_rng(0)
     tile = ScoreTile("test", 64, 512, np.float32)
