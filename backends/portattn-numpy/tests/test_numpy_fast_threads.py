@@ -79,7 +79,6 @@ def test_work_stays_within_the_thread_count(threads):
 
 
 def test_blas_is_held_to_one_thread_inside(threads):
-    from portattn_numpy import _threads
     from threadpoolctl import threadpool_info
 
     # the BLAS libraries loaded when the kernel first ran (NumPy's among them)
