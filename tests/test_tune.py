@@ -292,7 +292,10 @@ def test_tune_times_each_value_of_a_tunable_and_the_kernel_reads_the_fastest(
     found = json.loads(tune_file.read_text(encoding="utf-8"))["settings"]["tunable"]["spin"]
     assert found["chosen"] == 3
     assert set(found["ratios"]) == {"1", "3", "9"}
-    assert found["ratios"]["3"] < found["ratios"]["1"] < found["ratios"]["9"]
+    # one call timed: the fastest value's ratio is 1 exactly. Between the two slower
+    # ones no order is asserted: 9 keeps its one warm-up time (over HOPELESS times the
+    # best), and on a busy machine a 7 ms sleep of 1 has been measured longer than that
+    assert found["ratios"]["3"] == 1.0 < min(found["ratios"]["1"], found["ratios"]["9"])
     assert tunable.tuned("spin") == 3
     assert float(portattn.attention(q, q, q, kernel="tunable")[0, 0, 0, 0]) == 3.0
     assert cli(["info"]) == 0
