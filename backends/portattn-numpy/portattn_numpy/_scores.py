@@ -78,7 +78,7 @@ class ScoreTile:
 def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = None) -> Any:
     """``keys @ queries_t`` into ``out`` (stacked or not; a new array when None),
     softcapped when asked (over ``whole``, a contiguous array holding ``out``, when
-    given: ``tanh`` maps its padding's zeros to zeros)."""
+    given: its padding holds leftovers, which the exponential's zeroing replaces)."""
     out = np.matmul(keys, queries_t, out=out)
     if p.softcap is not None:
         each = out if whole is None else whole
