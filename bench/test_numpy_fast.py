@@ -177,15 +177,16 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
 
 def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
     """The calls numpy_fast's tiles make, and nothing else: per tile of one head the
-    score product into rows padded to a cache line past 2 KiB, the exponential NumPy
-    computes faster here (``Config.in_base2``) over the tile in place, the
+    score product into rows padded to a cache line past 2 KiB, the exponential that
+    runs fastest here (``Config.exponential_for``) over the tile in place, the
     weights-times-values product and the row sums (a product with ones), accumulated;
     no masking, checks, threads or division."""
     from portattn_numpy import Config
+    from portattn_numpy._exponential import in_place
     from portattn_numpy._scores import ScoreTile  # the kernel's own tile memory
 
-    base2 = Config().in_base2(np.float32)
-    exp = np.exp2 if base2 else np.exp
+    exponential = Config().exponential_for(np.float32, bias=False)
+    base2, exp = exponential != "exp", in_place(exponential)
     q, k, v = (x[0] for x in _inputs(n))
     q = np.ascontiguousarray(q * ((math.log2(math.e) if base2 else 1) / math.sqrt(HEAD_DIM)))
     scores = ScoreTile("bench.scores", block_k, block_q, np.float32)

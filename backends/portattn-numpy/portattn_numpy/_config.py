@@ -23,21 +23,25 @@ __all__ = ["STRATEGIES", "Config", "configured", "current", "machine_tile_bytes"
 
 #: Every strategy, in the order they are tried (see ``_strategies``).
 STRATEGIES = ("stacked", "diagonal", "tiles")
+#: ``_exponential.ORDER``, without importing NumPy.
+_EXPONENTIALS = ("exp2_compiled", "exp2", "exp")
 
 
 @functools.cache
 def machine_tile_bytes() -> int:
-    """Twice one core's L2 cache, within [512 KiB, 8 MiB] (2 MiB when the machine does
+    """Twice one core's L2 cache, within [2 MiB, 8 MiB] (2 MiB when the machine does
     not say).
 
-    Measured on two 1 MiB-L2 machines at (1, 8, N, 64) float32: on one (AVX2), 256 x 1024
-    score tiles (1 MiB) ran 3-4% faster than 128 x 1024, larger ones no faster; on the
-    other (AVX-512), 512 x 1024 (2 MiB) ran 3.5-4% faster than 256 x 1024 without a mask
-    at N = 2048 and 8192 (in turns), as fast with a causal mask. Larger query blocks
-    make fewer and wider products; the tile then lives in L2 and L3.
+    Measured at (1, 8, N, 64) float32: on a 1 MiB-L2 machine with AVX2, 256 x 1024
+    score tiles (1 MiB) ran 3-4% faster than 128 x 1024, larger ones no faster; on a
+    1 MiB-L2 machine with AVX-512, 512 x 1024 (2 MiB) ran 3.5-4% faster than 256 x 1024
+    without a mask at N = 2048 and 8192 (in turns), as fast with a causal mask; on a
+    512 KiB-L2 machine with AVX2 (the compiled exponential), 2 MiB ran 4-5% faster than
+    1 MiB at N = 2048 and 8192, 4 MiB no faster. Larger query blocks make fewer and
+    wider products; the tile then lives in L2 and L3.
     """
     l2 = _l2_bytes()
-    return min(8 << 20, max(512 << 10, 2 * l2)) if l2 > 0 else 2 << 20
+    return min(8 << 20, max(2 << 20, 2 * l2))
 
 
 def _l2_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -86,9 +90,10 @@ class Config:
     """Work a thread must get before handing it work pays (~0.5 ms), counted in scores
     (``_units.work``: key and value rows read count too)."""
     exponential: str | None = None
-    """``"exp2"`` or ``"exp"`` for scores without a bias; None: ``exp2``, unless NumPy
-    computes ``exp`` much faster on this machine (``_exponential``). With a bias,
-    always ``exp`` (changing the bias's base would cost a pass)."""
+    """``"exp2_compiled"`` (float32 only, needs Numba; others get ``"exp2"``),
+    ``"exp2"`` or ``"exp"`` for scores without a bias; None: the fastest here
+    (``_exponential``). With a bias, always ``"exp"`` (changing the bias's base would
+    cost a pass)."""
     try_fast: bool = True
     """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
     strategies: tuple[str, ...] = STRATEGIES
@@ -99,23 +104,29 @@ class Config:
     """Called as ``on_unit(strategy, trusted)`` after a unit's fast way."""
 
     def __post_init__(self) -> None:
-        if self.exponential not in (None, "exp2", "exp"):
-            msg = f"exponential must be 'exp2', 'exp' or None; got exponential={self.exponential!r}"
+        if self.exponential not in (None, *_EXPONENTIALS):
+            names = ", ".join(map(repr, _EXPONENTIALS))
+            msg = f"exponential must be {names} or None; got exponential={self.exponential!r}"
             raise ValueError(msg)
         unknown = sorted(set(self.strategies) - set(STRATEGIES))
         if unknown:
             msg = f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
             raise ValueError(msg)
 
-    def in_base2(self, dtype: Any) -> bool:
-        """Whether scores without a bias go through ``exp2`` (else ``exp``)."""
-        if self.exponential is not None:
-            return self.exponential == "exp2"
+    def exponential_for(self, dtype: Any, bias: bool) -> str:
+        """The exponential scores of ``dtype`` go through (``bias``: with a bias)."""
         import numpy as np
 
-        from ._exponential import base2_is_faster
+        from . import _exponential
 
-        return base2_is_faster(np.dtype(dtype))
+        if bias:
+            return "exp"
+        if self.exponential is None:
+            return _exponential.fastest(np.dtype(dtype))
+        if self.exponential not in _exponential.available(dtype):
+            _exponential.in_place(self.exponential)  # raises where Numba is missing
+            return "exp2"  # the compiled exp2 is float32's only
+        return self.exponential
 
     def score_tile_bytes(self) -> int:
         """Bytes of one score tile, with the machine's default filled in."""

@@ -230,7 +230,7 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=q)
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    exp = np.exp2 if p.base2 else np.exp
+    exp = p.exponential
     start = q0 + d.key_shift  # the diagonal squares, stacked: (count, keys, queries)
     if p.config.on_tile is not None:
         for r0 in range(0, along, d.size):
@@ -238,7 +238,7 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     stacked = s.stacked[:count * d.size**2].reshape(count, d.size, d.size)
     scores(p, k[start:start + along].reshape(count, d.size, -1),
            q[:along].reshape(count, d.size, -1).transpose(0, 2, 1), stacked)
-    exp(stacked, out=stacked)
+    exp(stacked)
     np.multiply(stacked, d.keep, out=stacked)
     np.matmul(stacked.transpose(0, 2, 1), v[start:start + along].reshape(count, d.size, -1),
               out=acc[:along, :-1].reshape(count, d.size, -1))

@@ -1,17 +1,18 @@
-"""Which exponential the scores go through: ``exp2``, unless NumPy computes ``exp``
+"""Which exponential the scores go through: a compiled ``exp2`` where Numba is
+installed (float32, ``_compiled_exp2``), else NumPy's ``exp2``, unless another one is
 much faster on this machine.
 
 NumPy vectorises the two for different CPUs. On x86-64 with AVX-512, float32 ``exp2``
 takes about 0.2 ns an entry and ``exp`` 0.45 ns; with AVX2 only, ``exp2`` is a scalar
-loop (2.2 ns) and ``exp`` a vectorised one (1.0 ns). Every score goes through one of
-them, next to about 2.7 ns of matrix products per score at head dim 64, so the wrong
-one costs 10-40% of a call. Scores in base 2 only need ``log2(e)`` folded into the
-queries, so either works.
+loop (2.5 ns) and ``exp`` a vectorised one (1.3 ns), and the compiled ``exp2`` takes
+0.3 ns. Every score goes through one of them, next to about 2.9 ns of matrix products
+per score at head dim 64, so the wrong one costs 10-45% of a call. Scores in base 2
+only need ``log2(e)`` folded into the queries, so any of them works.
 
-The two are timed once per process and dtype, in turns, on an array that takes well
-under a millisecond. ``exp`` is taken only when it is clearly faster
-(:data:`MARGIN`), so that a moment of load cannot flip the choice, and with it the
-last bits of the results, from one run to the next.
+The candidates are timed once per process and dtype, in turns, on an array that takes
+well under a millisecond. A later one in :data:`ORDER` replaces an earlier one only when
+it is clearly faster (:data:`MARGIN`), so that a moment of load cannot flip the choice,
+and with it the last bits of the results, from one run to the next.
 """
 
 from __future__ import annotations
@@ -19,32 +20,88 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["MARGIN", "base2_is_faster", "prefer_base2"]
+__all__ = ["MARGIN", "ORDER", "available", "fastest", "in_place", "prefer"]
 
-#: ``exp`` replaces ``exp2`` when it takes less than ``1 / MARGIN`` of its time.
+#: Every exponential, the preferred first.
+ORDER = ("exp2_compiled", "exp2", "exp")
+#: A later exponential replaces an earlier one when it takes less than ``1 / MARGIN``
+#: of its time.
 MARGIN = 1.5
 _ENTRIES = 1 << 13
 _ROUNDS = 5
 
 
-def prefer_base2(exp2_seconds: float, exp_seconds: float) -> bool:
-    """Keep ``exp2`` unless ``exp`` took less than ``1 / MARGIN`` of its time."""
-    return exp_seconds * MARGIN > exp2_seconds
+def available(dtype: Any) -> tuple[str, ...]:
+    """The exponentials that can run scores of ``dtype`` here, in :data:`ORDER`."""
+    compiled = np.dtype(dtype) == np.float32 and _compiled() is not None
+    return ORDER if compiled else ORDER[1:]
 
 
 @functools.cache
-def base2_is_faster(dtype: np.dtype) -> bool:
-    """Should scores of ``dtype`` go through ``np.exp2`` (else ``np.exp``) here?"""
+def _compiled() -> Callable[[Any], None] | None:
+    """The compiled ``exp2``; None without a Numba that imports (one built for another
+    NumPy raises ``ImportError``)."""
+    try:
+        from ._compiled_exp2 import exp2_in_place
+    except ImportError:
+        return None
+    return exp2_in_place
+
+
+def in_place(name: str) -> Callable[[Any], None]:
+    """``f(a)`` replaces the entries of ``a`` by their exponential ``name``."""
+    if name == "exp2_compiled":
+        compiled = _compiled()
+        if compiled is None:
+            msg = ("exponential='exp2_compiled' needs Numba: pip install "
+                   "'portattn-numpy[jit]'")
+            raise ValueError(msg)
+        return compiled
+    return _NUMPY[name]
+
+
+def _numpy_in_place(ufunc: Any) -> Callable[[Any], None]:
+    def run(a: Any) -> None:
+        ufunc(a, out=a)
+    return run
+
+
+_NUMPY = {"exp2": _numpy_in_place(np.exp2), "exp": _numpy_in_place(np.exp)}
+
+
+def prefer(seconds: dict[str, float]) -> str:
+    """The first of ``seconds`` (in :data:`ORDER`), unless a later one is
+    :data:`MARGIN` times faster than the one chosen so far."""
+    chosen = None
+    for name in ORDER:
+        if name in seconds and (chosen is None or seconds[name] * MARGIN < seconds[chosen]):
+            chosen = name
+    if chosen is None:
+        msg = f"no exponential among {sorted(seconds)}; expected some of {ORDER}"
+        raise ValueError(msg)
+    return chosen
+
+
+@functools.cache
+def fastest(dtype: np.dtype) -> str:
+    """The exponential scores of ``dtype`` go through here (see :func:`prefer`)."""
     # scores of a typical range: nothing overflows or underflows (slow paths, both)
     x = np.linspace(-30.0, 10.0, _ENTRIES, dtype=dtype)
-    out = np.empty_like(x)
-    best = {np.exp2: math.inf, np.exp: math.inf}
-    for _ in range(_ROUNDS):  # in turns: a moment of load slows both alike
-        for ufunc in best:
+    work = np.empty_like(x)
+    runs = {name: in_place(name) for name in available(dtype)}
+    for run in runs.values():  # a first call may compile, or load what was compiled
+        work[...] = x
+        run(work)
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(_ROUNDS):  # in turns: a moment of load slows all alike
+        for name, run in runs.items():
+            work[...] = x
             start = time.perf_counter()
-            ufunc(x, out=out)
-            best[ufunc] = min(best[ufunc], time.perf_counter() - start)
-    return prefer_base2(best[np.exp2], best[np.exp])
+            run(work)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return prefer(best)

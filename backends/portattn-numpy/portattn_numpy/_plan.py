@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._config import current
+from ._exponential import in_place
 from ._mask_kinds import split
 from ._problem import Problem, Unit
 from ._strategy import choose
@@ -72,7 +73,8 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
     # a bias would need its own pass to change base
-    base2 = inputs.bias is None and config.in_base2(query.dtype)
+    exponential = config.exponential_for(query.dtype, inputs.bias is not None)
+    base2 = exponential != "exp"
     to_base = math.log2(math.e) if base2 else 1.0
     problem = Problem(
         query=query, key=key, value=value,
@@ -80,7 +82,7 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         lse=np.full((*lead, lq), -np.inf, query.dtype) if inputs.return_lse else None,
         factor=inputs.scale * (1.0 / inputs.softcap if inputs.softcap else to_base),
         softcap=None if inputs.softcap is None else inputs.softcap * to_base,
-        base2=base2,
+        base2=base2, exponential=in_place(exponential),
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
         positional=positional, dense=parts.dense,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from portattn.masks import Mask
 
     from ._config import Config
@@ -34,6 +36,9 @@ class Problem:
     softcap: float | None
     """Multiplies ``tanh`` of the scores (times ``log2(e)`` in base 2)."""
     base2: bool
+    """Whether scores are in base 2 (``log2(e)`` folded in) and go through an ``exp2``."""
+    exponential: Callable[[Any], None]
+    """``exponential(a)`` exponentiates ``a`` in place, in the scores' base (``_exponential``)."""
     bias: Any
     positional: Mask | None
     """The causal and sliding-window parts of the mask, combined."""

@@ -66,12 +66,13 @@ class ScoreTile:
         return span, span.reshape(keys, -1)[:, :rows]
 
     def exponentiate(self, exp: Any, keys: int, rows: int) -> Any:
-        """``exp`` of the scores in ``scores(keys, rows)``, in place; the view."""
+        """``exp`` (in place, ``Problem.exponential``) of the scores in
+        ``scores(keys, rows)``; the view."""
         span, view = self.scores(keys, rows)
         padding = span.reshape(keys, -1)[:, rows:]
         if padding.size:
             padding[...] = 0
-        exp(span, out=span)
+        exp(span)
         return view
 
 

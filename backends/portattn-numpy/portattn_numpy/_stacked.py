@@ -142,7 +142,7 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
                                                   q.dtype))
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
-    (np.exp2 if p.base2 else np.exp)(tile, out=tile)
+    p.exponential(tile)
     if st.keep is not None:
         tile *= _heads(st.keep, b, h0, kv, p.group)
     sums = np.add.reduce(tile, axis=-2)  # (kv, group, Lq)

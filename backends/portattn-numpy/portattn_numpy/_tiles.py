@@ -2,8 +2,8 @@
 
 Each key block costs two BLAS products and a few in-place ufunc passes over a score
 tile that stays near the core (``_scores.ScoreTile``). Without a bias the scores are
-kept in base 2 (``log2(e)`` folded into the queries) where NumPy's ``exp2`` is the
-faster of the two (``_exponential``). Two ways through a unit:
+kept in base 2 (``log2(e)`` folded into the queries) where an ``exp2`` is the fastest
+exponential (``_exponential``). Two ways through a unit:
 
 * fast: ``p = exp(s)`` with no max subtracted. ``exp`` has the same relative accuracy
   over its whole normal range, so this is as accurate as subtracting the max as long
@@ -131,7 +131,7 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
         sums[:] = 0
     m[:] = -np.inf
     bias = None if p.bias is None else head_view(p.bias, b, h)
-    exp = np.exp2 if p.base2 else np.exp
+    exp = p.exponential
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
         if p.config.on_tile is not None:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
@@ -166,7 +166,7 @@ def _shift(tile: Any, acc: Any, sums: Any, m: Any, m_new: Any, alpha: Any,
     np.maximum(m, m_new, out=m_new)
     # rows with nothing summed yet (m = -inf) get alpha 0, never exp(+large) * 0
     np.subtract(m, _finite(m_new), out=alpha)
-    exp(alpha, out=alpha)
+    exp(alpha)
     acc *= alpha[:, None]
     sums *= alpha
     m[:] = m_new

@@ -3,6 +3,8 @@ portattn.testing."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 from portattn_numpy import configured, set_num_threads
@@ -27,6 +29,14 @@ def _no_tune_file(monkeypatch):
     _tune.refresh()
 
 
+@pytest.fixture(autouse=True)
+def _two_mib_tiles():
+    """Score tiles of 2 MiB, whatever this machine's L2 (``machine_tile_bytes``): the
+    plans the tests expect (units, strides, groups) are worked out for that size."""
+    with configured(tile_bytes=2 << 20):
+        yield
+
+
 @pytest.fixture
 def tiny_tiles():
     """Tiles of a few rows and keys, so small cases cross many tile and block edges:
@@ -43,10 +53,11 @@ def path(request):
         yield request.param
 
 
-@pytest.fixture(params=["exp2", "exp"])
+@pytest.fixture(params=["exp2", "exp", pytest.param("exp2_compiled", marks=pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="Numba is not installed"))])
 def exponential(request):
-    """Scores through ``exp2`` or ``exp``: each machine gets the one NumPy computes
-    faster there, so both must give the same answers."""
+    """Scores through NumPy's ``exp2`` or ``exp``, or the compiled ``exp2``: each
+    machine gets the one that runs fastest there, so all must give the same answers."""
     with configured(exponential=request.param):
         yield request.param
 

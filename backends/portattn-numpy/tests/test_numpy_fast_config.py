@@ -65,6 +65,18 @@ def test_l2_read_from_sysfs_when_sysconf_does_not_say(tmp_path, monkeypatch):
     assert _config._l2_bytes(tmp_path / "missing") == 0
 
 
+@pytest.mark.parametrize(("l2", "tile"), [
+    (0, 2 << 20), (256 << 10, 2 << 20), (512 << 10, 2 << 20), (1 << 20, 2 << 20),
+    (2 << 20, 4 << 20), (32 << 20, 8 << 20)])
+def test_the_machines_tile_is_twice_its_l2_within_2_to_8_mib(l2, tile, monkeypatch):
+    monkeypatch.setattr(_config, "_l2_bytes", lambda: l2)
+    _config.machine_tile_bytes.cache_clear()
+    try:
+        assert _config.machine_tile_bytes() == tile
+    finally:
+        _config.machine_tile_bytes.cache_clear()
+
+
 @pytest.mark.parametrize(("chosen", "want"), [(256 << 10, 256 << 10), ("big", None),
                                               (None, None)])
 def test_the_tile_size_tune_chose_is_used(chosen, want, tmp_path, monkeypatch):
@@ -86,7 +98,8 @@ def test_the_tile_size_tune_chose_is_used(chosen, want, tmp_path, monkeypatch):
                      **{e.distribution: e.version for e in portattn.kernels()}}}))
     q = np.zeros((1, 1, 4096, 64), np.float32)
     try:
-        problem, _ = build(portattn.explain(q, q, q).inputs)
+        with configured(tile_bytes=None):  # the default: tune's choice, else the machine's
+            problem, _ = build(portattn.explain(q, q, q).inputs)
     finally:
         _tune.refresh()
     expected = _config.machine_tile_bytes() if want is None else want

@@ -1,4 +1,5 @@
-"""The exponential the scores go through: exp2 unless NumPy's exp is much faster here."""
+"""The exponential the scores go through: the compiled exp2 where Numba is installed,
+else NumPy's exp2, unless another is much faster here."""
 
 from __future__ import annotations
 
@@ -11,63 +12,112 @@ from portattn_numpy._plan import build
 
 import portattn
 
+needs_numba = pytest.mark.skipif(_exponential._compiled() is None,
+                                 reason="Numba is not installed (portattn-numpy[jit])")
+
 
 @pytest.fixture
 def timed(monkeypatch):
-    """``timed(exp2_seconds, exp_seconds)``: the choice made on a machine that seems to
-    take these per call of each."""
-    def fake(exp2_seconds, exp_seconds):
-        # base2_is_faster reads the clock before and after each call, exp2 first
-        steps = itertools.cycle([0.0, exp2_seconds, 0.0, exp_seconds])
+    """``timed(seconds)``: the choice made on a machine where each exponential of
+    ``seconds`` (given in ``ORDER``) seems to take that long per call."""
+    def fake(seconds):
+        monkeypatch.setattr(_exponential, "available", lambda dtype: tuple(seconds))
+        monkeypatch.setattr(_exponential, "in_place", lambda name: lambda a: None)
+        # fastest reads the clock before and after each timed call, in ORDER
+        steps = itertools.cycle([t for s in seconds.values() for t in (0.0, s)])
         clock = itertools.accumulate(steps)
         monkeypatch.setattr(_exponential.time, "perf_counter", lambda: next(clock))
-        _exponential.base2_is_faster.cache_clear()
-        return _exponential.base2_is_faster(np.dtype(np.float32))
+        _exponential.fastest.cache_clear()
+        return _exponential.fastest(np.dtype(np.float32))
 
     yield fake
-    _exponential.base2_is_faster.cache_clear()
+    _exponential.fastest.cache_clear()
 
 
-@pytest.mark.parametrize(("exp2_seconds", "exp_seconds", "base2"), [
-    (2.2, 1.0, False),   # float32 with AVX2 only: exp2 is a scalar loop
-    (0.2, 0.45, True),   # float32 with AVX-512
-    (1.2, 1.0, True),    # exp a little faster: not worth results that vary by run
+@pytest.mark.parametrize(("seconds", "chosen"), [
+    # AVX2 only: NumPy's exp2 is a scalar loop
+    ({"exp2_compiled": 0.3, "exp2": 2.5, "exp": 1.3}, "exp2_compiled"),
+    ({"exp2": 2.2, "exp": 1.0}, "exp"),
+    # AVX-512: NumPy's exp2 a little faster than the compiled one, not clearly
+    ({"exp2_compiled": 0.25, "exp2": 0.2, "exp": 0.45}, "exp2_compiled"),
+    ({"exp2": 0.2, "exp": 0.45}, "exp2"),
+    # clearly faster: NumPy's exp2 over the compiled one, exp not over that exp2
+    ({"exp2_compiled": 1.0, "exp2": 0.5, "exp": 0.4}, "exp2"),
+    ({"exp2_compiled": 1.0, "exp2": 0.9, "exp": 0.5}, "exp"),
+    # a little faster is not worth results that vary by run
+    ({"exp2": 1.2, "exp": 1.0}, "exp2"),
 ])
-def test_exp_replaces_exp2_only_when_clearly_faster(timed, exp2_seconds, exp_seconds,
-                                                    base2):
-    assert timed(exp2_seconds, exp_seconds) is base2
-    assert _exponential.prefer_base2(exp2_seconds, exp_seconds) is base2
+def test_a_later_exponential_replaces_an_earlier_only_when_clearly_faster(timed, seconds,
+                                                                         chosen):
+    assert timed(seconds) == chosen
+    assert _exponential.prefer(seconds) == chosen
+
+
+def test_prefer_names_what_it_was_given():
+    with pytest.raises(ValueError, match=r"no exponential among \['exp3'\]"):
+        _exponential.prefer({"exp3": 1.0})
 
 
 def test_the_choice_is_timed_once_per_dtype(monkeypatch):
-    _exponential.base2_is_faster.cache_clear()
+    _exponential.fastest.cache_clear()
     calls = []
-    monkeypatch.setattr(_exponential, "prefer_base2", lambda *t: calls.append(t) or True)
+    monkeypatch.setattr(_exponential, "prefer", lambda t: calls.append(t) or "exp2")
     for _ in range(3):
-        _exponential.base2_is_faster(np.dtype(np.float32))
-    _exponential.base2_is_faster(np.dtype(np.float64))
+        _exponential.fastest(np.dtype(np.float32))
+    _exponential.fastest(np.dtype(np.float64))
     assert len(calls) == 2
-    _exponential.base2_is_faster.cache_clear()
+    assert "exp2_compiled" not in calls[1]  # float32 only
+    _exponential.fastest.cache_clear()
 
 
-def _planned_base2(q, **kwargs):
+def test_the_compiled_exp2_is_a_candidate_for_float32_where_numba_imports(monkeypatch):
+    assert "exp2_compiled" not in _exponential.available(np.float64)
+    installed = _exponential._compiled() is not None
+    assert ("exp2_compiled" in _exponential.available(np.float32)) is installed
+    monkeypatch.setattr(_exponential, "_compiled", lambda: None)
+    assert _exponential.available(np.float32) == ("exp2", "exp")
+
+
+def _planned(q, **kwargs):
+    """``(base2, exponential)`` of a call's problem."""
     problem, _ = build(portattn.explain(q, q, q, kernel="numpy_fast", **kwargs).inputs)
-    return problem.base2
+    return problem.base2, problem.exponential
 
 
-@pytest.mark.parametrize(("exponential", "base2"), [("exp2", True), ("exp", False)])
+@pytest.mark.parametrize(("exponential", "base2"), [
+    ("exp2", True), ("exp", False), pytest.param("exp2_compiled", True, marks=needs_numba)])
 def test_the_setting_decides(exponential, base2):
     q = np.zeros((1, 1, 8, 4), np.float32)
     with configured(exponential=exponential):
-        assert _planned_base2(q) is base2
+        assert _planned(q) == (base2, _exponential.in_place(exponential))
         # a bias stays in base e, whatever the setting: changing it would cost a pass
-        assert _planned_base2(q, bias=np.zeros((8, 8), np.float32)) is False
+        assert _planned(q, bias=np.zeros((8, 8), np.float32))[0] is False
 
 
-@pytest.mark.parametrize("base2", [True, False])
-def test_by_default_the_measured_choice_is_used(timed, base2):
-    timed(1.0, 2.0 if base2 else 0.5)
-    assert _planned_base2(np.zeros((1, 1, 8, 4), np.float32)) is base2
+@needs_numba
+def test_float64_scores_asked_for_the_compiled_exp2_get_numpys():
+    with configured(exponential="exp2_compiled"):
+        base2, exponential = _planned(np.zeros((1, 1, 8, 4), np.float64))
+    assert base2
+    assert exponential is not _exponential.in_place("exp2_compiled")
+    x = np.linspace(-3.0, 3.0, 7)
+    got = x.copy()
+    exponential(got)
+    np.testing.assert_array_equal(got, np.exp2(x))
+
+
+def test_the_compiled_exp2_without_numba_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_exponential, "_compiled", lambda: None)
+    with configured(exponential="exp2_compiled"), \
+            pytest.raises(ValueError, match=r"needs Numba: pip install 'portattn-numpy\[jit\]'"):
+        _planned(np.zeros((1, 1, 8, 4), np.float32))
+
+
+@pytest.mark.parametrize("chosen", ["exp2", "exp"])
+def test_by_default_the_measured_choice_is_used(timed, chosen):
+    timed({"exp2": 1.0, "exp": 2.0 if chosen == "exp2" else 0.5})
+    base2, _ = _planned(np.zeros((1, 1, 8, 4), np.float32))
+    assert base2 is (chosen == "exp2")
 
 
 def test_a_bad_setting_is_named():
