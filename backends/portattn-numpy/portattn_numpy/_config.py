@@ -90,8 +90,8 @@ class Config:
     """Work a thread must get before handing it work pays (~0.5 ms), counted in scores
     (``_units.work``: key and value rows read count too)."""
     exponential: str | None = None
-    """``"exp2_compiled"`` (float32 only, needs Numba; others get ``"exp2"``),
-    ``"exp2"`` or ``"exp"`` for scores without a bias; None: the fastest here
+    """``"exp2_compiled"`` (needs Numba), ``"exp2"`` or ``"exp"`` for scores without a
+    bias; None: the fastest here
     (``_exponential``). With a bias, always ``"exp"`` (changing the bias's base would
     cost a pass)."""
     try_fast: bool = True
@@ -123,9 +123,6 @@ class Config:
             return "exp"
         if self.exponential is None:
             return _exponential.fastest(np.dtype(dtype))
-        if self.exponential not in _exponential.available(dtype):
-            _exponential.in_place(self.exponential)  # raises where Numba is missing
-            return "exp2"  # the compiled exp2 is float32's only
         return self.exponential
 
     def score_tile_bytes(self) -> int:

@@ -4,6 +4,9 @@ else NumPy's exp2, unless another is much faster here."""
 from __future__ import annotations
 
 import itertools
+import sys
+import types
+import warnings
 
 import numpy as np
 import pytest
@@ -66,16 +69,16 @@ def test_the_choice_is_timed_once_per_dtype(monkeypatch):
         _exponential.fastest(np.dtype(np.float32))
     _exponential.fastest(np.dtype(np.float64))
     assert len(calls) == 2
-    assert "exp2_compiled" not in calls[1]  # float32 only
     _exponential.fastest.cache_clear()
 
 
-def test_the_compiled_exp2_is_a_candidate_for_float32_where_numba_imports(monkeypatch):
-    assert "exp2_compiled" not in _exponential.available(np.float64)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_exp2_is_a_candidate_where_numba_imports(monkeypatch, dtype):
     installed = _exponential._compiled() is not None
-    assert ("exp2_compiled" in _exponential.available(np.float32)) is installed
+    assert ("exp2_compiled" in _exponential.available(dtype)) is installed
     monkeypatch.setattr(_exponential, "_compiled", lambda: None)
-    assert _exponential.available(np.float32) == ("exp2", "exp")
+    assert _exponential.available(dtype) == ("exp2", "exp")
+    assert _exponential.available(np.float16) == ("exp2", "exp")
 
 
 def _planned(q, **kwargs):
@@ -86,24 +89,36 @@ def _planned(q, **kwargs):
 
 @pytest.mark.parametrize(("exponential", "base2"), [
     ("exp2", True), ("exp", False), pytest.param("exp2_compiled", True, marks=needs_numba)])
-def test_the_setting_decides(exponential, base2):
-    q = np.zeros((1, 1, 8, 4), np.float32)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_setting_decides(exponential, base2, dtype):
+    q = np.zeros((1, 1, 8, 4), dtype)
     with configured(exponential=exponential):
         assert _planned(q) == (base2, _exponential.in_place(exponential))
         # a bias stays in base e, whatever the setting: changing it would cost a pass
-        assert _planned(q, bias=np.zeros((8, 8), np.float32))[0] is False
+        assert _planned(q, bias=np.zeros((8, 8), dtype))[0] is False
 
 
-@needs_numba
-def test_float64_scores_asked_for_the_compiled_exp2_get_numpys():
-    with configured(exponential="exp2_compiled"):
-        base2, exponential = _planned(np.zeros((1, 1, 8, 4), np.float64))
-    assert base2
-    assert exponential is not _exponential.in_place("exp2_compiled")
-    x = np.linspace(-3.0, 3.0, 7)
-    got = x.copy()
-    exponential(got)
-    np.testing.assert_array_equal(got, np.exp2(x))
+def test_a_compiled_exp2_that_fails_to_load_leaves_numpys_with_a_warning(monkeypatch):
+    monkeypatch.setitem(sys.modules, "portattn_numpy._compiled_exp2",
+                        types.ModuleType("portattn_numpy._compiled_exp2"))  # nothing in it
+    _exponential._compiled.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="the compiled exp2 is unavailable"):
+            assert _exponential.available(np.float32) == ("exp2", "exp")
+    finally:
+        _exponential._compiled.cache_clear()
+
+
+def test_without_numba_numpys_exponentials_are_used_silently(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba: ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "portattn_numpy._compiled_exp2", raising=False)
+    _exponential._compiled.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _exponential.available(np.float32) == ("exp2", "exp")
+    finally:
+        _exponential._compiled.cache_clear()
 
 
 def test_the_compiled_exp2_without_numba_is_a_clear_error(monkeypatch):
