@@ -91,9 +91,8 @@ class Config:
     (``_units.work``: key and value rows read count too)."""
     exponential: str | None = None
     """``"exp2_compiled"`` (needs Numba), ``"exp2"`` or ``"exp"`` for scores without a
-    bias; None: the fastest here
-    (``_exponential``). With a bias, always ``"exp"`` (changing the bias's base would
-    cost a pass)."""
+    bias; None: the fastest here (``_exponential``). With a bias, always ``"exp"``
+    (changing the bias's base would cost a pass)."""
     try_fast: bool = True
     """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
     strategies: tuple[str, ...] = STRATEGIES

@@ -7,8 +7,8 @@ takes about 0.2 ns an entry and ``exp`` 0.45 ns; with AVX2 only, ``exp2`` is a s
 loop (2.5 ns) and ``exp`` a vectorised one (1.3 ns), and the compiled ``exp2`` takes
 0.3 ns (float64: 5 ns for NumPy's, 1.2 ns compiled). Every score goes through one of
 them, next to about 2.9 ns of matrix products per float32 score at head dim 64, so
-the wrong one costs 10-45% of a call. Scores in base 2
-only need ``log2(e)`` folded into the queries, so any of them works.
+the wrong one costs 10-45% of a call. Scores in base 2 only need ``log2(e)`` folded
+into the queries, so any of them works.
 
 The candidates are timed once per process and dtype, in turns, on an array that takes
 well under a millisecond. A later one in :data:`ORDER` replaces an earlier one only when

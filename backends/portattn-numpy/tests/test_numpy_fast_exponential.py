@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
-from portattn_numpy import _exponential, configured
+from portattn_numpy import _config, _exponential, configured
 from portattn_numpy._plan import build
 
 import portattn
@@ -133,6 +133,10 @@ def test_by_default_the_measured_choice_is_used(timed, chosen):
     timed({"exp2": 1.0, "exp": 2.0 if chosen == "exp2" else 0.5})
     base2, _ = _planned(np.zeros((1, 1, 8, 4), np.float32))
     assert base2 is (chosen == "exp2")
+
+
+def test_the_settings_name_every_exponential():
+    assert _config._EXPONENTIALS == _exponential.ORDER
 
 
 def test_a_bad_setting_is_named():
