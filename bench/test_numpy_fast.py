@@ -182,11 +182,11 @@ def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
     weights-times-values product and the row sums (a product with ones), accumulated;
     no masking, checks, threads or division."""
     from portattn_numpy import Config
-    from portattn_numpy._exponential import in_place
+    from portattn_numpy._exponential import BASE_2, in_place
     from portattn_numpy._scores import ScoreTile  # the kernel's own tile memory
 
     exponential = Config().exponential_for(np.float32, bias=False)
-    base2, exp = exponential != "exp", in_place(exponential)
+    base2, exp = exponential in BASE_2, in_place(exponential)
     q, k, v = (x[0] for x in _inputs(n))
     q = np.ascontiguousarray(q * ((math.log2(math.e) if base2 else 1) / math.sqrt(HEAD_DIM)))
     scores = ScoreTile("bench.scores", block_k, block_q, np.float32)

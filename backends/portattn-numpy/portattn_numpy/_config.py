@@ -24,7 +24,7 @@ __all__ = ["STRATEGIES", "Config", "configured", "current", "machine_tile_bytes"
 #: Every strategy, in the order they are tried (see ``_strategies``).
 STRATEGIES = ("stacked", "diagonal", "tiles")
 #: ``_exponential.ORDER``, without importing NumPy.
-_EXPONENTIALS = ("exp2_compiled", "exp2", "exp")
+_EXPONENTIALS = ("exp2_compiled", "exp2", "exp_compiled", "exp")
 
 
 @functools.cache
@@ -90,9 +90,10 @@ class Config:
     """Work a thread must get before handing it work pays (~0.5 ms), counted in scores
     (``_units.work``: key and value rows read count too)."""
     exponential: str | None = None
-    """``"exp2_compiled"`` (needs Numba), ``"exp2"`` or ``"exp"`` for scores without a
-    bias; None: the fastest here (``_exponential``). With a bias, always ``"exp"``
-    (changing the bias's base would cost a pass)."""
+    """``"exp2_compiled"``, ``"exp_compiled"`` (both need Numba), ``"exp2"`` or
+    ``"exp"``; None: the fastest here (``_exponential``). With a bias, scores stay in
+    base e (changing the bias's base would cost a pass): an ``exp2`` gives way to the
+    ``exp`` of its kind."""
     try_fast: bool = True
     """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
     strategies: tuple[str, ...] = STRATEGIES
@@ -118,10 +119,10 @@ class Config:
 
         from . import _exponential
 
-        if bias:
-            return "exp"
         if self.exponential is None:
-            return _exponential.fastest(np.dtype(dtype))
+            return _exponential.fastest(np.dtype(dtype), base_e=bias)
+        if bias:
+            return _exponential.IN_BASE_E.get(self.exponential, self.exponential)
         return self.exponential
 
     def score_tile_bytes(self) -> int:

@@ -1,6 +1,7 @@
 """Which exponential the scores go through: a compiled ``exp2`` where Numba is
-installed (``_compiled_exp2``), else NumPy's ``exp2``, unless another one is much
-faster on this machine.
+installed (``_compiled_exp``), else NumPy's ``exp2``, unless another one is much
+faster on this machine; with a bias, which keeps scores in base e, the ``exp`` of the
+same kind.
 
 NumPy vectorises its two for different CPUs. On x86-64 with AVX-512, float32 ``exp2``
 takes about 0.2 ns an entry and ``exp`` 0.45 ns; with AVX2 only, ``exp2`` is a scalar
@@ -8,12 +9,12 @@ loop (2.5 ns) and ``exp`` a vectorised one (1.3 ns), and the compiled ``exp2`` t
 0.3 ns (float64: 5 ns for NumPy's, 1.2 ns compiled). Every score goes through one of
 them, next to about 2.9 ns of matrix products per float32 score at head dim 64, so
 the wrong one costs 10-45% of a call. Scores in base 2 only need ``log2(e)`` folded
-into the queries, so any of them works.
+into the queries, so any of them works where there is no bias.
 
-The candidates are timed once per process and dtype, in turns, on an array that takes
-well under a millisecond. A later one in :data:`ORDER` replaces an earlier one only when
-it is clearly faster (:data:`MARGIN`), so that a moment of load cannot flip the choice,
-and with it the last bits of the results, from one run to the next.
+The candidates are timed once per process, dtype and base, in turns, on an array that
+takes well under a millisecond. A later one in :data:`ORDER` replaces an earlier one
+only when it is clearly faster (:data:`MARGIN`), so that a moment of load cannot flip
+the choice, and with it the last bits of the results, from one run to the next.
 """
 
 from __future__ import annotations
@@ -27,49 +28,57 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MARGIN", "ORDER", "available", "fastest", "in_place", "prefer"]
+__all__ = ["BASE_2", "IN_BASE_E", "MARGIN", "ORDER", "available", "fastest", "in_place",
+           "prefer"]
 
 #: Every exponential, the preferred first.
-ORDER = ("exp2_compiled", "exp2", "exp")
+ORDER = ("exp2_compiled", "exp2", "exp_compiled", "exp")
+#: The exponentials of scores in base 2.
+BASE_2 = frozenset({"exp2_compiled", "exp2"})
+#: For scores that must stay in base e, the ``exp`` of the same kind.
+IN_BASE_E = {"exp2_compiled": "exp_compiled", "exp2": "exp"}
 #: A later exponential replaces an earlier one when it takes less than ``1 / MARGIN``
 #: of its time.
 MARGIN = 1.5
-#: The dtypes ``_compiled_exp2`` is compiled for.
+#: The dtypes ``_compiled_exp`` is compiled for.
 _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _ENTRIES = 1 << 13
 _ROUNDS = 5
 
 
-def available(dtype: Any) -> tuple[str, ...]:
-    """The exponentials that can run scores of ``dtype`` here, in :data:`ORDER`."""
+def available(dtype: Any, base_e: bool = False) -> tuple[str, ...]:
+    """The exponentials that can run scores of ``dtype`` here (``base_e``: scores
+    that must stay in base e), in :data:`ORDER`."""
     compiled = np.dtype(dtype) in _COMPILED_DTYPES and _compiled() is not None
-    return ORDER if compiled else ORDER[1:]
+    return tuple(name for name in ORDER
+                 if (compiled or not name.endswith("_compiled"))
+                 and not (base_e and name in BASE_2))
 
 
 @functools.cache
-def _compiled() -> Callable[[Any], None] | None:
-    """The compiled ``exp2``; None without Numba, and with a warning where Numba is
-    installed but fails (one built for another NumPy, a cache it cannot write)."""
+def _compiled() -> Any:
+    """The module of compiled exponentials; None without Numba, and with a warning
+    where Numba is installed but fails (one built for another NumPy, a cache it cannot
+    write)."""
     try:
-        from ._compiled_exp2 import exp2_in_place
+        from . import _compiled_exp
     except Exception as e:  # Numba is optional: any failure leaves NumPy's exponentials
         if not (isinstance(e, ModuleNotFoundError) and e.name == "numba"):
-            warnings.warn(f"numpy_fast: the compiled exp2 is unavailable "
-                          f"({type(e).__name__}: {e}); NumPy's exponentials are used",
+            warnings.warn(f"numpy_fast: the compiled exponentials are unavailable "
+                          f"({type(e).__name__}: {e}); NumPy's are used",
                           RuntimeWarning, stacklevel=2)
         return None
-    return exp2_in_place
+    return _compiled_exp
 
 
 def in_place(name: str) -> Callable[[Any], None]:
     """``f(a)`` replaces the entries of ``a`` by their exponential ``name``."""
-    if name == "exp2_compiled":
+    if name.endswith("_compiled"):
         compiled = _compiled()
         if compiled is None:
-            msg = ("exponential='exp2_compiled' needs Numba: pip install "
-                   "'portattn-numpy[jit]'")
+            msg = f"exponential={name!r} needs Numba: pip install 'portattn-numpy[jit]'"
             raise ValueError(msg)
-        return compiled
+        return compiled.exp2_in_place if name == "exp2_compiled" else compiled.exp_in_place
     return _NUMPY[name]
 
 
@@ -96,12 +105,13 @@ def prefer(seconds: dict[str, float]) -> str:
 
 
 @functools.cache
-def fastest(dtype: np.dtype) -> str:
-    """The exponential scores of ``dtype`` go through here (see :func:`prefer`)."""
+def fastest(dtype: np.dtype, base_e: bool = False) -> str:
+    """The exponential scores of ``dtype`` go through here (``base_e``: scores that
+    must stay in base e; see :func:`prefer`)."""
     # scores of a typical range: nothing overflows or underflows (slow paths, both)
     x = np.linspace(-30.0, 10.0, _ENTRIES, dtype=dtype)
     work = np.empty_like(x)
-    runs = {name: in_place(name) for name in available(dtype)}
+    runs = {name: in_place(name) for name in available(dtype, base_e)}
     for run in runs.values():  # untimed: a first call pays for its page faults
         work[...] = x
         run(work)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._config import current
-from ._exponential import in_place
+from ._exponential import BASE_2, in_place
 from ._mask_kinds import split
 from ._problem import Problem, Unit
 from ._strategy import choose
@@ -72,9 +72,9 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     block_q, block_k = block_sizes(lq, lk, tile_elements, config, heads=heads,
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
-    # a bias would need its own pass to change base
-    exponential = config.exponential_for(query.dtype, inputs.bias is not None)
-    base2 = exponential != "exp"
+    # a bias keeps the scores in base e: changing its base would cost a pass
+    exponential = config.exponential_for(query.dtype, bias=inputs.bias is not None)
+    base2 = exponential in BASE_2
     to_base = math.log2(math.e) if base2 else 1.0
     problem = Problem(
         query=query, key=key, value=value,

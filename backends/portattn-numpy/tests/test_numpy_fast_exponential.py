@@ -1,5 +1,5 @@
 """The exponential the scores go through: the compiled exp2 where Numba is installed,
-else NumPy's exp2, unless another is much faster here."""
+else NumPy's exp2, unless another is much faster here; with a bias, an exp."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import types
 import warnings
 
 import numpy as np
+import portattn_numpy
 import pytest
 from portattn_numpy import _config, _exponential, configured
 from portattn_numpy._plan import build
@@ -24,7 +25,8 @@ def timed(monkeypatch):
     """``timed(seconds)``: the choice made on a machine where each exponential of
     ``seconds`` (given in ``ORDER``) seems to take that long per call."""
     def fake(seconds):
-        monkeypatch.setattr(_exponential, "available", lambda dtype: tuple(seconds))
+        monkeypatch.setattr(_exponential, "available",
+                            lambda dtype, base_e=False: tuple(seconds))
         monkeypatch.setattr(_exponential, "in_place", lambda name: lambda a: None)
         # fastest reads the clock before and after each timed call, in ORDER
         steps = itertools.cycle([t for s in seconds.values() for t in (0.0, s)])
@@ -73,12 +75,24 @@ def test_the_choice_is_timed_once_per_dtype(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_the_compiled_exp2_is_a_candidate_where_numba_imports(monkeypatch, dtype):
+def test_the_compiled_ones_are_candidates_where_numba_imports(monkeypatch, dtype):
     installed = _exponential._compiled() is not None
     assert ("exp2_compiled" in _exponential.available(dtype)) is installed
+    assert _exponential.available(dtype, base_e=True) == (
+        ("exp_compiled", "exp") if installed else ("exp",))
     monkeypatch.setattr(_exponential, "_compiled", lambda: None)
     assert _exponential.available(dtype) == ("exp2", "exp")
     assert _exponential.available(np.float16) == ("exp2", "exp")
+
+
+@needs_numba
+@pytest.mark.parametrize(("name", "exact"), [("exp2_compiled", np.exp2),
+                                             ("exp_compiled", np.exp)])
+def test_each_compiled_name_computes_its_own_exponential(name, exact):
+    x = np.linspace(-20.0, 20.0, 101, dtype=np.float32)
+    got = x.copy()
+    _exponential.in_place(name)(got)
+    np.testing.assert_allclose(got, exact(x), rtol=3e-7)
 
 
 def _planned(q, **kwargs):
@@ -87,23 +101,32 @@ def _planned(q, **kwargs):
     return problem.base2, problem.exponential
 
 
-@pytest.mark.parametrize(("exponential", "base2"), [
-    ("exp2", True), ("exp", False), pytest.param("exp2_compiled", True, marks=needs_numba)])
+@pytest.mark.parametrize(("exponential", "base2", "with_bias"), [
+    ("exp2", True, "exp"), ("exp", False, "exp"),
+    pytest.param("exp2_compiled", True, "exp_compiled", marks=needs_numba),
+    pytest.param("exp_compiled", False, "exp_compiled", marks=needs_numba)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_the_setting_decides(exponential, base2, dtype):
+def test_the_setting_decides(exponential, base2, with_bias, dtype):
     q = np.zeros((1, 1, 8, 4), dtype)
     with configured(exponential=exponential):
         assert _planned(q) == (base2, _exponential.in_place(exponential))
-        # a bias stays in base e, whatever the setting: changing it would cost a pass
-        assert _planned(q, bias=np.zeros((8, 8), dtype))[0] is False
+        # a bias keeps the scores in base e: changing its base would cost a pass
+        assert _planned(q, bias=np.zeros((8, 8), dtype)) == (
+            False, _exponential.in_place(with_bias))
 
 
-def test_a_compiled_exp2_that_fails_to_load_leaves_numpys_with_a_warning(monkeypatch):
-    monkeypatch.setitem(sys.modules, "portattn_numpy._compiled_exp2",
-                        types.ModuleType("portattn_numpy._compiled_exp2"))  # nothing in it
+def _import_compiled_afresh(monkeypatch):
+    """Make the next ``_compiled()`` import ``_compiled_exp`` again."""
+    monkeypatch.delitem(sys.modules, "portattn_numpy._compiled_exp", raising=False)
+    monkeypatch.delattr(portattn_numpy, "_compiled_exp", raising=False)
     _exponential._compiled.cache_clear()
+
+
+def test_compiled_ones_that_fail_to_load_leave_numpys_with_a_warning(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", types.ModuleType("numba"))  # nothing in it
+    _import_compiled_afresh(monkeypatch)
     try:
-        with pytest.warns(RuntimeWarning, match="the compiled exp2 is unavailable"):
+        with pytest.warns(RuntimeWarning, match="the compiled exponentials are unavailable"):
             assert _exponential.available(np.float32) == ("exp2", "exp")
     finally:
         _exponential._compiled.cache_clear()
@@ -111,8 +134,7 @@ def test_a_compiled_exp2_that_fails_to_load_leaves_numpys_with_a_warning(monkeyp
 
 def test_without_numba_numpys_exponentials_are_used_silently(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba: ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "portattn_numpy._compiled_exp2", raising=False)
-    _exponential._compiled.cache_clear()
+    _import_compiled_afresh(monkeypatch)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -121,10 +143,12 @@ def test_without_numba_numpys_exponentials_are_used_silently(monkeypatch):
         _exponential._compiled.cache_clear()
 
 
-def test_the_compiled_exp2_without_numba_is_a_clear_error(monkeypatch):
+@pytest.mark.parametrize("name", ["exp2_compiled", "exp_compiled"])
+def test_a_compiled_one_without_numba_is_a_clear_error(monkeypatch, name):
     monkeypatch.setattr(_exponential, "_compiled", lambda: None)
-    with configured(exponential="exp2_compiled"), \
-            pytest.raises(ValueError, match=r"needs Numba: pip install 'portattn-numpy\[jit\]'"):
+    with configured(exponential=name), pytest.raises(
+            ValueError, match=rf"exponential='{name}' needs Numba: pip install "
+                              r"'portattn-numpy\[jit\]'"):
         _planned(np.zeros((1, 1, 8, 4), np.float32))
 
 
@@ -133,6 +157,17 @@ def test_by_default_the_measured_choice_is_used(timed, chosen):
     timed({"exp2": 1.0, "exp": 2.0 if chosen == "exp2" else 0.5})
     base2, _ = _planned(np.zeros((1, 1, 8, 4), np.float32))
     assert base2 is (chosen == "exp2")
+
+
+def test_the_choice_for_a_bias_is_timed_among_exps_only(monkeypatch):
+    _exponential.fastest.cache_clear()
+    timed = []
+    monkeypatch.setattr(_exponential, "prefer", lambda t: timed.append(set(t)) or "exp")
+    try:
+        assert _exponential.fastest(np.dtype(np.float32), base_e=True) == "exp"
+    finally:
+        _exponential.fastest.cache_clear()
+    assert timed[0] <= {"exp_compiled", "exp"}
 
 
 def test_the_settings_name_every_exponential():

@@ -1,0 +1,142 @@
+"""``exp2`` and ``exp`` of float32 and float64 arrays in place, compiled with Numba
+(``pip install portattn-numpy[jit]``); importing this module without Numba raises
+``ImportError``.
+
+NumPy vectorises float32 ``exp2`` only with AVX-512. With AVX2 alone its float32
+``exp2`` is a scalar loop (2.5 ns an entry) and its ``exp`` 1.3 ns, next to about
+2.9 ns of matrix products per score at head dim 64; its float64 ``exp`` takes 5 ns.
+These loops, compiled for the machine they run on, take 0.26-0.35 ns (float32) and
+1.0-1.3 ns (float64) there.
+
+``2**t = 2**k * 2**f`` with ``k = round(t)`` and ``|f| <= 1/2``, where ``t`` is ``x``
+for ``exp2`` and ``x log2(e)`` for ``exp``. ``2**f = e**r`` with ``r = f ln(2)``,
+which ``exp`` computes from ``x`` as ``x - k ln(2)`` in two parts (the first exact
+for every ``k``, Cody and Waite's reduction), so that rounding ``x log2(e)`` does not
+cost accuracy. ``e**r`` is its Taylor series, cut where the next term is under a tenth
+of an ulp (degree 7 for float32, 13 for float64: under one ulp from the exact value
+over the normal range). ``2**k`` is written straight into the exponent bits: adding
+``1.5 * 2**m + bias`` (``m`` mantissa bits) rounds ``t`` and leaves ``k + bias`` in
+the low bits of the sum, which a shift by ``m`` moves into the exponent field (the
+higher bits fall off the integer). ``t`` is clamped to ``[-bias, bias + 1]`` first, so
+the field is 0 or all ones at the ends: results under ``2**(0.5 - bias)`` are exactly
+0 (the scores' row sums are held far above that, ``_scores.trustworthy``, so a lost
+term moves a sum by less than ``2**-26`` of itself), results over ``2**(bias + 0.5)``
+are inf, and NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal, localcontext
+from typing import Any
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = ["exp2_in_place", "exp_in_place"]
+
+_INTEGER = {32: types.int32, 64: types.int64}
+_FLOAT = {32: types.float32, 64: types.float64}
+#: Taylor degree per float width (see above).
+_DEGREE = {32: 7, 64: 13}
+
+
+@intrinsic
+def _bits(typingctx: Any, x: Any) -> Any:
+    """A float's bits as the signed integer of its width."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], context.get_value_type(signature.return_type))
+    return _INTEGER[x.bitwidth](x), codegen
+
+
+@intrinsic
+def _float(typingctx: Any, x: Any) -> Any:
+    """An integer's bits as the float of its width."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], context.get_value_type(signature.return_type))
+    return _FLOAT[x.bitwidth](x), codegen
+
+
+def _ln2_parts(info: np.finfo) -> tuple[float, float]:
+    """``ln(2)`` as ``hi + lo``, ``hi`` with few enough bits that ``k * hi`` is exact
+    for every ``k`` the exponent field holds."""
+    with localcontext() as context:
+        context.prec = 50
+        ln2 = Decimal(2).ln()
+    exponent_bits = info.bits - info.nmant - 1
+    hi = math.ldexp(math.floor(math.ldexp(float(ln2), info.nmant - exponent_bits)),
+                    exponent_bits - info.nmant)
+    return hi, float(ln2 - Decimal(hi))
+
+
+def _compile(dtype: Any, base_e: bool) -> Any:
+    """The in-place ``exp`` (``base_e``) or ``exp2`` of 1-D contiguous arrays of
+    ``dtype``."""
+    info = np.finfo(dtype)
+    real, integer = info.dtype.type, np.dtype(f"int{info.bits}").type
+    bias = info.maxexp - 1
+    lowest, highest = real(-bias), real(bias + 1)
+    round_biased = real(1.5 * 2.0**info.nmant + bias)
+    mantissa_bits = integer(info.nmant)
+    hi, lo = _ln2_parts(info)
+    log2e = real(1 / math.log(2))
+    # exp's x is clamped too, a little wider than t, so that r stays small where 2**k
+    # is 0 or inf
+    x_lowest, x_highest = real((lowest - 1) * (hi + lo)), real((highest + 1) * (hi + lo))
+    hi, lo = real(hi), real(lo)
+    # e**r for exp, 2**f = e**(f ln 2) for exp2; highest power first (Horner's order)
+    per_power = 1.0 if base_e else math.log(2)
+    coeffs = tuple(real(per_power**n / math.factorial(n))
+                   for n in range(_DEGREE[info.bits], -1, -1))
+
+    # One loop over the array itself (not over an ``out`` that may alias it): LLVM then
+    # vectorises it with no overlap check.
+    @numba.njit(f"void({info.dtype.name}[::1])", nogil=True, boundscheck=False,
+                fastmath={"contract"}, cache=True)
+    def exp(a: Any) -> None:  # pragma: no cover - compiled
+        for j in range(a.shape[0]):
+            x = a[j]
+            if base_e:
+                x = x_lowest if x < x_lowest else x  # written so that NaN passes
+                x = x_highest if x > x_highest else x
+                t = x * log2e
+            else:
+                t = x
+            t = lowest if t < lowest else t
+            t = highest if t > highest else t
+            biased = t + round_biased
+            k = biased - round_biased  # round(t), exactly
+            r = (x - k * hi) - k * lo if base_e else t - k
+            p = coeffs[0]
+            for c in coeffs[1:]:
+                p = p * r + c
+            a[j] = p * _float(integer(_bits(biased) << mantissa_bits))
+
+    return exp
+
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_EXP2 = {dt: _compile(dt, base_e=False) for dt in _DTYPES}
+_EXP = {dt: _compile(dt, base_e=True) for dt in _DTYPES}
+
+
+def _in_place(compiled: dict[np.dtype, Any], fallback: Any, a: Any) -> None:
+    run = compiled.get(a.dtype)
+    if run is not None and a.flags.c_contiguous:
+        run(a.reshape(-1))
+    else:
+        fallback(a, out=a)
+
+
+def exp2_in_place(a: Any) -> None:
+    """``a[...] = 2**a`` for a C-contiguous float32 or float64 array; NumPy's ``exp2``
+    for others."""
+    _in_place(_EXP2, np.exp2, a)
+
+
+def exp_in_place(a: Any) -> None:
+    """``a[...] = e**a`` for a C-contiguous float32 or float64 array; NumPy's ``exp``
+    for others."""
+    _in_place(_EXP, np.exp, a)

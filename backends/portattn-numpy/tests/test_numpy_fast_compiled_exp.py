@@ -1,0 +1,107 @@
+"""The compiled exp2 and exp: within an ulp over the normal range, exact ends, in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+pytest.importorskip("numba", reason="the compiled exponentials need Numba (portattn-numpy[jit])")
+
+from portattn_numpy._compiled_exp import exp2_in_place, exp_in_place
+
+DTYPES = [np.float32, np.float64]
+#: Errors in ulps are measured against long double: float64's only where that is more
+#: precise (x86-64 Linux), not where it is float64 itself.
+MEASURABLE = DTYPES if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant else [
+    np.float32]
+#: Each compiled exponential, with NumPy's for the exact value and ``log(base)``.
+FUNCTIONS = {"exp2": (exp2_in_place, np.exp2, np.log(2.0)), "exp": (exp_in_place, np.exp, 1.0)}
+
+
+def _normal(dtype, function):
+    """Where results are normal floats and the polynomial alone decides the error
+    (ends excluded: each rounds to a power of two that is 0 or inf)."""
+    bias = np.finfo(dtype).maxexp - 1
+    per_unit = np.log(2.0) / FUNCTIONS[function][2]  # inputs per power of two
+    return (0.5 - bias) * per_unit, (bias + 0.5) * per_unit
+
+
+def _ulps(function, got, x):
+    exact = FUNCTIONS[function][1](x.astype(np.longdouble))  # more precise than float64
+    return np.abs(got - exact) / np.spacing(exact.astype(x.dtype))
+
+
+def _run(function, x):
+    got = x.copy()
+    FUNCTIONS[function][0](got)
+    return got
+
+
+@pytest.mark.parametrize("function", list(FUNCTIONS))
+@pytest.mark.parametrize("dtype", MEASURABLE)
+def test_within_an_ulp_over_the_whole_normal_range(dtype, function):
+    x = np.linspace(*_normal(dtype, function), 3_000_001).astype(dtype)[1:-1]
+    assert _ulps(function, _run(function, x), x).max() < 1.0
+
+
+@st.composite
+def _cases(draw):
+    """``(function, x)``: an array of inputs whose results are normal floats."""
+    dtype = draw(st.sampled_from(MEASURABLE))
+    function = draw(st.sampled_from(list(FUNCTIONS)))
+    lo, hi = (float(dtype(end)) for end in _normal(dtype, function))
+    elements = st.floats(lo, hi, width=np.finfo(dtype).bits, exclude_min=True,
+                         exclude_max=True)
+    return function, draw(hnp.arrays(dtype, st.integers(0, 300), elements=elements))
+
+
+@given(_cases())
+def test_within_an_ulp_for_any_array_length(case):
+    function, x = case
+    got = _run(function, x)
+    assert got.shape == x.shape
+    assert np.all(_ulps(function, got, x) < 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_integers_give_powers_of_two_exactly(dtype):
+    lo, hi = _normal(dtype, "exp2")
+    k = np.arange(lo + 0.5, hi, dtype=dtype)
+    np.testing.assert_array_equal(_run("exp2", k), np.ldexp(dtype(1), k.astype(int)))
+
+
+@pytest.mark.parametrize("function", list(FUNCTIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_ends_flush_to_zero_and_overflow_to_inf_and_nan_stays(dtype, function):
+    lo, hi = _normal(dtype, function)
+    width = hi - lo
+    with np.errstate(over="ignore"):  # +-1e300 in float32
+        x = np.array([-np.inf, -1e300, lo - width / 10, lo * 1.001, hi * 1.001,
+                      hi + width / 10, 1e300, np.inf, np.nan]).astype(dtype)
+    got = _run(function, x)
+    np.testing.assert_array_equal(got[:4], 0.0)
+    np.testing.assert_array_equal(got[4:8], np.inf)
+    assert np.isnan(got[8])
+
+
+@pytest.mark.parametrize("function", list(FUNCTIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contiguous_arrays_of_any_shape_are_changed_in_place(dtype, function):
+    x = np.linspace(-3, 3, 2 * 3 * 5, dtype=dtype).reshape(2, 3, 5)
+    np.testing.assert_allclose(_run(function, x), FUNCTIONS[function][1](x),
+                               rtol=2 * np.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("function", list(FUNCTIONS))
+@pytest.mark.parametrize("make", [
+    lambda x: x.astype(np.float16),     # another dtype
+    lambda x: x.reshape(6, 5)[:, ::2],  # not contiguous
+])
+def test_other_arrays_go_through_numpy(make, function):
+    base = np.linspace(-3, 3, 30, dtype=np.float32)
+    x, got = make(base), make(base.copy())
+    FUNCTIONS[function][0](got)
+    np.testing.assert_array_equal(got, FUNCTIONS[function][1](x))
