@@ -22,11 +22,12 @@ from __future__ import annotations
 import functools
 import math
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from . import _jit
 
 __all__ = ["BASE_2", "IN_BASE_E", "MARGIN", "ORDER", "available", "fastest", "in_place",
            "prefer"]
@@ -55,20 +56,9 @@ def available(dtype: Any, base_e: bool = False) -> tuple[str, ...]:
                  and not (base_e and name in BASE_2))
 
 
-@functools.cache
 def _compiled() -> Any:
-    """The module of compiled exponentials; None without Numba, and with a warning
-    where Numba is installed but fails (one built for another NumPy, a cache it cannot
-    write)."""
-    try:
-        from . import _compiled_exp
-    except Exception as e:  # Numba is optional: any failure leaves NumPy's exponentials
-        if not (isinstance(e, ModuleNotFoundError) and e.name == "numba"):
-            warnings.warn(f"numpy_fast: the compiled exponentials are unavailable "
-                          f"({type(e).__name__}: {e}); NumPy's are used",
-                          RuntimeWarning, stacklevel=2)
-        return None
-    return _compiled_exp
+    """The module of compiled exponentials; None where it does not load (``_jit``)."""
+    return _jit.load("_compiled_exp")
 
 
 def in_place(name: str) -> Callable[[Any], None]:

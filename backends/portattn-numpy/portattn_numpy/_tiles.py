@@ -30,7 +30,7 @@ from portattn.masks import slice_tile
 
 from ._blocks import blocks as unit_blocks
 from ._blocks import head_view
-from ._scores import ScoreTile, hide, scores, trustworthy
+from ._scores import ScoreTile, add_bias, hide, scores, trustworthy
 from ._scratch import take
 from ._units import row_ranges, units_for
 
@@ -139,7 +139,7 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
         span, tile = s.tile.scores(width, r1 - r0)
         scores(p, k[k0:k1], q[rows].T, tile, span)
         if bias is not None:
-            np.add(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1).T, out=tile)
+            add_bias(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1))
         if careful:
             hide(tile, masks, -np.inf)
             _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows], exp)

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import portattn_numpy
 import pytest
-from portattn_numpy import _config, _exponential, configured
+from portattn_numpy import _config, _exponential, _jit, configured
 from portattn_numpy._plan import build
 
 import portattn
@@ -119,17 +119,17 @@ def _import_compiled_afresh(monkeypatch):
     """Make the next ``_compiled()`` import ``_compiled_exp`` again."""
     monkeypatch.delitem(sys.modules, "portattn_numpy._compiled_exp", raising=False)
     monkeypatch.delattr(portattn_numpy, "_compiled_exp", raising=False)
-    _exponential._compiled.cache_clear()
+    _jit.load.cache_clear()
 
 
 def test_compiled_ones_that_fail_to_load_leave_numpys_with_a_warning(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", types.ModuleType("numba"))  # nothing in it
     _import_compiled_afresh(monkeypatch)
     try:
-        with pytest.warns(RuntimeWarning, match="the compiled exponentials are unavailable"):
+        with pytest.warns(RuntimeWarning, match="compiled loops of _compiled_exp are unavailable"):
             assert _exponential.available(np.float32) == ("exp2", "exp")
     finally:
-        _exponential._compiled.cache_clear()
+        _jit.load.cache_clear()
 
 
 def test_without_numba_numpys_exponentials_are_used_silently(monkeypatch):
@@ -140,7 +140,7 @@ def test_without_numba_numpys_exponentials_are_used_silently(monkeypatch):
             warnings.simplefilter("error")
             assert _exponential.available(np.float32) == ("exp2", "exp")
     finally:
-        _exponential._compiled.cache_clear()
+        _jit.load.cache_clear()
 
 
 @pytest.mark.parametrize("name", ["exp2_compiled", "exp_compiled"])
