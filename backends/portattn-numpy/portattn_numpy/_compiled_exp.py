@@ -35,7 +35,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["exp2_in_place", "exp_in_place"]
+__all__ = ["DTYPES", "exp2_in_place", "exp_in_place"]
 
 _INTEGER = {32: types.int32, 64: types.int64}
 _FLOAT = {32: types.float32, 64: types.float64}
@@ -117,9 +117,10 @@ def _compile(dtype: Any, base_e: bool) -> Any:
     return exp
 
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_EXP2 = {dt: _compile(dt, base_e=False) for dt in _DTYPES}
-_EXP = {dt: _compile(dt, base_e=True) for dt in _DTYPES}
+#: The dtypes the loops are compiled for.
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_EXP2 = {dt: _compile(dt, base_e=False) for dt in DTYPES}
+_EXP = {dt: _compile(dt, base_e=True) for dt in DTYPES}
 
 
 def _in_place(compiled: dict[np.dtype, Any], fallback: Any, a: Any) -> None:

@@ -41,8 +41,6 @@ IN_BASE_E = {"exp2_compiled": "exp_compiled", "exp2": "exp"}
 #: A later exponential replaces an earlier one when it takes less than ``1 / MARGIN``
 #: of its time.
 MARGIN = 1.5
-#: The dtypes ``_compiled_exp`` is compiled for.
-_COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _ENTRIES = 1 << 13
 _ROUNDS = 5
 
@@ -50,7 +48,8 @@ _ROUNDS = 5
 def available(dtype: Any, base_e: bool = False) -> tuple[str, ...]:
     """The exponentials that can run scores of ``dtype`` here (``base_e``: scores
     that must stay in base e), in :data:`ORDER`."""
-    compiled = np.dtype(dtype) in _COMPILED_DTYPES and _compiled() is not None
+    module = _compiled()
+    compiled = module is not None and np.dtype(dtype) in module.DTYPES
     return tuple(name for name in ORDER
                  if (compiled or not name.endswith("_compiled"))
                  and not (base_e and name in BASE_2))
