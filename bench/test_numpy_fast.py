@@ -177,32 +177,35 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
 
 def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
     """The calls numpy_fast's tiles make, and nothing else: per tile of one head the
-    score product into rows padded to a cache line past 2 KiB, the exponential that
-    runs fastest here (``Config.exponential_for``) over the tile in place, the
-    weights-times-values product and the row sums (a product with ones), accumulated;
-    no masking, checks, threads or division."""
+    score product into rows padded to a cache line past 2 KiB, the weights and their
+    row sums from the kernel's own ``ScoreTile.weights`` with the exponential that
+    runs fastest here (``Config.exponential_for``), and the weights-times-values
+    product, accumulated; no masking, checks, threads or division."""
+    from types import SimpleNamespace
+
     from portattn_numpy import Config
-    from portattn_numpy._exponential import BASE_2, in_place
+    from portattn_numpy._exponential import BASE_2, in_place, in_rows
     from portattn_numpy._scores import ScoreTile  # the kernel's own tile memory
 
     exponential = Config().exponential_for(np.float32, bias=False)
-    base2, exp = exponential in BASE_2, in_place(exponential)
+    # the two fields of a call's Problem that ScoreTile.weights reads
+    problem = SimpleNamespace(exponential=in_place(exponential),
+                              exponential_rows=in_rows(exponential))
+    scale = (math.log2(math.e) if exponential in BASE_2 else 1) / math.sqrt(HEAD_DIM)
     q, k, v = (x[0] for x in _inputs(n))
-    q = np.ascontiguousarray(q * ((math.log2(math.e) if base2 else 1) / math.sqrt(HEAD_DIM)))
+    q = np.ascontiguousarray(q * scale)
     scores = ScoreTile("bench.scores", block_k, block_q, np.float32)
     _, tile = scores.scores(block_k, block_q)
     acc, part = np.empty((2, block_q, HEAD_DIM), np.float32)
     sums, part_sums = np.empty((2, block_q), np.float32)
-    ones = np.ones(block_k, np.float32)
 
     def run() -> None:
         for h in range(HEADS):
             for q0 in range(0, n, block_q):
                 for k0 in range(0, n, block_k):
                     np.matmul(k[h, k0:k0 + block_k], q[h, q0:q0 + block_q].T, out=tile)
-                    scores.exponentiate(exp, block_k, block_q)
-                    np.matmul(tile.T, v[h, k0:k0 + block_k], out=part)
-                    np.matmul(ones, tile, out=part_sums)
+                    weights = scores.weights(problem, block_k, block_q, [], part_sums)
+                    np.matmul(weights.T, v[h, k0:k0 + block_k], out=part)
                     if k0 == 0:
                         acc[...], sums[...] = part, part_sums
                     else:

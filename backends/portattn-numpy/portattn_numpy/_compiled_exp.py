@@ -35,7 +35,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["DTYPES", "exp2_in_place", "exp_in_place"]
+__all__ = ["DTYPES", "exp2_in_place", "exp2_rows", "exp_in_place", "exp_rows"]
 
 _INTEGER = {32: types.int32, 64: types.int64}
 _FLOAT = {32: types.float32, 64: types.float64}
@@ -72,8 +72,10 @@ def _ln2_parts(info: np.finfo) -> tuple[float, float]:
 
 
 def _compile(dtype: Any, base_e: bool) -> Any:
-    """The in-place ``exp`` (``base_e``) or ``exp2`` of 1-D contiguous arrays of
-    ``dtype``."""
+    """``f(span, stride, keys, rows, sums)``: ``exp`` (``base_e``) or ``exp2`` in place
+    of the ``keys x rows`` entries of 1-D contiguous ``span`` whose rows start
+    ``stride`` entries apart (what lies between is left alone), with each column's sum
+    written to ``sums`` unless it is empty."""
     info = np.finfo(dtype)
     real, integer = info.dtype.type, np.dtype(f"int{info.bits}").type
     bias = info.maxexp - 1
@@ -90,29 +92,40 @@ def _compile(dtype: Any, base_e: bool) -> Any:
     per_power = 1.0 if base_e else math.log(2)
     coeffs = tuple(real(per_power**n / math.factorial(n))
                    for n in range(_DEGREE[info.bits], -1, -1))
+    name = info.dtype.name
 
-    # One loop over the array itself (not over an ``out`` that may alias it): LLVM then
-    # vectorises it with no overlap check.
-    @numba.njit(f"void({info.dtype.name}[::1])", nogil=True, boundscheck=False,
-                fastmath={"contract"}, cache=True)
-    def exp(a: Any) -> None:  # pragma: no cover - compiled
-        for j in range(a.shape[0]):
-            x = a[j]
-            if base_e:
-                x = x_lowest if x < x_lowest else x  # written so that NaN passes
-                x = x_highest if x > x_highest else x
-                t = x * log2e
-            else:
-                t = x
-            t = lowest if t < lowest else t
-            t = highest if t > highest else t
-            biased = t + round_biased
-            k = biased - round_biased  # round(t), exactly
-            r = (x - k * hi) - k * lo if base_e else t - k
-            p = coeffs[0]
-            for c in coeffs[1:]:
-                p = p * r + c
-            a[j] = p * _float(integer(_bits(biased) << mantissa_bits))
+    # The inner loop runs over a row itself (not over an ``out`` that may alias it) and
+    # sums into a fresh array: LLVM then vectorises it with no overlap check.
+    @numba.njit(f"void({name}[::1], int64, int64, int64, {name}[:])", nogil=True,
+                boundscheck=False, fastmath={"contract"}, cache=True)
+    def exp(span: Any, stride: int, keys: int, rows: int,
+            sums: Any) -> None:  # pragma: no cover - compiled
+        summing = sums.shape[0] > 0
+        total = np.zeros(rows if summing else 0, span.dtype)
+        for i in range(keys):
+            row = span[i * stride:i * stride + rows]
+            for j in range(rows):
+                x = row[j]
+                if base_e:
+                    x = x_lowest if x < x_lowest else x  # written so that NaN passes
+                    x = x_highest if x > x_highest else x
+                    t = x * log2e
+                else:
+                    t = x
+                t = lowest if t < lowest else t
+                t = highest if t > highest else t
+                biased = t + round_biased
+                k = biased - round_biased  # round(t), exactly
+                r = (x - k * hi) - k * lo if base_e else t - k
+                p = coeffs[0]
+                for c in coeffs[1:]:
+                    p = p * r + c
+                y = p * _float(integer(_bits(biased) << mantissa_bits))
+                row[j] = y
+                if summing:
+                    total[j] += y
+        if summing:
+            sums[:] = total
 
     return exp
 
@@ -121,12 +134,13 @@ def _compile(dtype: Any, base_e: bool) -> Any:
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _EXP2 = {dt: _compile(dt, base_e=False) for dt in DTYPES}
 _EXP = {dt: _compile(dt, base_e=True) for dt in DTYPES}
+_NO_SUMS = {dt: np.empty(0, dt) for dt in DTYPES}
 
 
 def _in_place(compiled: dict[np.dtype, Any], fallback: Any, a: Any) -> None:
     run = compiled.get(a.dtype)
     if run is not None and a.flags.c_contiguous:
-        run(a.reshape(-1))
+        run(a.reshape(-1), a.size, 1, a.size, _NO_SUMS[a.dtype])
     else:
         fallback(a, out=a)
 
@@ -141,3 +155,15 @@ def exp_in_place(a: Any) -> None:
     """``a[...] = e**a`` for a C-contiguous float32 or float64 array; NumPy's ``exp``
     for others."""
     _in_place(_EXP, np.exp, a)
+
+
+def exp2_rows(span: Any, stride: int, keys: int, rows: int, sums: Any) -> None:
+    """``2**x`` in place of the ``keys x rows`` entries of a contiguous float32 or
+    float64 ``span`` whose rows start ``stride`` entries apart, with each column's sum
+    written to the 1-D ``sums``."""
+    _EXP2[span.dtype](span, stride, keys, rows, sums)
+
+
+def exp_rows(span: Any, stride: int, keys: int, rows: int, sums: Any) -> None:
+    """:func:`exp2_rows` with ``e**x``."""
+    _EXP[span.dtype](span, stride, keys, rows, sums)

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _blocks
 from ._memo import Store
-from ._scores import ScoreTile, hide, scores, trustworthy
+from ._scores import ScoreTile, scores, trustworthy
 from ._scratch import take
 from ._units import row_ranges, units_for
 
@@ -209,7 +209,6 @@ class Scratch:
         dt = p.query.dtype
         rows = (d.squares + 1) * d.size  # a unit's squares and the rows after the last
         block_rows = d.group * d.size
-        widest = max(d.group_k, block_rows, p.block_k)  # a square's keys: fewer than a group's rows
         self.q = take("unit.q", (rows, p.query.shape[-1]), dt)
         # the values' columns, then the row sums: one add accumulates both
         self.acc = take("unit.acc", (rows, p.value.shape[-1] + 1), dt)
@@ -218,7 +217,7 @@ class Scratch:
         # squares in the same memory
         self.tile = ScoreTile("unit.scores", d.group_k, block_rows, dt)
         self.stacked = take("unit.scores", (d.squares * d.size**2,), dt)
-        self.ones = np.ones(max(d.size, widest), dt)
+        self.ones = np.ones(d.size, dt)  # the stacked squares' sums
 
 
 def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0: int,
@@ -230,7 +229,6 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=q)
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    exp = p.exponential
     start = q0 + d.key_shift  # the diagonal squares, stacked: (count, keys, queries)
     if p.config.on_tile is not None:
         for r0 in range(0, along, d.size):
@@ -238,7 +236,7 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     stacked = s.stacked[:count * d.size**2].reshape(count, d.size, d.size)
     scores(p, k[start:start + along].reshape(count, d.size, -1),
            q[:along].reshape(count, d.size, -1).transpose(0, 2, 1), stacked)
-    exp(stacked)
+    p.exponential(stacked)
     np.multiply(stacked, d.keep, out=stacked)
     np.matmul(stacked.transpose(0, 2, 1), v[start:start + along].reshape(count, d.size, -1),
               out=acc[:along, :-1].reshape(count, d.size, -1))
@@ -250,10 +248,8 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
         width, part = k1 - k0, s.part[:r1 - r0]
         span, tile = s.tile.scores(width, r1 - r0)
         scores(p, k[k0:k1], q[r0:r1].T, tile, span)
-        tile = s.tile.exponentiate(exp, width, r1 - r0)
-        hide(tile, masks, 0.0)
+        tile = s.tile.weights(p, width, r1 - r0, masks, part[:, -1])
         np.matmul(tile.T, v[k0:k1], out=part[:, :-1])
-        np.matmul(s.ones[:width], tile, out=part[:, -1])
         acc[r0:r1] += part
     filled = acc[:unit.rows_with_keys]
     if not trustworthy(filled[:, -1], filled, hi - lo):

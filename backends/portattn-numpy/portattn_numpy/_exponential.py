@@ -30,7 +30,7 @@ import numpy as np
 from . import _jit
 
 __all__ = ["BASE_2", "IN_BASE_E", "MARGIN", "ORDER", "available", "fastest", "in_place",
-           "prefer"]
+           "in_rows", "prefer"]
 
 #: Every exponential, the preferred first.
 ORDER = ("exp2_compiled", "exp2", "exp_compiled", "exp")
@@ -69,6 +69,17 @@ def in_place(name: str) -> Callable[[Any], None]:
             raise ValueError(msg)
         return compiled.exp2_in_place if name == "exp2_compiled" else compiled.exp_in_place
     return _NUMPY[name]
+
+
+def in_rows(name: str) -> Callable[..., None] | None:
+    """``f(span, stride, keys, rows, sums)``: the compiled exponential ``name`` over a
+    padded score tile's rows, each column's sum written to ``sums``, in one pass
+    (``_compiled_exp.exp2_rows``); None for NumPy's, which take a pass each."""
+    if not name.endswith("_compiled"):
+        return None
+    in_place(name)  # the error where Numba is missing
+    compiled = _compiled()
+    return compiled.exp2_rows if name == "exp2_compiled" else compiled.exp_rows
 
 
 def _numpy_in_place(ufunc: Any) -> Callable[[Any], None]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._config import current
-from ._exponential import BASE_2, in_place
+from ._exponential import BASE_2, in_place, in_rows
 from ._mask_kinds import split
 from ._problem import Problem, Unit
 from ._strategy import choose
@@ -83,6 +83,7 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         factor=inputs.scale * (1.0 / inputs.softcap if inputs.softcap else to_base),
         softcap=None if inputs.softcap is None else inputs.softcap * to_base,
         base2=base2, exponential=in_place(exponential),
+        exponential_rows=in_rows(exponential),
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
         positional=positional, dense=parts.dense,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,

@@ -39,6 +39,9 @@ class Problem:
     """Whether scores are in base 2 (``log2(e)`` folded in) and go through an ``exp2``."""
     exponential: Callable[[Any], None]
     """``exponential(a)`` exponentiates ``a`` in place, in the scores' base (``_exponential``)."""
+    exponential_rows: Callable[..., None] | None
+    """The same over a score tile's rows with their sums in one pass, where it is
+    compiled (``_exponential.in_rows``); None otherwise."""
     bias: Any
     positional: Mask | None
     """The causal and sliding-window parts of the mask, combined."""

@@ -13,10 +13,10 @@ exponential (``_exponential``). Two ways through a unit:
 * careful: the online softmax of flash attention (running row max, rescaled sums).
   The untrusted units of every strategy are redone this way, in tiles.
 
-Row sums come from a matrix-vector product with ones, several times faster than
-``sum(axis=0)``. Masked entries are zeroed after ``exp`` (the careful way sets them to
-``-inf`` before its max). Which blocks a unit computes, and which entries are masked,
-is decided in ``_blocks``.
+Exponentials, masks and row sums come from ``ScoreTile.weights`` (one compiled pass
+where Numba is installed); the careful way sets masked entries to ``-inf`` before its
+max. Which blocks a unit computes, and which entries are masked, is decided in
+``_blocks``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ class _Scratch:
         self.tile = ScoreTile(f"{role}.scores", tk, tq, dt)
         self.acc = take(f"{role}.acc", (tq, dv), dt)
         self.acc_part = take(f"{role}.acc_part", (tq, dv), dt)
-        self.ones = np.ones(tk, dt)
         # sums, partial sums, max, new max, rescale
         self.rows = take(f"{role}.rows", (5, tq), dt)
 
@@ -131,7 +130,6 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
         sums[:] = 0
     m[:] = -np.inf
     bias = None if p.bias is None else head_view(p.bias, b, h)
-    exp = p.exponential
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
         if p.config.on_tile is not None:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
@@ -142,18 +140,16 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
             add_bias(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1))
         if careful:
             hide(tile, masks, -np.inf)
-            _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows], exp)
-        tile = s.tile.exponentiate(exp, width, r1 - r0)
-        if not careful:
-            # masked after exp: ufunc exp slows down several-fold on -inf lanes
-            hide(tile, masks, 0.0)
+            _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows],
+                   p.exponential)
+            masks = []  # hidden already
         if i == 0 and first_covers_all:
+            tile = s.tile.weights(p, width, r1 - r0, masks, sums)
             np.matmul(tile.T, v[k0:k1], out=acc)
-            np.matmul(s.ones[:width], tile, out=sums)
             continue
+        tile = s.tile.weights(p, width, r1 - r0, masks, part_sums[rows])
         np.matmul(tile.T, v[k0:k1], out=part[rows])
         acc[rows] += part[rows]
-        np.matmul(s.ones[:width], tile, out=part_sums[rows])
         sums[rows] += part_sums[rows]
     if careful:
         m[:] = _finite(m)

@@ -1,4 +1,5 @@
-"""The compiled exp2 and exp: within an ulp over the normal range, exact ends, in place."""
+"""The compiled exp2 and exp: within an ulp over the normal range, exact ends, in place;
+over a padded tile's rows with their column sums."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 pytest.importorskip("numba", reason="the compiled exponentials need Numba (portattn-numpy[jit])")
 
-from portattn_numpy._compiled_exp import exp2_in_place, exp_in_place
+from portattn_numpy._compiled_exp import exp2_in_place, exp2_rows, exp_in_place, exp_rows
 
 DTYPES = [np.float32, np.float64]
 #: Errors in ulps are measured against long double: float64's only where that is more
@@ -19,6 +20,8 @@ MEASURABLE = DTYPES if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nman
     np.float32]
 #: Each compiled exponential, with NumPy's for the exact value and ``log(base)``.
 FUNCTIONS = {"exp2": (exp2_in_place, np.exp2, np.log(2.0)), "exp": (exp_in_place, np.exp, 1.0)}
+#: The same over a tile's rows, with their column sums.
+ROWS = {"exp2": exp2_rows, "exp": exp_rows}
 
 
 def _normal(dtype, function):
@@ -105,3 +108,53 @@ def test_other_arrays_go_through_numpy(make, function):
     x, got = make(base), make(base.copy())
     FUNCTIONS[function][0](got)
     np.testing.assert_array_equal(got, FUNCTIONS[function][1](x))
+
+
+@st.composite
+def _tiles(draw):
+    """``(function, span, stride, keys, rows)``: a padded tile of scores in its span."""
+    dtype = draw(st.sampled_from(DTYPES))
+    keys, rows = draw(st.integers(0, 40)), draw(st.integers(0, 40))
+    stride = rows + draw(st.integers(0, 9))
+    scores = st.floats(-60, 60, width=np.finfo(dtype).bits)
+    span = draw(hnp.arrays(dtype, keys * stride, elements=scores))
+    return draw(st.sampled_from(list(ROWS))), span, stride, keys, rows
+
+
+@given(_tiles())
+def test_rows_exponentiate_the_tile_and_sum_its_columns_leaving_the_padding(case):
+    function, span, stride, keys, rows = case
+    before = span.reshape(keys, stride) if keys else np.empty((0, stride), span.dtype)
+    before = before.copy()
+    sums = np.full(rows, np.nan, span.dtype)
+    ROWS[function](span, stride, keys, rows, sums)
+    after = span.reshape(before.shape)
+    expected = before[:, :rows].copy()
+    FUNCTIONS[function][0](expected)  # the in-place loop: the same bits
+    np.testing.assert_array_equal(after[:, :rows], expected)
+    np.testing.assert_array_equal(after[:, rows:], before[:, rows:])
+    eps = np.finfo(span.dtype).eps
+    np.testing.assert_allclose(sums, expected.sum(axis=0), rtol=keys * eps, atol=0)
+
+
+@pytest.mark.parametrize("function", list(ROWS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_sum_into_a_strided_column_and_read_minus_inf_as_zero(dtype, function):
+    span = np.linspace(-5, 5, 6 * 8, dtype=dtype)
+    span[[3, 17]] = -np.inf  # hidden scores
+    table = np.full((5, 3), 7, dtype)  # sums go to its middle column
+    expected = span.reshape(6, 8)[:, :5].copy()
+    FUNCTIONS[function][0](expected)
+    ROWS[function](span, 8, 6, 5, table[:, 1])
+    assert span[3] == span[17] == 0
+    np.testing.assert_allclose(table[:, 1], expected.sum(axis=0), rtol=8 * np.finfo(dtype).eps)
+    np.testing.assert_array_equal(table[:, [0, 2]], 7)
+
+
+@pytest.mark.parametrize("function", list(ROWS))
+def test_rows_without_a_place_for_sums_only_exponentiate(function):
+    span = np.linspace(-3, 3, 12, dtype=np.float32)
+    expected = span.copy()
+    FUNCTIONS[function][0](expected)
+    ROWS[function](span, 4, 3, 4, np.empty(0, np.float32))
+    np.testing.assert_array_equal(span, expected)
