@@ -63,10 +63,7 @@ def _compiled() -> Any:
 def in_place(name: str) -> Callable[[Any], None]:
     """``f(a)`` replaces the entries of ``a`` by their exponential ``name``."""
     if name.endswith("_compiled"):
-        compiled = _compiled()
-        if compiled is None:
-            msg = f"exponential={name!r} needs Numba: pip install 'portattn-numpy[jit]'"
-            raise ValueError(msg)
+        compiled = _compiled_for(name)
         return compiled.exp2_in_place if name == "exp2_compiled" else compiled.exp_in_place
     return _NUMPY[name]
 
@@ -77,9 +74,16 @@ def in_rows(name: str) -> Callable[..., None] | None:
     (``_compiled_exp.exp2_rows``); None for NumPy's, which take a pass each."""
     if not name.endswith("_compiled"):
         return None
-    in_place(name)  # the error where Numba is missing
-    compiled = _compiled()
+    compiled = _compiled_for(name)
     return compiled.exp2_rows if name == "exp2_compiled" else compiled.exp_rows
+
+
+def _compiled_for(name: str) -> Any:
+    compiled = _compiled()
+    if compiled is None:
+        msg = f"exponential={name!r} needs Numba: pip install 'portattn-numpy[jit]'"
+        raise ValueError(msg)
+    return compiled
 
 
 def _numpy_in_place(ufunc: Any) -> Callable[[Any], None]:

@@ -51,7 +51,7 @@ class ScoreTile:
         dt = np.dtype(dtype)
         self._name = name
         self._buffer = take(name, (keys * (rows + _CACHE_LINE // dt.itemsize),), dt)
-        self._ones = np.ones(keys, dt)
+        self._ones = np.ones(0, dt)  # for NumPy's row sums, grown when first needed
 
     def scores(self, keys: int, rows: int) -> tuple[Any, Any]:
         """``(span, view)``: a ``keys x rows`` view to write scores to, and the
