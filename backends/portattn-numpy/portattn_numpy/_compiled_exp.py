@@ -1,6 +1,7 @@
-"""``exp2`` and ``exp`` of float32 and float64 arrays in place, compiled with Numba
-(``pip install portattn-numpy[jit]``); importing this module without Numba raises
-``ImportError``.
+"""``exp2`` and ``exp`` of float32 and float64 arrays in place, or of a padded score
+tile's rows with each column's sum in the same pass (``exp2_rows``: the weights of
+``_scores.ScoreTile.weights``), compiled with Numba (``pip install
+portattn-numpy[jit]``); importing this module without Numba raises ``ImportError``.
 
 NumPy vectorises float32 ``exp2`` only with AVX-512. With AVX2 alone its float32
 ``exp2`` is a scalar loop (2.5 ns an entry) and its ``exp`` 1.3 ns, next to about

@@ -1,5 +1,5 @@
-"""Score tiles: their memory, computing them, masking them, and checking the fast
-way's sums.
+"""Score tiles: their memory, computing them, masking them, turning them into weights
+and their sums, and checking the fast way's sums.
 
 Shared by the strategies (``_tiles``, ``_diagonal``, ``_stacked``). Tiles are kept
 keys by queries (``k @ q.T`` runs faster than ``q @ k.T`` in OpenBLAS for these thin
