@@ -161,7 +161,7 @@ def exp_in_place(a: Any) -> None:
 def exp2_rows(span: Any, stride: int, keys: int, rows: int, sums: Any) -> None:
     """``2**x`` in place of the ``keys x rows`` entries of a contiguous float32 or
     float64 ``span`` whose rows start ``stride`` entries apart, with each column's sum
-    written to the 1-D ``sums``."""
+    written to ``sums`` (1-D, any stride; an empty one takes no sums)."""
     _EXP2[span.dtype](span, stride, keys, rows, sums)
 
 
