@@ -267,11 +267,13 @@ def test_small_heads_in_turns(case: str, in_turns: Any, benchmark: Any,
                  f"{median:.3f} median per round")
 
 
-SHORT = {  # (query shape, key length, causal): short sequences and decode steps
+SHORT = {  # (query shape, key length, causal): short sequences, short key ranges and
+    # decode steps
     "8x256x64": ((1, 8, 256, 64), 256, False),
     "8x256x64-causal": ((1, 8, 256, 64), 256, True),
     "4x8x256x64": ((4, 8, 256, 64), 256, False),
     "16x256x128": ((1, 16, 256, 128), 256, False),
+    "cross-8x4096-over-128": ((1, 8, 4096, 64), 128, False),  # tall tiles over few keys
     "decode-8x4096x64": ((1, 8, 1, 64), 4096, True),
     "decode-32x4096x128": ((1, 32, 1, 128), 4096, True),
 }
