@@ -282,7 +282,8 @@ SHORT = {  # (query shape, key length, causal): short sequences, short key range
 @pytest.mark.parametrize("case", list(SHORT), ids=list(SHORT))
 def test_short_over_torch_in_turns(case: str, in_turns: Any, benchmark: Any,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """numpy_fast over torch's SDPA on short sequences and decode steps (warm calls)."""
+    """numpy_fast over torch's SDPA on short sequences, short key ranges and decode steps
+    (warm calls)."""
     torch = pytest.importorskip("torch")
     shape, keys, causal = SHORT[case]
     rng = np.random.default_rng(0)
