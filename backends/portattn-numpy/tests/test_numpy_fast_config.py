@@ -115,7 +115,9 @@ def test_the_tile_size_tune_chose_is_used(chosen, want, tmp_path, monkeypatch):
         _tune.refresh()
     expected = _config.machine_tile_bytes() if want is None else want
     assert problem.tile_elements == expected // 4  # a bad value leaves the default
-    # 4096 queries and keys: a key block of max_block_k, queries fill the tile
+    # one head of 4096 queries and keys: a key block of max_block_k, queries fill the
+    # tile, cut into at least min_units_per_thread tiles
     config = _config.Config()
     assert problem.block_k == config.max_block_k
-    assert problem.block_q == min(expected // 4 // config.max_block_k, config.max_block_q)
+    assert problem.block_q == min(expected // 4 // config.max_block_k,
+                                  4096 // config.min_units_per_thread)
