@@ -79,7 +79,7 @@ class ScoreTile:
         span, view = self.scores(keys, rows)
         if p.exponential_rows is not None:
             hide(view, masks, -np.inf)
-            p.exponential_rows(span, span.size // keys, keys, rows, sums)
+            p.exponential_rows(span, row_stride(rows, span.itemsize), keys, rows, sums)
             return view
         padding = span.reshape(keys, -1)[:, rows:]
         if padding.size:
