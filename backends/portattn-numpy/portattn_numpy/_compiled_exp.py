@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from decimal import Decimal, localcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -45,11 +45,14 @@ _DEGREE = {32: 7, 64: 13}
 
 
 @intrinsic
-def _bits(typingctx: Any, x: Any) -> Any:
-    """A float's bits as the signed integer of its width."""
+def _shifted_bits(typingctx: Any, x: Any, shift: Any) -> Any:
+    """A float's bits shifted left by ``shift``, as the signed integer of its width."""
+    result = _INTEGER[x.bitwidth]
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(signature.return_type))
-    return _INTEGER[x.bitwidth](x), codegen
+        bits = builder.bitcast(args[0], context.get_value_type(result))
+        return builder.shl(bits, context.cast(builder, args[1], signature.args[1], result))
+    return result(x, shift), codegen
 
 
 @intrinsic
@@ -58,6 +61,43 @@ def _float(typingctx: Any, x: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.bitcast(args[0], context.get_value_type(signature.return_type))
     return _FLOAT[x.bitwidth](x), codegen
+
+
+class _Constants(NamedTuple):
+    """What one exponential needs besides its input (see the module's docstring)."""
+
+    base_e: bool
+    x_lowest: Any
+    x_highest: Any
+    log2e: Any
+    lowest: Any
+    highest: Any
+    round_biased: Any
+    hi: Any
+    lo: Any
+    mantissa_bits: int
+    coeffs: tuple[Any, ...]
+
+
+@numba.njit(inline="always")
+def _power(x: Any, c: Any) -> Any:  # pragma: no cover - compiled
+    """``e**x`` or ``2**x`` of one entry (``c``: its ``_Constants``). Defined here, not
+    in ``_compile``: a nested one would change its callers' cache keys in each process."""
+    if c.base_e:
+        x = c.x_lowest if x < c.x_lowest else x  # written so that NaN passes
+        x = c.x_highest if x > c.x_highest else x
+        t = x * c.log2e
+    else:
+        t = x
+    t = c.lowest if t < c.lowest else t
+    t = c.highest if t > c.highest else t
+    biased = t + c.round_biased
+    k = biased - c.round_biased  # round(t), exactly
+    r = (x - k * c.hi) - k * c.lo if c.base_e else t - k
+    p = c.coeffs[0]
+    for coeff in c.coeffs[1:]:
+        p = p * r + coeff
+    return p * _float(_shifted_bits(biased, c.mantissa_bits))
 
 
 def _ln2_parts(info: np.finfo) -> tuple[float, float]:
@@ -78,11 +118,10 @@ def _compile(dtype: Any, base_e: bool) -> Any:
     ``stride`` entries apart (what lies between is left alone), with each column's sum
     written to ``sums`` unless it is empty."""
     info = np.finfo(dtype)
-    real, integer = info.dtype.type, np.dtype(f"int{info.bits}").type
+    real = info.dtype.type
     bias = info.maxexp - 1
     lowest, highest = real(-bias), real(bias + 1)
     round_biased = real(1.5 * 2.0**info.nmant + bias)
-    mantissa_bits = integer(info.nmant)
     hi, lo = _ln2_parts(info)
     log2e = real(1 / math.log(2))
     # exp's x is clamped too, a little wider than t, so that r stays small where 2**k
@@ -95,33 +134,35 @@ def _compile(dtype: Any, base_e: bool) -> Any:
                    for n in range(_DEGREE[info.bits], -1, -1))
     name = info.dtype.name
 
-    # The inner loop runs over a row itself (not over an ``out`` that may alias it) and
-    # sums into a fresh array: LLVM then vectorises it with no overlap check.
+    c = _Constants(base_e, x_lowest, x_highest, log2e, lowest, highest, round_biased,
+                   hi, lo, info.nmant, coeffs)
+
+    # The inner loops run over rows themselves (not over an ``out`` that may alias
+    # them) and sum into a fresh array: LLVM then vectorises them with no overlap
+    # check. Rows go four at a time, so the sums are read and written once per four
+    # rows (a 1024 x 512 float32 tile: 61 us, against 82 us a row at a time).
     @numba.njit(f"void({name}[::1], int64, int64, int64, {name}[:])", nogil=True,
                 boundscheck=False, fastmath={"contract"}, cache=True)
     def exp(span: Any, stride: int, keys: int, rows: int,
             sums: Any) -> None:  # pragma: no cover - compiled
         summing = sums.shape[0] > 0
         total = np.zeros(rows if summing else 0, span.dtype)
-        for i in range(keys):
+        fours = keys - keys % 4
+        for i in range(0, fours, 4):
+            r0 = span[i * stride:i * stride + rows]
+            r1 = span[(i + 1) * stride:(i + 1) * stride + rows]
+            r2 = span[(i + 2) * stride:(i + 2) * stride + rows]
+            r3 = span[(i + 3) * stride:(i + 3) * stride + rows]
+            for j in range(rows):
+                y0, y1 = _power(r0[j], c), _power(r1[j], c)
+                y2, y3 = _power(r2[j], c), _power(r3[j], c)
+                r0[j], r1[j], r2[j], r3[j] = y0, y1, y2, y3
+                if summing:
+                    total[j] += (y0 + y1) + (y2 + y3)
+        for i in range(fours, keys):
             row = span[i * stride:i * stride + rows]
             for j in range(rows):
-                x = row[j]
-                if base_e:
-                    x = x_lowest if x < x_lowest else x  # written so that NaN passes
-                    x = x_highest if x > x_highest else x
-                    t = x * log2e
-                else:
-                    t = x
-                t = lowest if t < lowest else t
-                t = highest if t > highest else t
-                biased = t + round_biased
-                k = biased - round_biased  # round(t), exactly
-                r = (x - k * hi) - k * lo if base_e else t - k
-                p = coeffs[0]
-                for c in coeffs[1:]:
-                    p = p * r + c
-                y = p * _float(integer(_bits(biased) << mantissa_bits))
+                y = _power(row[j], c)
                 row[j] = y
                 if summing:
                     total[j] += y

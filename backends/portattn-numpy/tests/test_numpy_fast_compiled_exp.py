@@ -137,6 +137,22 @@ def test_rows_exponentiate_the_tile_and_sum_its_columns_leaving_the_padding(case
     np.testing.assert_allclose(sums, expected.sum(axis=0), rtol=keys * eps, atol=0)
 
 
+@pytest.mark.parametrize("keys", range(1, 10))
+@pytest.mark.parametrize("function", list(ROWS))
+def test_rows_in_fours_and_the_rows_left_over_agree_with_the_single_loop(function, keys):
+    """Rows are taken four at a time, then one at a time: every count of rows left over
+    gives the in-place loop's bits, and sums of every row."""
+    rng = np.random.default_rng(keys)
+    span = rng.uniform(-20, 20, keys * 37).astype(np.float32)
+    expected = span.reshape(keys, 37)[:, :33].copy()
+    FUNCTIONS[function][0](expected)
+    sums = np.empty(33, np.float32)
+    ROWS[function](span, 37, keys, 33, sums)
+    np.testing.assert_array_equal(span.reshape(keys, 37)[:, :33], expected)
+    np.testing.assert_allclose(sums, expected.astype(np.float64).sum(axis=0),
+                               rtol=keys * np.finfo(np.float32).eps)
+
+
 @pytest.mark.parametrize("function", list(ROWS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_sum_into_a_strided_column_and_read_minus_inf_as_zero(dtype, function):
