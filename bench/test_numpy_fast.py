@@ -175,19 +175,23 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
                  f"{work / median:.0%} median per round")
 
 
-def _bare_tiles(n: int, block_q: int = 512, block_k: int = 1024) -> Any:
-    """The calls numpy_fast's tiles make, and nothing else: per tile of one head the
-    score product into rows padded to a cache line past 2 KiB, the weights and their
-    row sums from the kernel's own ``ScoreTile.weights`` with the exponential that
-    runs fastest here (``Config.exponential_for``), and the weights-times-values
-    product, accumulated; no masking, checks, threads or division."""
+def _bare_tiles(n: int) -> Any:
+    """The calls numpy_fast's tiles make, and nothing else: per tile of one head (the
+    kernel's own tile shape on one thread) the score product into rows padded to a
+    cache line past a multiple of 2 KiB, the weights and their row sums from the
+    kernel's own ``ScoreTile.weights`` with the exponential that runs fastest here
+    (``Config.exponential_for``), and the weights-times-values product, accumulated;
+    no masking, checks, threads or division."""
     from types import SimpleNamespace
 
     from portattn_numpy import Config
     from portattn_numpy._exponential import BASE_2, in_place, in_rows
+    from portattn_numpy._plan import block_sizes
     from portattn_numpy._scores import ScoreTile  # the kernel's own tile memory
 
-    exponential = Config().exponential_for(np.float32, bias=False)
+    config = Config()
+    block_q, block_k = block_sizes(n, n, config.score_tile_bytes() // 4, config, heads=HEADS)
+    exponential = config.exponential_for(np.float32, bias=False)
     # the two fields of a call's Problem that ScoreTile.weights reads
     problem = SimpleNamespace(exponential=in_place(exponential),
                               exponential_rows=in_rows(exponential))

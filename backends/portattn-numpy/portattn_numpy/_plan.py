@@ -29,15 +29,21 @@ def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads
                 threads: int = 1) -> tuple[int, int]:
     """Query and key block lengths whose score tile holds ``elements`` entries.
 
-    Keys come in blocks of at most ``max_block_k``; queries fill the rest, and shrink
-    when there would be too few units to keep every thread busy.
+    Queries come in tiles of ``preferred_block_q`` rows, keys in blocks that fill the
+    rest of the tile, at most ``max_block_k``; behind a short key range queries fill
+    the tile, up to ``max_block_q``. Query tiles shrink when there would be too few
+    units to keep every thread busy.
     """
-    block_k = min(max(kv_len, 1), config.max_block_k)
-    block_q = min(config.max_block_q, max(config.min_block_q, elements // block_k))
     want_tiles = math.ceil(config.min_units_per_thread * threads / max(heads, 1))
-    if want_tiles > 1:
-        block_q = min(block_q, max(config.min_block_q, math.ceil(q_len / want_tiles)))
-    return max(1, min(block_q, q_len)), block_k
+
+    def rows(wanted: int) -> int:
+        if want_tiles > 1:
+            wanted = min(wanted, max(config.min_block_q, math.ceil(q_len / want_tiles)))
+        return max(1, min(wanted, q_len))
+
+    block_k = min(max(kv_len, 1), config.max_block_k,
+                  max(1, elements // rows(config.preferred_block_q)))
+    return rows(min(config.max_block_q, max(config.min_block_q, elements // block_k))), block_k
 
 
 def useful_threads(p: Problem, units: list[Unit], threads: int) -> int:

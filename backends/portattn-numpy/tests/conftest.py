@@ -41,8 +41,8 @@ def _two_mib_tiles():
 def tiny_tiles():
     """Tiles of a few rows and keys, so small cases cross many tile and block edges:
     query tiles of 4 rows in mask steps of 2, key blocks of 8, mask chunks of 4."""
-    with configured(tile_bytes=64, min_block_q=4, max_block_k=8, mask_chunk=4,
-                    mask_step=2) as config:
+    with configured(tile_bytes=64, min_block_q=4, preferred_block_q=2, max_block_k=8,
+                    mask_chunk=4, mask_step=2) as config:
         yield config
 
 

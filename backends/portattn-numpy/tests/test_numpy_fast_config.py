@@ -77,15 +77,20 @@ def test_the_machines_tile_is_twice_its_l2_within_2_to_8_mib(l2, tile, monkeypat
         _config.machine_tile_bytes.cache_clear()
 
 
-def test_queries_fill_the_tile_behind_short_key_ranges():
+def test_queries_come_in_tall_tiles_and_fill_the_tile_behind_short_key_ranges():
     from portattn_numpy._plan import block_sizes
 
     config, elements = _config.Config(), (2 << 20) // 4  # a 2 MiB float32 tile
-    assert block_sizes(4096, 4096, elements, config, heads=8) == (512, 1024)
+    tall = config.preferred_block_q
+    assert block_sizes(4096, 4096, elements, config, heads=8) == (tall, elements // tall)
     assert block_sizes(4096, 256, elements, config, heads=8) == (2048, 256)
     assert block_sizes(700, 256, elements, config, heads=8) == (700, 256)  # all there is
-    # one head on two threads: tiles short enough to give each thread several units
+    # few queries: the key block is as long as it may be
+    assert block_sizes(64, 16384, elements, config, heads=8) == (64, config.max_block_k)
+    # one head on two threads: tiles short enough to give each thread several units,
+    # the keys filling the rest of the tile
     assert block_sizes(4096, 256, elements, config, threads=2) == (512, 256)
+    assert block_sizes(4096, 4096, elements, config, threads=2) == (512, config.max_block_k)
 
 
 @pytest.mark.parametrize(("chosen", "want"), [(256 << 10, 256 << 10), ("big", None),
@@ -115,9 +120,9 @@ def test_the_tile_size_tune_chose_is_used(chosen, want, tmp_path, monkeypatch):
         _tune.refresh()
     expected = _config.machine_tile_bytes() if want is None else want
     assert problem.tile_elements == expected // 4  # a bad value leaves the default
-    # one head of 4096 queries and keys: a key block of max_block_k, queries fill the
-    # tile, cut into at least min_units_per_thread tiles
+    # one head of 4096 queries and keys on one thread: query tiles of preferred_block_q
+    # rows (at least min_units_per_thread of them), keys filling the rest of the tile
     config = _config.Config()
-    assert problem.block_k == config.max_block_k
-    assert problem.block_q == min(expected // 4 // config.max_block_k,
-                                  4096 // config.min_units_per_thread)
+    rows = min(config.preferred_block_q, 4096 // config.min_units_per_thread)
+    assert problem.block_q == rows
+    assert problem.block_k == min(config.max_block_k, expected // 4 // rows)
