@@ -78,9 +78,9 @@ class Config:
     min_block_q: int = 16
     preferred_block_q: int = 1024
     """Query rows per tile where the keys fill the rest of it (a 2 MiB float32 tile:
-    1024 x 512). Against 512 x 1024, at (1, 8, N, 64) float32 on 2 threads, calls ran
-    1.3% faster at N = 2048 and 1.5% at 8192 (median of calls in turns): half as many
-    units, each with its fixed calls."""
+    1024 x 512). Against 512 x 1024 on 2 threads (median of calls in turns), (1, 8, N,
+    64) float32 ran 0.4-1.3% faster at N = 2048, 1.5-1.8% at 8192 and 7% under a
+    sliding window of 512 at 4096: half as many units, each with its fixed calls."""
     max_block_q: int = 2048
     """Query rows per tile at most. Queries fill the tile behind its key block, so short
     key ranges get tall tiles: at (1, 8, 4096, 64) float32 over 128, 256 and 512 keys

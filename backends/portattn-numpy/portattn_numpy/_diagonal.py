@@ -146,7 +146,7 @@ def group_rows(tile_elements: int, config: Config) -> int:
     """Rows of a group of squares: those of a score tile of the widest key block
     (``Config.max_block_k``), at most ``Config.max_block_q``. (Groups of the ``tiles``
     strategy's taller tiles, ``Config.preferred_block_q``, ran no faster: causal
-    (1, 8, N, 64) float32 took 0.99-1.03 the time at N = 2048 and 8192.)"""
+    (1, 8, N, 64) float32 took 0.98-1.03 the time at N = 2048 and 8192.)"""
     return min(config.max_block_q, tile_elements // config.max_block_k)
 
 
