@@ -8,12 +8,18 @@ asked for, and held while the thread lives. The strategies share the names
 ``unit.*`` (a thread runs one strategy at a time), and the units redone carefully
 beside them use ``careful.*``: what a thread holds is what one call needed of it, about
 two score tiles (a few MiB).
+
+Buffers of a MiB or more start on a 2 MiB boundary and ask the system for 2 MiB pages
+(``madvise``, Linux), as NumPy does for its own arrays of 4 MiB or more: with a score
+tile of 2 MiB on huge pages, calls of (1, 8, 2048, 64) and (1, 8, 8192, 64) ran about
+1% faster (the median of calls in turns, over 4 KiB pages).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["reusing", "take"]
 
 _local = threading.local()
+
+#: Bytes of a huge page on x86-64 and most ARM64 kernels.
+_HUGE_PAGE = 2 << 20
 
 
 @contextlib.contextmanager
@@ -47,5 +56,22 @@ def take(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
     size = math.prod(shape)
     found = state.setdefault("buffers", {}).get(key)
     if found is None or found.size < size:
-        found = state["buffers"][key] = np.empty(size, dtype)
+        found = state["buffers"][key] = _allocate(size, np.dtype(dtype))
     return found[:size].reshape(shape)
+
+
+def _allocate(size: int, dtype: np.dtype[Any]) -> Any:
+    """``size`` entries, on huge pages where the buffer is large and the system has them."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    nbytes = size * dtype.itemsize
+    if advice is None or nbytes < _HUGE_PAGE // 2:
+        return np.empty(size, dtype)
+    # private (shared anonymous memory follows another huge-page setting), with room
+    # to start on a boundary; the pages come at first touch
+    length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without huge pages: 4 KiB ones
+        region.madvise(advice)
+    raw = np.frombuffer(region, np.uint8)  # holds the mapping while any view lives
+    start = -raw.ctypes.data % _HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype)

@@ -3,6 +3,7 @@ never shared with a call made inside a call."""
 
 from __future__ import annotations
 
+import pathlib
 import threading
 
 import numpy as np
@@ -27,6 +28,47 @@ def test_a_buffer_is_kept_and_grown():
         assert not np.shares_memory(first, larger)  # grown: a new buffer
         assert np.shares_memory(larger, _scratch.take("test.a", (4, 8), F32))
         assert _scratch.take("test.a", (4, 8), np.dtype(np.float64)).dtype == np.float64
+
+
+def _huge_page_mode():
+    try:
+        modes = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return modes.split("[")[1].split("]")[0]
+
+
+def _mapping_flags(address):
+    """``{field: value}`` of the ``/proc/self/smaps`` entry of the mapping holding
+    ``address``."""
+    found = None
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head, *rest = line.split()
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end ...
+            if found is not None:
+                break
+            start, end = (int(x, 16) for x in head.split("-"))
+            found = {} if start <= address < end else None
+        elif found is not None:
+            found[head.rstrip(":")] = rest[0] if rest else ""
+    return found
+
+
+def test_a_large_buffer_starts_on_a_huge_page_and_asks_for_huge_pages():
+    with _scratch.reusing():
+        small = _scratch.take("test.small", (1000,), F32)
+        tile = _scratch.take("test.tile", (512, 1040), F32)  # a 2 MiB float32 tile
+        tile[...] = 1
+        assert tile.ctypes.data % (2 << 20) == 0
+        assert small.flags.writeable
+        assert tile.flags.writeable
+        mode = _huge_page_mode()
+        if mode not in {"always", "madvise"}:
+            pytest.skip(f"this system does not give huge pages (mode: {mode})")
+        flags = _mapping_flags(tile.ctypes.data)
+        if "THPeligible" not in flags:
+            pytest.skip("this kernel's smaps does not say THPeligible")
+        assert flags["THPeligible"] == "1"
 
 
 def test_a_call_inside_a_call_and_other_threads_get_their_own():
