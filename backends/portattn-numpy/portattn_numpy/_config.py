@@ -103,6 +103,9 @@ class Config:
     ``"exp"``; None: the fastest here (``_exponential``). With a bias, scores stay in
     base e (changing the bias's base would cost a pass): an ``exp2`` gives way to the
     ``exp`` of its kind."""
+    compiled_blocks: bool = True
+    """Run the fast way's blocks without a mask in one compiled call where Numba and
+    NumPy's BLAS allow it (``_compiled_blocks``); False: NumPy calls between them."""
     try_fast: bool = True
     """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
     strategies: tuple[str, ...] = STRATEGIES

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _blocks
 from ._memo import Store
-from ._scores import ScoreTile, scores, trustworthy
+from ._scores import ScoreTile, accumulate_compiled, finish_fast, scores
 from ._scratch import take
 from ._units import row_ranges, units_for
 
@@ -214,6 +214,7 @@ class Scratch:
         # the values' columns, then the row sums: one add accumulates both
         self.acc = take("unit.acc", (rows, p.value.shape[-1] + 1), dt)
         self.part = take("unit.part", (block_rows, p.value.shape[-1] + 1), dt)
+        self.part_sums = take("unit.part_sums", (block_rows,), dt)  # compiled blocks'
         # the blocks' padded tiles (the group's are the largest), and the stacked
         # squares in the same memory
         self.tile = ScoreTile("unit.scores", d.group_k, block_rows, dt)
@@ -243,7 +244,16 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
               out=acc[:along, :-1].reshape(count, d.size, -1))
     np.matmul(s.ones[:d.size], stacked, out=acc[:along, -1].reshape(count, d.size))
     acc[along:] = 0  # rows past the last square start from nothing
-    for k0, k1, r0, r1, masks in unit.blocks:
+    blocks = unit.blocks
+    compiled = [] if p.compiled is None else [block for block in blocks if not block[4]]
+    if compiled:
+        if p.config.on_tile is not None:
+            for k0, k1, r0, r1, _ in compiled:
+                p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], s.part_sums,
+                            compiled, first_writes=False)
+        blocks = [block for block in blocks if block[4]]
+    for k0, k1, r0, r1, masks in blocks:
         if p.config.on_tile is not None:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, part = k1 - k0, s.part[:r1 - r0]
@@ -253,10 +263,6 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
         np.matmul(tile.T, v[k0:k1], out=part[:, :-1])
         acc[r0:r1] += part
     filled = acc[:unit.rows_with_keys]
-    if not trustworthy(filled[:, -1], filled, hi - lo):
-        return False
-    rows = slice(q0, q0 + unit.rows_with_keys)  # the others keep out 0 and lse -inf
-    np.divide(filled[:, :-1], filled[:, -1:], out=p.out[(*b, h, rows)])
-    if p.lse is not None:
-        np.log(filled[:, -1], out=p.lse[(*b, h, rows)])
-    return True
+    rows = (*b, h, slice(q0, q0 + unit.rows_with_keys))  # the others keep out 0, lse -inf
+    return finish_fast(p, filled[:, :-1], filled[:, -1], hi - lo, p.out[rows],
+                       None if p.lse is None else p.lse[rows])

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _jit
 from ._config import current
 from ._exponential import BASE_2, in_place, in_rows
 from ._mask_kinds import split
@@ -54,14 +55,30 @@ def useful_threads(p: Problem, units: list[Unit], threads: int) -> int:
     return max(1, min(threads, total // p.config.min_scores_per_thread))
 
 
+def _rows_ready(a: Any) -> bool:
+    """Can BLAS read the matrices of ``a`` in place (rows contiguous, one stride)?"""
+    size = a.itemsize
+    rows_ok = a.ndim < 2 or (a.strides[-2] % size == 0 and a.strides[-2] >= a.shape[-1] * size)
+    return a.strides[-1] == size and rows_ok and a.flags.aligned
+
+
 def _blas_ready(a: Any) -> Any:
     """``a`` itself when BLAS can read its matrices in place, else a C-ordered copy."""
     a = np.asarray(a)
-    size = a.itemsize
-    rows_ok = a.ndim < 2 or (a.strides[-2] % size == 0 and a.strides[-2] >= a.shape[-1] * size)
-    if a.strides[-1] != size or not rows_ok:
-        a = np.ascontiguousarray(a)
-    return a
+    return a if _rows_ready(a) else np.ascontiguousarray(a)
+
+
+def _compiled(config: Config, exponential: str, query: Any, value: Any,
+              softcap: float | None) -> Any:
+    """The compiled loops (``_compiled_blocks``) where they apply: scores in base 2
+    through the compiled ``exp2``, no softcap, NumPy's BLAS found, and heads of at least
+    one column."""
+    if not config.compiled_blocks or exponential != "exp2_compiled" or softcap is not None:
+        return None
+    if min(query.shape[-1], value.shape[-1]) < 1:
+        return None
+    module = _jit.load("_compiled_blocks")
+    return None if module is None else module.compiled_blocks(query.dtype)
 
 
 def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit]]:
@@ -90,6 +107,8 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         softcap=None if inputs.softcap is None else inputs.softcap * to_base,
         base2=base2, exponential=in_place(exponential),
         exponential_rows=in_rows(exponential),
+        compiled=_compiled(config, exponential, query, value, inputs.softcap),
+        query_ready=_rows_ready(query),
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
         positional=positional, dense=parts.dense,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
     from portattn.masks import Mask
 
+    from ._compiled_blocks import CompiledBlocks
     from ._config import Config
     from ._strategy import Strategy
 
@@ -42,6 +43,11 @@ class Problem:
     exponential_rows: Callable[..., None] | None
     """The same over a score tile's rows with their sums in one pass, where it is
     compiled (``_exponential.in_rows``); None otherwise."""
+    compiled: CompiledBlocks | None
+    """The fast way's blocks without a mask, and its last step, compiled to run with
+    no GIL (``_compiled_blocks``), where they can; None otherwise."""
+    query_ready: bool
+    """Whether BLAS can read the query's rows in place (else they are copied)."""
     bias: Any
     positional: Mask | None
     """The causal and sliding-window parts of the mask, combined."""

@@ -17,13 +17,16 @@ from . import _jit
 from ._scratch import take
 
 if TYPE_CHECKING:
+    from ._blocks import Block
     from ._problem import Problem
 
-__all__ = ["ScoreTile", "add_bias", "hide", "row_stride", "scores", "trustworthy"]
+__all__ = ["ScoreTile", "accumulate_compiled", "add_bias", "finish_fast", "hide",
+           "row_stride", "scores", "trustworthy"]
 
 #: Smallest row sum (relative to the number of keys) the fast way trusts: above it
 #: each row's largest term is a normal float with room to spare.
 _TINY = {np.dtype(np.float32): 2.0**-100, np.dtype(np.float64): 2.0**-900}
+_NO_LSE = {dt: np.empty(0, dt) for dt in _TINY}
 
 
 #: Bytes between rows of a score tile that BLAS writes slowly: at a multiple of 2 KiB
@@ -56,11 +59,16 @@ class ScoreTile:
     def scores(self, keys: int, rows: int) -> tuple[Any, Any]:
         """``(span, view)``: a ``keys x rows`` view to write scores to, and the
         contiguous span holding it."""
-        size = keys * row_stride(rows, self._buffer.itemsize)
-        if size > self._buffer.size:
-            self._buffer = take(self._name, (size,), self._buffer.dtype)
-        span = self._buffer[:size]
+        span, _ = self.span(keys, rows)
         return span, span.reshape(keys, -1)[:, :rows]
+
+    def span(self, keys: int, rows: int) -> tuple[Any, int]:
+        """``(span, stride)``: the contiguous memory of a ``keys x rows`` tile, and the
+        entries from one of its rows to the next."""
+        stride = row_stride(rows, self._buffer.itemsize)
+        if keys * stride > self._buffer.size:
+            self._buffer = take(self._name, (keys * stride,), self._buffer.dtype)
+        return self._buffer[:keys * stride], stride
 
     def weights(self, p: Problem, keys: int, rows: int, masks: list[Any], sums: Any) -> Any:
         """The scores in ``scores(keys, rows)`` turned into unnormalised weights in
@@ -102,6 +110,35 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
         np.tanh(each, out=each)
         np.multiply(each, p.softcap, out=each)
     return out
+
+
+def accumulate_compiled(p: Problem, tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any,
+                        acc: Any, sums: Any, part: Any, blocks: list[Block], *,
+                        first_writes: bool) -> None:
+    """Unmasked ``blocks`` (``(k0, k1, r0, r1, [])``) the fast way, in one compiled call
+    (``p.compiled``): the weights of keys ``k0:k1`` for rows ``r0:r1`` of ``alpha * q``
+    times the values, added to those rows of ``acc``, and their sums to ``sums``
+    (``first_writes``: the first block covers every row and writes them). ``part``:
+    room for one block's sums; ``tile``: the memory of the scores."""
+    keys = max(k1 - k0 for k0, k1, *_ in blocks)
+    span, stride = tile.span(keys, max(r1 - r0 for _, _, r0, r1, _ in blocks))
+    spans = np.array([block[:4] for block in blocks], np.int64)
+    p.compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, part,
+                          first_writes=first_writes)
+
+
+def finish_fast(p: Problem, acc: Any, sums: Any, keys: int, out: Any, lse: Any) -> bool:
+    """The fast way's last step: ``out = acc / sums`` and ``lse = log(sums)`` (unless
+    None) if :func:`trustworthy` (with ``keys`` keys); False, writing nothing, if not."""
+    if p.compiled is not None:
+        return p.compiled.finish(acc, sums, _TINY[sums.dtype] * keys, out,
+                                 _NO_LSE[sums.dtype] if lse is None else lse)
+    if not trustworthy(sums, acc, keys):
+        return False
+    np.divide(acc, sums[:, None], out=out)
+    if lse is not None:
+        np.log(sums, out=lse)
+    return True
 
 
 def add_bias(tile: Any, bias: Any) -> None:

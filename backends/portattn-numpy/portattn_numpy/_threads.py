@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["THREADS_ENV", "get_num_threads", "run_parallel", "set_num_threads"]
+__all__ = ["THREADS_ENV", "blas_library_paths", "get_num_threads", "run_parallel",
+           "set_num_threads"]
 
 THREADS_ENV = "PORTATTN_NUMPY_THREADS"
 
@@ -90,6 +91,11 @@ def _blas_libraries() -> list[Any]:
         # inspecting the loaded libraries is slow: once
         _blas = ThreadpoolController().select(user_api="blas").lib_controllers
     return _blas
+
+
+def blas_library_paths() -> list[str]:
+    """The files of the BLAS libraries held to one thread while the pool works."""
+    return [library.filepath for library in _blas_libraries()]
 
 
 @contextlib.contextmanager

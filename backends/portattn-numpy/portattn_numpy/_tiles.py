@@ -30,7 +30,7 @@ from portattn.masks import slice_tile
 
 from ._blocks import blocks as unit_blocks
 from ._blocks import head_view
-from ._scores import ScoreTile, add_bias, hide, scores, trustworthy
+from ._scores import ScoreTile, accumulate_compiled, add_bias, finish_fast, hide, scores
 from ._scratch import take
 from ._units import row_ranges, units_for
 
@@ -101,15 +101,19 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
     blocks = unit_blocks(p, b, h, q0, q1, lo, hi)
     if not blocks:
         return True  # out is already 0 and lse -inf
-    np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=s.q[:n])
+    query, rows = p.query[(*b, h, slice(q0, q1))], (*b, h, slice(q0, q1))
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    _accumulate(p, s, k, v, b, h, q0, q1, blocks, careful=careful)
+    if (not careful and p.compiled is not None and p.query_ready
+            and not any(block[4] for block in blocks)):
+        # compiled throughout: the product reads the queries in place and scales them
+        _accumulate(p, s, query, p.factor, k, v, b, h, q0, q1, blocks, careful=False)
+    else:
+        q = np.multiply(query, p.factor, out=s.q[:n])
+        _accumulate(p, s, q, 1.0, k, v, b, h, q0, q1, blocks, careful=careful)
     if not careful:
-        if not trustworthy(s.rows[0, :n], s.acc[:n], hi - lo):
-            return False
-        _finish(p, s, b, h, q0, q1, None)
-        return True
+        return finish_fast(p, s.acc[:n], s.rows[0, :n], hi - lo, p.out[rows],
+                           None if p.lse is None else p.lse[rows])
     shift = s.rows[2, :n]
     if p.base2:
         shift *= np.log(2.0)
@@ -117,11 +121,17 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
     return True
 
 
-def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: int,
-                q0: int, q1: int, blocks: list[Block], *, careful: bool) -> None:
+def _accumulate(p: Problem, s: _Scratch, q: Any, alpha: float, k: Any, v: Any,
+                b: tuple[int, ...], h: int, q0: int, q1: int, blocks: list[Block], *,
+                careful: bool) -> None:
+    """The blocks' weights times values into ``s.acc``, their sums into ``s.rows[0]``;
+    ``alpha * q`` are the scaled queries (``alpha`` is 1 where NumPy computes a block)."""
     n = q1 - q0
-    q, acc, part = s.q[:n], s.acc[:n], s.acc_part[:n]
-    sums, part_sums, m, m_new, alpha = (row[:n] for row in s.rows)
+    acc, part = s.acc[:n], s.acc_part[:n]
+    sums, part_sums, m, m_new, scale = (row[:n] for row in s.rows)
+    compiled = [] if careful or p.compiled is None else [bl for bl in blocks if not bl[4]]
+    if compiled:  # those first, in one call; then the masked ones
+        blocks = compiled + [block for block in blocks if block[4]]
     # A first block that covers every row (the usual case) writes acc and sums instead
     # of adding to zeros; the careful way's rescaling of them before it is overwritten.
     first_covers_all = blocks[0][2:4] == (0, n)
@@ -129,6 +139,13 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
         acc[:] = 0
         sums[:] = 0
     m[:] = -np.inf
+    if compiled:
+        if p.config.on_tile is not None:
+            for k0, k1, r0, r1, _ in compiled:
+                p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, part_sums, compiled,
+                            first_writes=first_covers_all)
+        blocks, first_covers_all = blocks[len(compiled):], False
     bias = None if p.bias is None else head_view(p.bias, b, h)
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
         if p.config.on_tile is not None:
@@ -140,7 +157,7 @@ def _accumulate(p: Problem, s: _Scratch, k: Any, v: Any, b: tuple[int, ...], h: 
             add_bias(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1))
         if careful:
             hide(tile, masks, -np.inf)
-            _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], alpha[rows],
+            _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], scale[rows],
                    p.exponential)
             masks = []  # hidden already
         if i == 0 and first_covers_all:
@@ -176,15 +193,11 @@ def _finite(m: Any) -> Any:
 
 def _finish(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
             shift: Any) -> None:
+    """The careful way's last step (``shift``: each row's max, in base e)."""
     n = q1 - q0
     sums, acc = s.rows[0, :n], s.acc[:n]
     out = p.out[(*b, h, slice(q0, q1))]
     lse = None if p.lse is None else p.lse[(*b, h, slice(q0, q1))]
-    if shift is None:  # the fast way: every row has mass
-        np.divide(acc, sums[:, None], out=out)
-        if lse is not None:
-            np.log(sums, out=lse)
-        return
     # Rows with no allowed key (sum 0) keep out 0 and lse -inf; a NaN sum (a NaN query,
     # scores that overflowed) gives NaN, never a finite answer.
     has_mass = np.logical_not(sums <= 0)
