@@ -27,6 +27,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import _cblas
+
+# Numba's cache checks this file's own date only: a change to the inlined exponential
+# reaches the cached loops once this file changes too (or its cache is cleared).
 from ._compiled_exp import LOOP_OPTIONS, constants, exp_rows_of
 
 __all__ = ["DTYPES", "CompiledBlocks", "compiled_blocks"]

@@ -16,8 +16,8 @@ exponential (``_exponential``). Two ways through a unit:
 Exponentials, masks and row sums come from ``ScoreTile.weights`` (one compiled pass
 where Numba is installed); the careful way sets masked entries to ``-inf`` before its
 max. Where Numba and NumPy's BLAS allow, the fast way's blocks without a mask run in
-one compiled call, and its last step in another (``_compiled_blocks``). Which blocks a unit computes, and which entries are masked, is decided in
-``_blocks``.
+one compiled call, and its last step in another (``_compiled_blocks``). Which blocks
+a unit computes, and which entries are masked, is decided in ``_blocks``.
 """
 
 from __future__ import annotations
