@@ -181,10 +181,11 @@ def _bare_tiles(n: int) -> Any:
     cache line past a multiple of 2 KiB, the weights and their row sums from the
     kernel's own ``ScoreTile.weights`` with the exponential that runs fastest here
     (``Config.exponential_for``), and the weights-times-values product, accumulated;
-    no masking, checks, threads or division."""
+    where the kernel runs them compiled (``_compiled_blocks``), that one call per tile
+    of queries instead. No masking, checks, threads or division."""
     from types import SimpleNamespace
 
-    from portattn_numpy import Config
+    from portattn_numpy import Config, _jit
     from portattn_numpy._exponential import BASE_2, in_place, in_rows
     from portattn_numpy._plan import block_sizes
     from portattn_numpy._scores import ScoreTile  # the kernel's own tile memory
@@ -202,6 +203,19 @@ def _bare_tiles(n: int) -> Any:
     _, tile = scores.scores(block_k, block_q)
     acc, part = np.empty((2, block_q, HEAD_DIM), np.float32)
     sums, part_sums = np.empty((2, block_q), np.float32)
+    module = _jit.load("_compiled_blocks") if exponential == "exp2_compiled" else None
+    compiled = None if module is None else module.compiled_blocks(np.float32)
+    if compiled is not None:
+        span, stride = scores.span(block_k, block_q)
+        spans = np.array([(k0, min(n, k0 + block_k), 0, block_q)
+                          for k0 in range(0, n, block_k)], np.int64)
+
+        def run_compiled() -> None:
+            for h in range(HEADS):
+                for q0 in range(0, n, block_q):
+                    compiled.accumulate(1.0, q[h, q0:q0 + block_q], k[h], v[h], acc, sums,
+                                        span, stride, spans, part_sums, first_writes=True)
+        return run_compiled
 
     def run() -> None:
         for h in range(HEADS):
