@@ -189,14 +189,19 @@ def test_switched_off_or_with_numpys_exponential_no_compiled_block_runs(check,
     assert compiled_calls == {"blocks": 0, "finish": 0}
 
 
-def test_queries_blas_cannot_read_in_place_are_copied_first(compiled_calls):
+@pytest.mark.parametrize("layout", [
+    pytest.param(lambda q: q.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3),
+                 id="heads-inside-rows"),  # rows apart, read in place
+    pytest.param(lambda q: np.repeat(q, 2, axis=-1)[..., ::2], id="every-other-entry"),
+])
+def test_queries_are_read_in_place_or_copied_first(layout, compiled_calls):
     from portattn import attention
     from portattn.testing import assert_close, oracle
 
     rng = np.random.default_rng(3)
-    q = rng.standard_normal((1, 2, 500, 32)).astype(np.float32)[..., ::2]  # strided
+    q = layout(rng.standard_normal((1, 2, 500, 16)).astype(np.float32))
     k, v = (rng.standard_normal((1, 2, 400, 16)).astype(np.float32) for _ in range(2))
-    with configured(exponential="exp2_compiled"):
+    with configured(exponential="exp2_compiled", strategies=("tiles",)):
         out = attention(q, k, v, kernel="numpy_fast")
     want, _, _ = oracle(*(a.astype(np.float64) for a in (q, k, v)))
     assert_close(out, want, "float32", "out")
