@@ -105,16 +105,13 @@ def _compile_accumulate(dtype: Any) -> Any:
 
 def _compile_finish(dtype: Any) -> Any:
     real = numba.from_dtype(np.dtype(dtype))
-    vector = types.Array(real, 1, "A")
-    # rows one after another (the tiles' accumulator) or apart (the diagonal's, whose
-    # last column holds the sums): compiled for both, the first vectorises better
-    signatures = [types.boolean(types.Array(real, 2, layout), vector, types.float64,
-                                types.Array(real, 2, "C"), vector) for layout in "CA"]
+    matrix, vector = types.Array(real, 2, "C"), types.Array(real, 1, "A")
+    signature = types.boolean(matrix, vector, types.float64, matrix, vector)
 
-    @numba.njit(signatures, **LOOP_OPTIONS)
+    @numba.njit(signature, **LOOP_OPTIONS)
     def finish(acc: Any, sums: Any, least: float, out: Any,
                lse: Any) -> bool:  # pragma: no cover - compiled
-        rows, dv = acc.shape
+        rows, dv = out.shape  # acc may hold more columns: the diagonal's sums
         trusted = True  # all rows are checked before any is written
         for i in range(rows):
             s = sums[i]
@@ -168,7 +165,9 @@ class CompiledBlocks:
     def finish(acc: Any, sums: Any, least: float, out: Any, lse: Any) -> bool:
         """``out = acc / sums`` and ``lse = log(sums)`` (``lse`` empty: not asked for)
         when every sum is finite and at least ``least`` and every entry of ``acc``
-        finite (``_scores.trustworthy``); False, writing nothing, otherwise."""
+        finite (``_scores.trustworthy``); False, writing nothing, otherwise. ``acc``
+        and ``out`` are C-contiguous; ``acc`` may have more columns than ``out`` (the
+        first ones are read)."""
         return bool(_FINISH[acc.dtype](acc, sums, least, out, lse))
 
 

@@ -264,5 +264,5 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
         acc[r0:r1] += part
     filled = acc[:unit.rows_with_keys]
     rows = (*b, h, slice(q0, q0 + unit.rows_with_keys))  # the others keep out 0, lse -inf
-    return finish_fast(p, filled[:, :-1], filled[:, -1], hi - lo, p.out[rows],
+    return finish_fast(p, filled, filled[:, -1], hi - lo, p.out[rows],
                        None if p.lse is None else p.lse[rows])

@@ -129,10 +129,12 @@ def accumulate_compiled(p: Problem, tile: ScoreTile, alpha: float, q: Any, k: An
 
 def finish_fast(p: Problem, acc: Any, sums: Any, keys: int, out: Any, lse: Any) -> bool:
     """The fast way's last step: ``out = acc / sums`` and ``lse = log(sums)`` (unless
-    None) if :func:`trustworthy` (with ``keys`` keys); False, writing nothing, if not."""
+    None) if :func:`trustworthy` (with ``keys`` keys); False, writing nothing, if not.
+    ``acc``: C-contiguous, its first columns those of ``out`` (more may follow)."""
     if p.compiled is not None:
         return p.compiled.finish(acc, sums, _TINY[sums.dtype] * keys, out,
                                  _NO_LSE[sums.dtype] if lse is None else lse)
+    acc = acc[:, :out.shape[-1]]
     if not trustworthy(sums, acc, keys):
         return False
     np.divide(acc, sums[:, None], out=out)
