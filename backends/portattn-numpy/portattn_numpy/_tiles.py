@@ -102,7 +102,8 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
     blocks = unit_blocks(p, b, h, q0, q1, lo, hi)
     if not blocks:
         return True  # out is already 0 and lse -inf
-    query, rows = p.query[(*b, h, slice(q0, q1))], (*b, h, slice(q0, q1))
+    rows = (*b, h, slice(q0, q1))
+    query = p.query[rows]
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
     if (not careful and p.compiled is not None and p.query_ready
