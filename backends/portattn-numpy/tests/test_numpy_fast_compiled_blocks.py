@@ -21,7 +21,8 @@ DTYPES = [np.float32, np.float64]
 
 def _ilp64_wheel() -> bool:
     """NumPy's wheels: OpenBLAS with 64-bit integers, bundled as scipy-openblas64."""
-    blas = np.__config__.CONFIG["Build Dependencies"]["blas"]
+    config = getattr(np.__config__, "CONFIG", {})  # NumPy built with meson
+    blas = config.get("Build Dependencies", {}).get("blas", {})
     return blas.get("name") == "scipy-openblas" and "USE64BITINT" in str(
         blas.get("openblas configuration", ""))
 
