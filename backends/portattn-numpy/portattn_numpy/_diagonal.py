@@ -247,11 +247,8 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     blocks = unit.blocks
     compiled = [] if p.compiled is None else [block for block in blocks if not block[4]]
     if compiled:
-        if p.config.on_tile is not None:
-            for k0, k1, r0, r1, _ in compiled:
-                p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], s.part_sums,
-                            compiled, first_writes=False)
+                            compiled, first_writes=False, unit=(b, h, q0))
         blocks = [block for block in blocks if block[4]]
     for k0, k1, r0, r1, masks in blocks:
         if p.config.on_tile is not None:

@@ -114,12 +114,17 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
 
 def accumulate_compiled(p: Problem, tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any,
                         acc: Any, sums: Any, part: Any, blocks: list[Block], *,
-                        first_writes: bool) -> None:
+                        first_writes: bool, unit: tuple[tuple[int, ...], int, int]) -> None:
     """Unmasked ``blocks`` (``(k0, k1, r0, r1, [])``) the fast way, in one compiled call
     (``p.compiled``): the weights of keys ``k0:k1`` for rows ``r0:r1`` of ``alpha * q``
     times the values, added to those rows of ``acc``, and their sums to ``sums``
     (``first_writes``: the first block covers every row and writes them). ``part``:
-    room for one block's sums; ``tile``: the memory of the scores."""
+    room for one block's sums; ``tile``: the memory of the scores; ``unit``: ``(batch
+    index, head, first row)``, for the ``on_tile`` hook, called first for every block."""
+    if p.config.on_tile is not None:
+        b, h, q0 = unit
+        for k0, k1, r0, r1, _ in blocks:
+            p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
     keys = max(k1 - k0 for k0, k1, *_ in blocks)
     span, stride = tile.span(keys, max(r1 - r0 for _, _, r0, r1, _ in blocks))
     spans = np.array([block[:4] for block in blocks], np.int64)

@@ -142,11 +142,8 @@ def _accumulate(p: Problem, s: _Scratch, q: Any, alpha: float, k: Any, v: Any,
         sums[:] = 0
     m[:] = -np.inf
     if compiled:
-        if p.config.on_tile is not None:
-            for k0, k1, r0, r1, _ in compiled:
-                p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, part_sums, compiled,
-                            first_writes=first_covers_all)
+                            first_writes=first_covers_all, unit=(b, h, q0))
         blocks, first_covers_all = blocks[len(compiled):], False
     bias = None if p.bias is None else head_view(p.bias, b, h)
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
