@@ -206,7 +206,7 @@ def _bare_tiles(n: int) -> Any:
     module = _jit.load("_compiled_blocks") if exponential == "exp2_compiled" else None
     compiled = None if module is None else module.compiled_blocks(np.float32)
     if compiled is not None:
-        span, stride = scores.span(block_k, block_q)
+        span, stride = scores.span(block_q, block_k)  # queries by keys, as the kernel's
         spans = np.array([(k0, min(n, k0 + block_k), 0, block_q)
                           for k0 in range(0, n, block_k)], np.int64)
 
@@ -214,7 +214,7 @@ def _bare_tiles(n: int) -> Any:
             for h in range(HEADS):
                 for q0 in range(0, n, block_q):
                     compiled.accumulate(1.0, q[h, q0:q0 + block_q], k[h], v[h], acc, sums,
-                                        span, stride, spans, part_sums, first_writes=True)
+                                        span, stride, spans, first_writes=True)
         return run_compiled
 
     def run() -> None:

@@ -36,8 +36,8 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["DTYPES", "LOOP_OPTIONS", "constants", "exp2_in_place", "exp2_rows", "exp_in_place",
-           "exp_rows", "exp_rows_of"]
+__all__ = ["DTYPES", "LOOP_OPTIONS", "constants", "exp2_in_place", "exp2_row_sum", "exp2_rows",
+           "exp_in_place", "exp_rows", "exp_rows_of"]
 
 _INTEGER = {32: types.int32, 64: types.int64}
 _FLOAT = {32: types.float32, 64: types.float64}
@@ -78,6 +78,7 @@ class _Constants(NamedTuple):
     lo: Any
     mantissa_bits: int
     coeffs: tuple[Any, ...]
+    zero: Any  # where sums start, of the dtype
 
 
 @numba.njit(inline="always")
@@ -101,7 +102,7 @@ def _power(x: Any, c: Any) -> Any:  # pragma: no cover - compiled
     return p * _float(_shifted_bits(biased, c.mantissa_bits))
 
 
-#: How the loops are compiled; a loop that inlines :func:`exp_rows_of` uses them too.
+#: How the loops are compiled, here and in ``_compiled_blocks``.
 LOOP_OPTIONS: dict[str, Any] = {"nogil": True, "boundscheck": False,
                                 "fastmath": {"contract"}, "cache": True}
 
@@ -144,6 +145,26 @@ def exp_rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
         sums[:] = total
 
 
+@numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
+def exp2_row_sum(row: Any, c: Any) -> Any:  # pragma: no cover - compiled
+    """``2**x`` in place of the 1-D contiguous ``row`` (``c``: the ``_Constants`` of
+    ``exp2``), returning its sum: a row of scores kept queries by keys becomes its
+    weights and their sum in one pass.
+
+    Compiled on its own, not inlined, so that the sum may be reassociated: LLVM then
+    keeps it in the vector lanes (a horizontal sum in a second pass took a third as
+    long as the exponential). That is safe for ``exp2``: the rounding ``(t + C) - C``
+    is not folded to ``t`` without ``nsz`` (it differs at ``t = -0``). ``exp``'s
+    two-part reduction would be regrouped, so ``c`` must be of base 2.
+    """
+    total = c.zero
+    for j in range(row.shape[0]):
+        y = _power(row[j], c)
+        row[j] = y
+        total += y
+    return total
+
+
 def _ln2_parts(info: np.finfo) -> tuple[float, float]:
     """``ln(2)`` as ``hi + lo``, ``hi`` with few enough bits that ``k * hi`` is exact
     for every ``k`` the exponent field holds."""
@@ -174,7 +195,7 @@ def constants(dtype: Any, base_e: bool) -> _Constants:
     coeffs = tuple(real(per_power**n / math.factorial(n))
                    for n in range(_DEGREE[info.bits], -1, -1))
     return _Constants(base_e, x_lowest, x_highest, log2e, lowest, highest, round_biased,
-                      hi, lo, info.nmant, coeffs)
+                      hi, lo, info.nmant, coeffs, real(0))
 
 
 def _compile(dtype: Any, base_e: bool) -> Any:

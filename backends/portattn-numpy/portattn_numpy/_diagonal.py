@@ -214,7 +214,6 @@ class Scratch:
         # the values' columns, then the row sums: one add accumulates both
         self.acc = take("unit.acc", (rows, p.value.shape[-1] + 1), dt)
         self.part = take("unit.part", (block_rows, p.value.shape[-1] + 1), dt)
-        self.part_sums = take("unit.part_sums", (block_rows,), dt)  # compiled blocks'
         # the blocks' padded tiles (the group's are the largest), and the stacked
         # squares in the same memory
         self.tile = ScoreTile("unit.scores", d.group_k, block_rows, dt)
@@ -247,8 +246,8 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     blocks = unit.blocks
     compiled = [] if p.compiled is None else [block for block in blocks if not block[4]]
     if compiled:
-        accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], s.part_sums,
-                            compiled, first_writes=False, unit=(b, h, q0))
+        accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], compiled,
+                            first_writes=False, unit=(b, h, q0))
         blocks = [block for block in blocks if block[4]]
     for k0, k1, r0, r1, masks in blocks:
         if p.config.on_tile is not None:

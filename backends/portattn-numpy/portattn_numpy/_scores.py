@@ -2,8 +2,8 @@
 and their sums, and checking the fast way's sums.
 
 Shared by the strategies (``_tiles``, ``_diagonal``, ``_stacked``). Tiles are kept
-keys by queries (``k @ q.T`` runs faster than ``q @ k.T`` in OpenBLAS for these thin
-shapes).
+keys by queries (``k @ q.T`` ran faster than ``q @ k.T`` in OpenBLAS's AVX2 kernels for
+these thin shapes), except those of the compiled blocks (``_compiled_blocks``).
 """
 
 from __future__ import annotations
@@ -46,14 +46,15 @@ def row_stride(rows: int, itemsize: int) -> int:
 class ScoreTile:
     """Memory for one score tile, reused tile after tile: ``keys x rows`` views into
     one flat buffer (this thread's buffer ``name``, ``_scratch``), :func:`row_stride`
-    entries from row to row. It holds a ``keys x rows`` tile from the start, and grows
-    when a larger one is asked for.
+    entries from row to row. It holds a ``keys x rows`` tile (or ``rows x keys``) from
+    the start, and grows when a larger one is asked for.
     """
 
     def __init__(self, name: str, keys: int, rows: int, dtype: Any) -> None:
         dt = np.dtype(dtype)
         self._name = name
-        self._buffer = take(name, (keys * (rows + _CACHE_LINE // dt.itemsize),), dt)
+        line = _CACHE_LINE // dt.itemsize  # room for the padding of either layout
+        self._buffer = take(name, ((keys + line) * (rows + line),), dt)
         self._ones = np.ones(0, dt)  # for NumPy's row sums, grown when first needed
 
     def scores(self, keys: int, rows: int) -> tuple[Any, Any]:
@@ -64,7 +65,8 @@ class ScoreTile:
 
     def span(self, keys: int, rows: int) -> tuple[Any, int]:
         """``(span, stride)``: the contiguous memory of a ``keys x rows`` tile, and the
-        entries from one of its rows to the next."""
+        entries from one of its rows to the next (``span(rows, keys)``: queries by
+        keys)."""
         stride = row_stride(rows, self._buffer.itemsize)
         if keys * stride > self._buffer.size:
             self._buffer = take(self._name, (keys * stride,), self._buffer.dtype)
@@ -113,22 +115,22 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
 
 
 def accumulate_compiled(p: Problem, tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any,
-                        acc: Any, sums: Any, part: Any, blocks: list[Block], *,
+                        acc: Any, sums: Any, blocks: list[Block], *,
                         first_writes: bool, unit: tuple[tuple[int, ...], int, int]) -> None:
     """Unmasked ``blocks`` (``(k0, k1, r0, r1, [])``) the fast way, in one compiled call
     (``p.compiled``): the weights of keys ``k0:k1`` for rows ``r0:r1`` of ``alpha * q``
     times the values, added to those rows of ``acc``, and their sums to ``sums``
-    (``first_writes``: the first block covers every row and writes them). ``part``:
-    room for one block's sums; ``tile``: the memory of the scores; ``unit``: ``(batch
-    index, head, first row)``, for the ``on_tile`` hook, called first for every block."""
+    (``first_writes``: the first block covers every row and writes them). ``tile``: the
+    memory of the scores, here queries by keys; ``unit``: ``(batch index, head, first
+    row)``, for the ``on_tile`` hook, called first for every block."""
     if p.config.on_tile is not None:
         b, h, q0 = unit
         for k0, k1, r0, r1, _ in blocks:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
     keys = max(k1 - k0 for k0, k1, *_ in blocks)
-    span, stride = tile.span(keys, max(r1 - r0 for _, _, r0, r1, _ in blocks))
+    span, stride = tile.span(max(r1 - r0 for _, _, r0, r1, _ in blocks), keys)
     spans = np.array([block[:4] for block in blocks], np.int64)
-    p.compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, part,
+    p.compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans,
                           first_writes=first_writes)
 
 

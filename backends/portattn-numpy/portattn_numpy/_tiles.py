@@ -142,7 +142,7 @@ def _accumulate(p: Problem, s: _Scratch, q: Any, alpha: float, k: Any, v: Any,
         sums[:] = 0
     m[:] = -np.inf
     if compiled:
-        accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, part_sums, compiled,
+        accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, compiled,
                             first_writes=first_covers_all, unit=(b, h, q0))
         blocks, first_covers_all = blocks[len(compiled):], False
     bias = None if p.bias is None else head_view(p.bias, b, h)

@@ -75,10 +75,9 @@ def test_blocks_add_weights_times_values_and_their_sums(dtype, first_writes):
     # a first block of every row, then one of some rows, a third of one row
     blocks = [(0, 130, 0, rows), (130, 290, 5, 30), (290, 300, 36, 37)]
     tile = _scores.ScoreTile("test.scores", 160, rows, dtype)
-    span, stride = tile.span(160, rows)
-    part = np.empty(rows, dtype)
+    span, stride = tile.span(rows, 160)  # queries by keys
     loops.accumulate(alpha, q, k, v, table[:, :-1], table[:, -1], span, stride,
-                     np.array(blocks, np.int64), part, first_writes=first_writes)
+                     np.array(blocks, np.int64), first_writes=first_writes)
     want = np.zeros((rows, dv + 1)) if first_writes else before.astype(np.float64)
     for k0, k1, r0, r1 in blocks:
         w = _weights(k[k0:k1], q[r0:r1], alpha)

@@ -1,5 +1,5 @@
 """The compiled exp2 and exp: within an ulp over the normal range, exact ends, in place;
-over a padded tile's rows with their column sums."""
+over a padded tile's rows with their column sums; over one row with its sum."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from hypothesis.extra import numpy as hnp
 
 pytest.importorskip("numba", reason="the compiled exponentials need Numba (portattn-numpy[jit])")
 
-from portattn_numpy._compiled_exp import exp2_in_place, exp2_rows, exp_in_place, exp_rows
+from portattn_numpy._compiled_exp import (
+    constants,
+    exp2_in_place,
+    exp2_row_sum,
+    exp2_rows,
+    exp_in_place,
+    exp_rows,
+)
 
 DTYPES = [np.float32, np.float64]
 #: Errors in ulps are measured against long double: float64's only where that is more
@@ -174,3 +181,35 @@ def test_rows_without_a_place_for_sums_only_exponentiate(function):
     FUNCTIONS[function][0](expected)
     ROWS[function](span, 4, 3, 4, np.empty(0, np.float32))
     np.testing.assert_array_equal(span, expected)
+
+
+def _row_sum(row):
+    return exp2_row_sum(row, constants(row.dtype, base_e=False))
+
+
+@given(st.sampled_from(DTYPES).flatmap(lambda dtype: hnp.arrays(
+    dtype, st.integers(0, 80), elements=st.floats(-1100, 1100, width=np.finfo(dtype).bits)
+    | st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 0.5, -0.5, 126.5, -126.5]))))
+def test_a_row_gets_the_in_place_bits_and_their_sum(row):
+    """The loop whose sum may be reassociated keeps exp2's own rounding: the same bits
+    as the in-place loop for every input, and the sum of those."""
+    expected = row.copy()
+    exp2_in_place(expected)
+    total = _row_sum(row)
+    np.testing.assert_array_equal(row, expected)
+    exact = expected.astype(np.float64).sum()
+    if exact <= np.finfo(row.dtype).max:
+        np.testing.assert_allclose(total, exact, rtol=max(len(row), 1) * np.finfo(row.dtype).eps)
+    else:  # NaN, or more than the dtype holds
+        np.testing.assert_array_equal(total, np.nan if np.isnan(exact) else np.inf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_of_halves_rounds_like_the_in_place_loop(dtype):
+    """Ties, where folding ``(t + C) - C`` into ``t`` would give another power of two
+    than the exponent bits hold (a result off by 2x), and -0."""
+    row = np.concatenate([np.arange(-140, 140, dtype=dtype) + dtype(0.5), [dtype(-0.0)]])
+    expected = row.copy()
+    exp2_in_place(expected)
+    _row_sum(row)
+    np.testing.assert_array_equal(row, expected)
