@@ -50,6 +50,18 @@ def _sgemm() -> Any:
     return lambda: np.matmul(a, b, out=out)
 
 
+def _kernels() -> str:
+    """The kernels of the BLAS libraries loaded, as threadpoolctl names them: OpenBLAS
+    picks them as it loads (``OPENBLAS_CORETYPE`` forces them), and they set the
+    reference rate (on a Zen 5 core, sgemm ran 1.8-1.9x as fast with OpenBLAS's AVX-512
+    "SkylakeX" kernels as with its AVX2 "Haswell" ones)."""
+    from threadpoolctl import threadpool_info
+
+    found = [f"{info['internal_api']} {info.get('architecture') or ''}".strip()
+             for info in threadpool_info() if info["user_api"] == "blas"]
+    return ", ".join(found) or "BLAS unknown"
+
+
 @pytest.fixture(scope="module")
 def sgemm_gflops() -> float:
     """NumPy's sgemm rate on this machine (best of 10), the reference line."""
@@ -130,7 +142,7 @@ def test_attention(n: int, causal: bool, impl: str, benchmark: Any, sgemm_gflops
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'}: "
                   f"{best * 1e3:.1f} ms, {flops / best / 1e9:.0f} GFLOP/s = "
                   f"{flops / best / 1e9 / sgemm_gflops:.0%} of NumPy's sgemm "
-                  f"({sgemm_gflops:.0f} GFLOP/s)  {listed}")
+                  f"({sgemm_gflops:.0f} GFLOP/s, {_kernels()})  {listed}")
 
 
 TURNS = {512: 30, 2048: 10, 8192: 3}
@@ -171,7 +183,7 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
     benchmark.extra_info.update(n=n, causal=causal, share_by_minimum=work / best,
                                 share_median_per_round=work / median)
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'} share of NumPy's "
-                 f"sgemm rate, in turns: {work / best:.0%} by minimum, "
+                 f"sgemm rate ({_kernels()}), in turns: {work / best:.0%} by minimum, "
                  f"{work / median:.0%} median per round")
 
 
@@ -248,8 +260,9 @@ def test_ceiling_in_turns(in_turns: Any, benchmark: Any,
     benchmark.group = "in turns: the tile schedule's bare calls, share of one core's sgemm"
     benchmark.extra_info.update(n=n, share_by_minimum=work / best,
                                 share_median_per_round=work / median)
-    _say(capsys, f"\nbare tile calls N={n}, one core, share of one core's sgemm rate, in "
-                 f"turns: {work / best:.0%} by minimum, {work / median:.0%} median per round")
+    _say(capsys, f"\nbare tile calls N={n}, one core, share of one core's sgemm rate "
+                 f"({_kernels()}), in turns: {work / best:.0%} by minimum, "
+                 f"{work / median:.0%} median per round")
 
 
 SMALL = {  # query shapes; a decode step (one query row) meets 4096 keys
