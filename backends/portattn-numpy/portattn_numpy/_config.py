@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import numbers
 import os
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ def _l2_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     return 0
 
 
+#: The settings that count something: positive integers.
+_COUNTS = ("min_block_q", "preferred_block_q", "max_block_q", "max_block_k", "mask_step",
+           "mask_chunk", "min_units_per_thread", "min_squares", "min_scores_per_thread")
+
+
 @dataclass(frozen=True)
 class Config:
     """How ``numpy_fast`` cuts and computes a call. The defaults are what ``bench/``
@@ -116,14 +122,38 @@ class Config:
     """Called as ``on_unit(strategy, trusted)`` after a unit's fast way."""
 
     def __post_init__(self) -> None:
+        bad = self._bad_setting()
+        if bad is not None:
+            raise ValueError(bad)
+        # a tuple whatever sequence was given: plans are kept by the settings' hash
+        object.__setattr__(self, "strategies", tuple(self.strategies))
+
+    def _bad_setting(self) -> str | None:
+        """What is wrong with the first bad setting, naming it and its value."""
+        for name in (*_COUNTS, "tile_bytes"):
+            value = getattr(self, name)
+            if not ((value is None and name == "tile_bytes") or (
+                    isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                    and value >= 1)):
+                also = " or None" if name == "tile_bytes" else ""
+                return f"{name} must be a positive integer{also}; got {name}={value!r}"
+        for name in ("compiled_blocks", "try_fast"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} must be True or False; got {name}={getattr(self, name)!r}"
+        for name in ("on_tile", "on_unit"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                return f"{name} must be callable or None; got {name}={hook!r}"
         if self.exponential not in (None, *_EXPONENTIALS):
             names = ", ".join(map(repr, _EXPONENTIALS))
-            msg = f"exponential must be {names} or None; got exponential={self.exponential!r}"
-            raise ValueError(msg)
+            return f"exponential must be {names} or None; got exponential={self.exponential!r}"
+        if isinstance(self.strategies, str):
+            return (f"strategies must be a sequence of names among {', '.join(STRATEGIES)}; "
+                    f"got strategies={self.strategies!r}")
         unknown = sorted(set(self.strategies) - set(STRATEGIES))
         if unknown:
-            msg = f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
-            raise ValueError(msg)
+            return f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
+        return None
 
     def exponential_for(self, dtype: Any, bias: bool) -> str:
         """The exponential scores of ``dtype`` go through (``bias``: with a bias)."""

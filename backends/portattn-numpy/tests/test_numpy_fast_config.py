@@ -32,6 +32,33 @@ def test_an_unknown_strategy_is_named():
         Config(strategies=("tiles", "fancy"))
 
 
+def test_strategies_given_as_a_list_are_kept_as_a_tuple(check):
+    with configured(strategies=["tiles"]) as settings:
+        assert settings.strategies == ("tiles",)
+        check((1, 2, 40, 16), (1, 2, 40, 16))  # planned: the settings hash
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"tile_bytes": 0}, r"tile_bytes must be a positive integer or None; got tile_bytes=0"),
+    ({"tile_bytes": "big"}, r"tile_bytes must be .*got tile_bytes='big'"),
+    ({"max_block_k": 0}, r"max_block_k must be a positive integer; got max_block_k=0"),
+    ({"preferred_block_q": -5}, r"preferred_block_q must .*got preferred_block_q=-5"),
+    ({"mask_step": 2.5}, r"mask_step must be a positive integer; got mask_step=2.5"),
+    ({"min_squares": True}, r"min_squares must be a positive integer; got min_squares=True"),
+    ({"compiled_blocks": "no"}, r"compiled_blocks must be True or False; got "
+                                r"compiled_blocks='no'"),
+    ({"on_tile": 3}, r"on_tile must be callable or None; got on_tile=3"),
+])
+def test_a_bad_setting_is_named_with_its_value(change, message):
+    with pytest.raises(ValueError, match=message), configured(**change):
+        pass
+
+
+def test_one_strategy_name_alone_is_refused():
+    with pytest.raises(ValueError, match=r"a sequence of names .*got strategies='tiles'"):
+        Config(strategies="tiles")
+
+
 @pytest.mark.parametrize("strategies", [("tiles",), ("diagonal", "tiles"), ("stacked",)])
 def test_any_strategy_set_gives_the_same_answer(strategies, check):
     # stacked heads (small), then along the diagonal, then tiles: each left out in turn
