@@ -111,10 +111,22 @@ def _key_of(row: dict[str, Any]) -> tuple[str, str, str, int, str, str]:
 
 # -- the file: machine, versions, loading -------------------------------------------
 
+#: Environment variables that choose which CPU kernels a library runs: OpenBLAS's
+#: (its AVX2 and AVX-512 sgemm differed 1.8-1.9x on one Zen 5 core), MKL's, torch's and
+#: NumPy's. Times measured under other values do not hold.
+KERNEL_ENVIRONMENT = ("OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
+                      "NPY_DISABLE_CPU_FEATURES", "NPY_ENABLE_CPU_FEATURES")
+
+
 def machine() -> dict[str, Any]:
-    """What identifies this machine for timing purposes."""
-    return {"system": platform.system(), "arch": platform.machine(), "cpu": _cpu_model(),
-            "cpus": _usable_cpus()}
+    """What identifies this machine for timing purposes: with any
+    :data:`KERNEL_ENVIRONMENT` variable that is set."""
+    found = {"system": platform.system(), "arch": platform.machine(), "cpu": _cpu_model(),
+             "cpus": _usable_cpus()}
+    chosen = {name: os.environ[name] for name in KERNEL_ENVIRONMENT if name in os.environ}
+    if chosen:  # absent when none is set, as in files written before it was recorded
+        found["kernel_environment"] = chosen
+    return found
 
 
 def _cpu_model() -> str:

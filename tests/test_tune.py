@@ -142,6 +142,22 @@ def test_a_file_from_another_machine_is_ignored_with_a_warning(tune_file):
     assert _tune.measured_choice(_inputs(), RUNNABLE) is None  # warned once, not per call
 
 
+def test_a_file_measured_with_other_cpu_kernels_is_ignored_with_a_warning(tune_file,
+                                                                          monkeypatch):
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "SkylakeX")
+    _write(tune_file, [_row({"tiled": 0.01})])
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    with pytest.warns(_tune.TuneWarning, match="another machine .*OPENBLAS_CORETYPE"):
+        assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+
+
+def test_a_machine_without_kernel_settings_matches_files_that_never_recorded_them(
+        monkeypatch):
+    for name in _tune.KERNEL_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert set(_tune.machine()) == {"system", "arch", "cpu", "cpus"}
+
+
 def test_a_stale_file_is_ignored_with_a_warning(tune_file):
     _write(tune_file, [_row({"tiled": 0.01})],
            versions={"portattn": "0.0.1", "numpy": np.__version__})
