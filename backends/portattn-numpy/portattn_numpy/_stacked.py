@@ -27,21 +27,26 @@ if TYPE_CHECKING:
 
     from ._problem import Problem, Unit
 
-__all__ = ["SHARE", "SHARE_WHEN_TILES_SKIP", "Stacked", "heads_per_unit", "plan"]
+__all__ = ["SHARE", "Stacked", "heads_per_unit", "plan"]
 
-#: A head is stacked when its scores fill at most ``1/SHARE`` of a tile...
-SHARE = 4
-#: ...or ``1/SHARE_WHEN_TILES_SKIP`` under a mask whose structure lets tiles skip work
-#: (causal, sliding window, lengths): stacking computes every pair.
-SHARE_WHEN_TILES_SKIP = 16
+#: A head is stacked when its scores fill at most ``1 / SHARE[tiles_compiled,
+#: tiles_skip]`` of a tile: less where tiles skip work under a mask's structure (causal,
+#: sliding window, lengths; stacking computes every pair), and less where tiles run
+#: their unmasked blocks in one compiled call a unit (``_compiled_blocks``). At
+#: (B, 8, L, 64) float32 with 2 MiB tiles (20 calls a round, in turns, B = 1 and 4,
+#: OpenBLAS's AVX2 and AVX-512 kernels), tiles with compiled blocks took 0.93-1.00x the
+#: time of stacking at L = 256 and 362, 1.02-1.04x at 181 and 1.06-1.29x at 128 and 64;
+#: causal, 0.93-0.95x at 181 and 0.98-1.48x at 128. With NumPy's calls, tiles took
+#: 1.05-1.07x at 256 and 362.
+SHARE = {(False, False): 4, (False, True): 16, (True, False): 16, (True, True): 32}
 
 
 def heads_per_unit(q_len: int, kv_len: int, group: int, kv_heads: int, tile_elements: int,
-                   *, tiles_skip: bool = False) -> int:
+                   *, tiles_skip: bool = False, tiles_compiled: bool = False) -> int:
     """Key/value heads per stacked unit (their query heads come along), or 0 when the
     heads are too large to stack."""
     per_head = q_len * kv_len
-    share = SHARE_WHEN_TILES_SKIP if tiles_skip else SHARE
+    share = SHARE[tiles_compiled, tiles_skip]
     if per_head == 0 or per_head * share > tile_elements:
         return 0
     return max(1, min(kv_heads, tile_elements // (per_head * group)))
@@ -82,7 +87,7 @@ def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Stacked | None:
         return None
     skips = p.positional is not None or p.key_len is not None or p.query_len is not None
     kv = heads_per_unit(p.q_len, p.kv_len, p.group, hq // p.group, p.tile_elements,
-                        tiles_skip=skips)
+                        tiles_skip=skips, tiles_compiled=p.compiled is not None and not p.dense)
     if not kv:
         return None
     # fewer heads to a unit where that gives work to threads that would idle

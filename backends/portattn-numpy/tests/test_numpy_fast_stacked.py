@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from portattn_numpy import _stacked
+from portattn_numpy import _stacked, configured
 
 from portattn import masks
 
@@ -61,6 +61,21 @@ def test_large_heads_are_not_stacked(check, stacked):
     assert not stacked
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_heads_whose_tiles_run_compiled_are_stacked_only_when_smaller(check, stacked,
+                                                                     compiled):
+    pytest.importorskip("numba", reason="the compiled blocks need Numba")
+    from portattn_numpy import _jit
+
+    if compiled and _jit.load("_compiled_blocks").compiled_blocks(np.float32) is None:
+        pytest.skip("this NumPy's BLAS has no cblas_sgemm named for 64-bit integers")
+    # 256 x 256 scores are an eighth of a 2 MiB tile: stacked unless tiles run compiled
+    with configured(tile_bytes=2 << 20, compiled_blocks=compiled,
+                    exponential="exp2_compiled"):
+        check((1, 2, 256, 16), (1, 2, 256, 16))
+    assert bool(stacked) is not compiled
+
+
 def test_heads_per_unit():
     tile = 1 << 18
     assert _stacked.heads_per_unit(16, 16, 1, 64, tile) == 64  # all fit in one tile
@@ -71,3 +86,10 @@ def test_heads_per_unit():
     assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True) == 16
     assert _stacked.heads_per_unit(256, 256, 1, 64, tile, tiles_skip=True) == 0
     assert _stacked.heads_per_unit(0, 16, 1, 64, tile) == 0  # nothing to compute
+    # compiled tiles cost less per call: stack only smaller heads again
+    assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_compiled=True) == 16
+    assert _stacked.heads_per_unit(256, 256, 1, 64, tile, tiles_compiled=True) == 0
+    assert _stacked.heads_per_unit(90, 90, 1, 64, tile, tiles_skip=True,
+                                   tiles_compiled=True) == 32
+    assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True,
+                                   tiles_compiled=True) == 0

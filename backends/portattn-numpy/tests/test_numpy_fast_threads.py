@@ -151,10 +151,10 @@ def _units_and_threads(monkeypatch, q_shape, kv_len):
 
 def test_stacked_heads_are_shared_out_when_the_work_fills_two_threads(monkeypatch, threads):
     threads(2)
-    # 8 heads of 256 x 256 fit one stacked unit; their 2^19 scores fill two threads
-    assert _units_and_threads(monkeypatch, (1, 8, 256, 64), 256) == (2, 2)
+    # 32 heads of 128 x 128 fit one stacked unit; their 2^19 scores fill two threads
+    assert _units_and_threads(monkeypatch, (1, 32, 128, 64), 128) == (2, 2)
     threads(1)
-    assert _units_and_threads(monkeypatch, (1, 8, 256, 64), 256) == (1, 1)
+    assert _units_and_threads(monkeypatch, (1, 32, 128, 64), 128) == (1, 1)
     threads(2)
     # 2^15 scores: one thread
     assert _units_and_threads(monkeypatch, (1, 8, 64, 64), 64)[1] == 1
