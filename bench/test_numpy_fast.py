@@ -130,7 +130,8 @@ def test_attention(n: int, causal: bool, impl: str, benchmark: Any, sgemm_gflops
         return
     best = _best[impl, n, causal] = stats.min
     benchmark.extra_info.update(gflops=flops / best / 1e9, sgemm_gflops=sgemm_gflops,
-                                share_of_sgemm=flops / best / 1e9 / sgemm_gflops)
+                                share_of_sgemm=flops / best / 1e9 / sgemm_gflops,
+                                blas=_kernels())
     if impl != "numpy_fast":
         return
     ratios = {f"over_{other}": best / _best[other, n, causal]
@@ -181,7 +182,7 @@ def test_share_of_sgemm_in_turns(n: int, causal: bool, in_turns: Any, benchmark:
     best, median = in_turns(_call("numpy_fast", q, k, v, causal), _sgemm(), TURNS[n])
     work = flops / SGEMM_FLOPS  # time ratio -> rate ratio
     benchmark.extra_info.update(n=n, causal=causal, share_by_minimum=work / best,
-                                share_median_per_round=work / median)
+                                share_median_per_round=work / median, blas=_kernels())
     _say(capsys, f"\nnumpy_fast N={n} {'causal' if causal else 'full'} share of NumPy's "
                  f"sgemm rate ({_kernels()}), in turns: {work / best:.0%} by minimum, "
                  f"{work / median:.0%} median per round")
@@ -259,7 +260,7 @@ def test_ceiling_in_turns(in_turns: Any, benchmark: Any,
     work = 4 * HEADS * n * n * HEAD_DIM / SGEMM_FLOPS
     benchmark.group = "in turns: the tile schedule's bare calls, share of one core's sgemm"
     benchmark.extra_info.update(n=n, share_by_minimum=work / best,
-                                share_median_per_round=work / median)
+                                share_median_per_round=work / median, blas=_kernels())
     _say(capsys, f"\nbare tile calls N={n}, one core, share of one core's sgemm rate "
                  f"({_kernels()}), in turns: {work / best:.0%} by minimum, "
                  f"{work / median:.0%} median per round")
