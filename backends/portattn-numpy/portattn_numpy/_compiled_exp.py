@@ -37,7 +37,7 @@ from numba import types
 from numba.extending import intrinsic
 
 __all__ = ["DTYPES", "LOOP_OPTIONS", "constants", "exp2_in_place", "exp2_row_sum", "exp2_rows",
-           "exp_in_place", "exp_rows", "exp_rows_of"]
+           "exp_in_place", "exp_rows"]
 
 _INTEGER = {32: types.int32, 64: types.int64}
 _FLOAT = {32: types.float32, 64: types.float64}
@@ -108,7 +108,7 @@ LOOP_OPTIONS: dict[str, Any] = {"nogil": True, "boundscheck": False,
 
 
 @numba.njit(inline="always")
-def exp_rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
+def _rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
                 c: Any) -> None:  # pragma: no cover - compiled
     """``exp`` or ``exp2`` (``c``: their ``_Constants``) in place of the ``keys x
     rows`` entries of 1-D contiguous ``span`` whose rows start ``stride`` entries apart
@@ -199,7 +199,7 @@ def constants(dtype: Any, base_e: bool) -> _Constants:
 
 
 def _compile(dtype: Any, base_e: bool) -> Any:
-    """``f(span, stride, keys, rows, sums)``: :func:`exp_rows_of` compiled for
+    """``f(span, stride, keys, rows, sums)``: :func:`_rows_of` compiled for
     ``dtype``, ``exp`` (``base_e``) or ``exp2``."""
     c = constants(dtype, base_e)
     name = np.dtype(dtype).name
@@ -207,7 +207,7 @@ def _compile(dtype: Any, base_e: bool) -> Any:
     @numba.njit(f"void({name}[::1], int64, int64, int64, {name}[:])", **LOOP_OPTIONS)
     def exp(span: Any, stride: int, keys: int, rows: int,
             sums: Any) -> None:  # pragma: no cover - compiled
-        exp_rows_of(span, stride, keys, rows, sums, c)
+        _rows_of(span, stride, keys, rows, sums, c)
 
     return exp
 
