@@ -3,7 +3,7 @@
 ``ImportError``.
 
 Per block of keys against a range of a unit's rows: the scores by BLAS, their
-``exp2`` and row sums (``_compiled_exp.exp2_row_sum``), the weights times the values by
+``exp2`` and row sums (``_compiled_exp.exp2_row_sums``), the weights times the values by
 BLAS, added into the unit's accumulator by the product itself (``beta = 1``). BLAS is
 NumPy's own library, called by address (``_cblas``).
 
@@ -36,7 +36,7 @@ from . import _cblas
 
 # Numba's cache checks this file's own date only: a change to the exponential reaches
 # the cached loops once this file changes too (or its cache is cleared).
-from ._compiled_exp import LOOP_OPTIONS, constants, exp2_row_sum
+from ._compiled_exp import LOOP_OPTIONS, constants, exp2_row_sums
 
 __all__ = ["DTYPES", "CompiledBlocks", "compiled_blocks"]
 
@@ -97,9 +97,7 @@ def _compile_accumulate(dtype: Any) -> Any:
                   q.ctypes.data + r0 * ldq * size, ldq,
                   k.ctypes.data + k0 * ldk * size, ldk, zero, span.ctypes.data, stride)
             writes = first_writes and i == 0
-            for j in range(rows):
-                total = exp2_row_sum(span[j * stride:j * stride + keys], c)
-                sums[r0 + j] = total if writes else sums[r0 + j] + total
+            exp2_row_sums(span, stride, keys, sums[r0:r1], writes, c)
             _gemm(gemm, _NO_TRANS, _NO_TRANS, rows, dv, keys, one, span.ctypes.data, stride,
                   v.ctypes.data + k0 * ldv * size, ldv, zero if writes else one,
                   acc.ctypes.data + r0 * ldacc * size, ldacc)

@@ -1,11 +1,11 @@
 """The compiled exp2 and exp: within an ulp over the normal range, exact ends, in place;
-over a padded tile's rows with their column sums; over one row with its sum."""
+over a padded tile's rows with their column sums, or with each row's sum."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -14,7 +14,7 @@ pytest.importorskip("numba", reason="the compiled exponentials need Numba (porta
 from portattn_numpy._compiled_exp import (
     constants,
     exp2_in_place,
-    exp2_row_sum,
+    exp2_row_sums,
     exp2_rows,
     exp_in_place,
     exp_rows,
@@ -184,13 +184,16 @@ def test_rows_without_a_place_for_sums_only_exponentiate(function):
 
 
 def _row_sum(row):
-    return exp2_row_sum(row, constants(row.dtype, base_e=False))
+    total = np.zeros(1, row.dtype)
+    exp2_row_sums(row, len(row), len(row), total, True, constants(row.dtype, base_e=False))
+    return total[0]
 
 
 @given(st.sampled_from(DTYPES).flatmap(lambda dtype: hnp.arrays(
     dtype, st.integers(0, 80), elements=st.floats(-1100, 1100, width=np.finfo(dtype).bits)
     | st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 0.5, -0.5, 126.5, -126.5]))))
 @example(np.array([1023.5, 1023.5]))  # finite weights whose sum overflows
+@settings(deadline=None)  # the first call of each dtype compiles the loop
 def test_a_row_gets_the_in_place_bits_and_their_sum(row):
     """The loop whose sum may be reassociated keeps exp2's own rounding: the same bits
     as the in-place loop for every input, and the sum of those."""
@@ -215,3 +218,22 @@ def test_a_row_of_halves_rounds_like_the_in_place_loop(dtype):
     exp2_in_place(expected)
     _row_sum(row)
     np.testing.assert_array_equal(row, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("first", [True, False])
+def test_rows_of_a_tile_get_their_sums_and_leave_the_padding(dtype, first):
+    """Three rows of five keys, eight entries apart: each row's ``exp2`` and its sum,
+    written or added to what ``sums`` holds; the padding between rows stays."""
+    span = np.linspace(-4, 4, 24, dtype=dtype)
+    table = span.reshape(3, 8)
+    weights = np.ascontiguousarray(table[:, :5])  # the compiled loop's (NumPy's for views)
+    exp2_in_place(weights)
+    expected = table.copy()  # its padding is the original's
+    expected[:, :5] = weights
+    sums = np.full(4, 10, dtype)
+    exp2_row_sums(span, 8, 5, sums[1:], first, constants(dtype, base_e=False))
+    np.testing.assert_array_equal(table, expected)
+    np.testing.assert_allclose(sums[1:], weights.sum(axis=1) + (0 if first else 10),
+                               rtol=8 * np.finfo(dtype).eps)
+    assert sums[0] == 10

@@ -126,9 +126,15 @@ def summary(machine: dict[str, Any]) -> str:
         parts.append(f"{machine['memory_bytes'] / 2**30:.0f} GiB RAM")
     blas = [b for b in machine["blas"] if b.get("user_api") == "blas"]
     if blas:
-        parts.append("BLAS " + ", ".join(
-            f"{b.get('internal_api')} {b.get('version') or ''}".strip() for b in blas))
+        parts.append("BLAS " + ", ".join(_library(b) for b in blas))
     if machine.get("gpu"):
         parts.append(f"GPU {machine['gpu']}")
     parts.append(f"Python {machine['python']}")
     return "; ".join(parts)
+
+
+def _library(blas: dict[str, Any]) -> str:
+    """``openblas 0.3.31 (Haswell)``: the kernels too, since they set the sgemm rate
+    (OpenBLAS picks them as it loads, and ``OPENBLAS_CORETYPE`` forces them)."""
+    name = f"{blas.get('internal_api')} {blas.get('version') or ''}".strip()
+    return f"{name} ({blas['architecture']})" if blas.get("architecture") else name

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from portattn_bench import main
 from portattn_bench.cases import Shape, SweepConfig, attention_flops, causal_pairs, flops
+from portattn_bench.machine import summary
 from portattn_bench.report import SCHEMA
 from portattn_bench.runners import side
 
@@ -208,3 +209,12 @@ def test_backend_of_another_device() -> None:
 
     with pytest.raises(ValueError, match=r"'torch' for device=cuda; known: cupy, torch_cuda"):
         get("torch", "cuda")
+
+
+def test_summary_names_the_blas_kernels() -> None:
+    machine = {"cpu": "x86", "cpus_usable": 2, "python": "3.11", "blas": [
+        {"user_api": "blas", "internal_api": "openblas", "version": "0.3.31",
+         "architecture": "Haswell"},
+        {"user_api": "blas", "internal_api": "mkl", "version": "2025"},
+        {"user_api": "openmp", "internal_api": "openmp"}]}
+    assert "BLAS openblas 0.3.31 (Haswell), mkl 2025;" in summary(machine)
