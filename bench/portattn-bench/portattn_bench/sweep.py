@@ -160,7 +160,8 @@ def _one(config: SweepConfig, case: Case, history: History, inputs: Inputs) -> d
         call = case.runner.prepare(case.backend, q, k, v, case.causal)
         m = measure(call, case.backend.wait, repeat=config.repeat, warmup=config.warmup,
                     budget=config.budget, max_time=config.max_time,
-                    memory=case.backend.memory)
+                    memory=case.backend.memory,
+                    first_of_series=case.series not in history.points)
     except Exception as e:
         history.fail(case)
         release()

@@ -7,12 +7,14 @@ import io
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from portattn_bench import main
 from portattn_bench.cases import Shape, SweepConfig, attention_flops, causal_pairs, flops
 from portattn_bench.machine import summary
+from portattn_bench.measure import measure
 from portattn_bench.report import SCHEMA
 from portattn_bench.runners import side
 
@@ -218,3 +220,40 @@ def test_summary_names_the_blas_kernels() -> None:
         {"user_api": "blas", "internal_api": "mkl", "version": "2025"},
         {"user_api": "openmp", "internal_api": "openmp"}]}
     assert "BLAS openblas 0.3.31 (Haswell), mkl 2025;" in summary(machine)
+
+
+def _compiling_call(first: float):
+    """A call that takes ``first`` seconds once (say, compiling), then no time."""
+    calls = []
+
+    def call():
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(first)
+
+    return call, calls
+
+
+@pytest.mark.parametrize("first_of_series", [True, False])
+def test_a_slow_first_call_is_retried_only_at_the_start_of_a_series(first_of_series):
+    call, calls = _compiling_call(0.05)
+    m = measure(call, lambda result: result, repeat=3, warmup=1, budget=10.0, max_time=0.02,
+                memory=None, first_of_series=first_of_series)
+    if first_of_series:  # the second warm-up was quick: three timed calls follow
+        assert len(calls) == 5
+        assert len(m.times) == 3
+        assert max(m.times) < 0.05  # not the slow one
+    else:  # a case predicted from smaller sizes: one slow call is its only sample
+        assert len(calls) == 1
+        assert len(m.times) == 1
+        assert m.times[0] >= 0.05
+
+
+def test_a_first_case_slow_twice_is_one_sample():
+    calls = []
+    m = measure(lambda: (calls.append(None), time.sleep(0.03)), lambda result: result,
+                repeat=3, warmup=1, budget=10.0, max_time=0.02, memory=None,
+                first_of_series=True)
+    assert len(calls) == 2  # retried once, not again
+    assert len(m.times) == 1
+    assert m.times[0] >= 0.03
