@@ -110,7 +110,7 @@ LOOP_OPTIONS: dict[str, Any] = {"nogil": True, "boundscheck": False,
 
 @numba.njit(inline="always")
 def _rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
-                c: Any) -> None:  # pragma: no cover - compiled
+             c: Any) -> None:  # pragma: no cover - compiled
     """``exp`` or ``exp2`` (``c``: their ``_Constants``) in place of the ``keys x
     rows`` entries of 1-D contiguous ``span`` whose rows start ``stride`` entries apart
     (what lies between is left alone), with each column's sum written to ``sums``
