@@ -438,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ({time.perf_counter() - started:.0f}s; {report.count('FAIL', name)} "
                   f"failed, {report.count('ok', name)} ok, {report.count('skip', name)} "
                   "skipped)")
+            if args.json is not None:  # a run cut short still leaves what it found
+                report.write(args.json)
     if args.json is not None:
         report.write(args.json)
         print(f"gpu_check: figures in {args.json}")

@@ -63,7 +63,10 @@ _device_kinds: dict[tuple[type, Any], str] = {}
 def device_kind(dev: Any) -> str:
     """Normalised device kind: ``cpu``, ``cuda``, ..."""
     key = (type(dev), dev)
-    kind = _device_kinds.get(key)
+    try:
+        kind = _device_kinds.get(key)
+    except TypeError:  # unhashable: CuPy's Device defines == but no hash
+        return _device_kind(dev)
     if kind is None:
         kind = _device_kinds[key] = _device_kind(dev)
     return kind

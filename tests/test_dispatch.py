@@ -211,3 +211,19 @@ def test_attention_and_explain_take_one_path(options):
 def test_explain_of_an_unknown_kernel_says_so(only_builtins):
     with pytest.raises(UnknownKernelError, match="unknown kernel 'nope'"):
         portattn.explain(Q, K, V, kernel="nope")
+
+
+def test_an_unhashable_device_is_still_named():
+    """CuPy's Device defines == but no hash: its kind is read all the same."""
+    from portattn._inputs import device_kind
+
+    class Device:
+        __hash__ = None
+
+        def __eq__(self, other):
+            return isinstance(other, Device)
+
+        def __str__(self):
+            return "<CUDA Device 0>"
+
+    assert device_kind(Device()) == "cuda"

@@ -176,13 +176,23 @@ def _dense_mask(inputs: AttentionInputs) -> SDPAMask:
             return SDPAMask(attn_mask=torch.ones((lq, lk), dtype=torch.bool,
                                                  device=inputs.device_obj))
         keep = allowed.any(dim=-1, keepdim=True)
-        return SDPAMask(attn_mask=allowed | ~keep, keep=keep)
+        return SDPAMask(attn_mask=_along_keys(allowed | ~keep, inputs), keep=keep)
     # Masked pairs become -inf in the float mask.
     bias = inputs.bias.to(_mask_dtype(inputs))
     if allowed is not None:
         bias = torch.where(allowed, bias, -math.inf)
     keep = (bias != -math.inf).any(dim=-1, keepdim=True)
-    return SDPAMask(attn_mask=torch.where(keep, bias, 0.0), keep=keep)
+    return SDPAMask(attn_mask=_along_keys(torch.where(keep, bias, 0.0), inputs), keep=keep)
+
+
+def _along_keys(mask: Any, inputs: AttentionInputs) -> Any:
+    """``mask`` with its key dim written out off the CPU: torch's CUDA efficient kernel
+    reads it with stride 1 and refuses one broadcast along the keys (a query-only mask,
+    a bias of shape ``(..., Lq, 1)``); elsewhere it stays broadcast."""
+    lk = inputs.kv_len
+    if inputs.device == "cpu" or (mask.shape[-1] == lk and mask.stride(-1) == 1):
+        return mask
+    return mask.expand(*mask.shape[:-1], lk).contiguous()
 
 
 def as_4d(x: Any, batch_shape: tuple[int, ...]) -> Any:

@@ -153,6 +153,24 @@ def test_lower_right_bias_keeps_bottom_right_semantics():
     assert_close(sdpa_attention(inputs), want, "float64")
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("kind", ["query_lengths", "bias"])
+def test_a_mask_broadcast_along_the_keys_is_written_out_off_the_cpu(kind, device):
+    # torch's CUDA efficient kernel refuses a mask whose key dim is broadcast.
+    q, k, v = _qkv(5, 7)
+    options = ({"mask": masks.query_lengths(torch.tensor([5, 2]))} if kind == "query_lengths"
+               else {"bias": torch.randn(2, 1, 5, 1, dtype=torch.float64)})
+    inputs = describe(q, k, v, **options)._replace(device=device)
+    mask = sdpa_mask(inputs).attn_mask
+    if device == "cpu":
+        assert mask.shape[-1] == 1  # broadcast, not expanded
+    else:
+        assert mask.shape[-1] == 7
+        assert mask.stride(-1) == 1
+    want, _ = _reference(q, k, v, **options)
+    assert_close(sdpa_attention(inputs), want, "float64")
+
+
 def test_grouped_query_passes_kv_uncopied(sdpa_calls):
     q, k, v = _qkv(hq=6, hkv=2)
     call = _run(sdpa_calls, q, k, v, mask=masks.causal("top_left"))
