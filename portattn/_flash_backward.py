@@ -9,9 +9,10 @@ instead of the O(Lq * Lk) that recording every tile would keep. Per tile, with
     dQ += dS K          dK += dS^T Q       dBias += dS
 
 (``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) A softcap
-multiplies ``dS`` by ``1 - tanh^2`` before it reaches Q and K. Tiles the mask hides
-are skipped exactly as in the forward; fully masked rows (lse ``-inf``) get ``P = 0``
-and so gradient 0. Grouped-query heads are summed into their K/V head per tile.
+multiplies ``dS`` by ``1 - tanh^2`` before it reaches Q and K. The tiles the forward
+visited are visited again (the same block form); fully masked rows (lse ``-inf``) get
+``P = 0`` and so gradient 0. Grouped-query heads are summed into their K/V head per
+tile.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     dk = _zeros(inputs, inputs.key)
     dv = _zeros(inputs, inputs.value)
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
-    for q0 in range(0, inputs.q_len, block_q):
-        q1 = min(inputs.q_len, q0 + block_q)
+    blocks = inputs.blocks(block_q, block_k)
+    for a in range(blocks.num_q_blocks):
+        q0, q1 = blocks.q_range(a)
         q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
         do = cast(xp, dout[..., q0:q1, :], ct)
         d = xp.sum(do * cast(xp, out[..., q0:q1, :], ct), axis=-1, keepdims=True)
@@ -76,16 +78,11 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
             d = d - cast(xp, dlse[..., q0:q1, None], ct)
         do, d = group_queries(xp, do, hkv), group_queries(xp, d, hkv)
         m = group_queries(xp, lse[..., q0:q1, None], hkv)
-        lo, hi = (0, inputs.kv_len) if inputs.mask is None else inputs.mask.key_range(
-            q0, q1, inputs.q_len, inputs.kv_len)
         dq_block = None
-        # Key blocks on a fixed grid, so each one's dK/dV accumulates across query blocks.
-        for k0 in range(lo - lo % block_k, hi, block_k):
-            k1 = min(inputs.kv_len, k0 + block_k)
-            if inputs.mask is not None and inputs.mask.hides(q0, q1, k0, k1, inputs.q_len,
-                                                             inputs.kv_len):
-                continue  # skipped by the forward too (e.g. another document)
-            s, t = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, keep_tanh=True)
+        for b, full in blocks.kv_blocks(a):  # the tiles the forward visited
+            k0, k1 = blocks.kv_range(b)
+            s, t = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, masked=not full,
+                          keep_tanh=True)
             p = xp.exp(s - m)
             dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(p), do), axis=-3)
             ds = p * (xp.matmul(do, xp.matrix_transpose(v[..., k0:k1, :])) - d)

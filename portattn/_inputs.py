@@ -15,10 +15,10 @@ from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
 from . import masks as _masks
-from ._mask_values import values_readable
+from .masks import values_readable
 
 if TYPE_CHECKING:
-    from .masks import Mask
+    from .masks import BlockMask, Mask
 
 __all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespace_name",
            "needs_grad"]
@@ -144,6 +144,12 @@ class AttentionInputs(NamedTuple):
         accelerator each read would stall the caller's stream (a host sync per call)."""
         return self.device == "cpu" and values_readable(self.query)
 
+    def blocks(self, block_q: int, block_k: int) -> BlockMask:
+        """The mask's block form on a grid of ``block_q x block_k`` tiles (every tile
+        full without a mask), built once per call and grid: which tiles a kernel skips,
+        which it computes without a mask and which with ``mask.tile``."""
+        return _masks.block_mask(self.mask, self.q_len, self.kv_len, block_q, block_k)
+
     def block(self) -> str:
         """The inputs block used in errors and logs."""
         dev = self.device if self.device_obj is None or self.device == "cpu" else self.device_obj
@@ -184,7 +190,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
                 raise TypeError(msg)
         for a in mask.arrays:
             _check_same_library(xp, dev, a, f"mask {mask!r}")
-        mask = mask.bind(xp, batch, hq, lq, lk)
+        mask = mask.bind(xp, batch, hq, lq, lk, dev)
     if bias is not None:
         _check_same_library(xp, dev, bias, "bias")
         if not xp.isdtype(bias.dtype, "real floating"):

@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._mask_values import values_readable
 from .kernel import ANY, Kernel
-from .masks import KINDS, slice_tile
+from .masks import KINDS, slice_tile, values_readable
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -63,13 +62,14 @@ def group_tile(xp: Any, tile: Any, num_kv_heads: int) -> Any:
 
 
 def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int,
-           *, keep_tanh: bool = False) -> Any:
+           *, masked: bool = True, keep_tanh: bool = False) -> Any:
     """Scaled, soft-capped, biased and masked scores of one tile (grouped layout).
 
-    Masked entries are ``-inf``. ``q`` and ``k`` are grouped, in the compute dtype, and
-    ``q`` is already multiplied by the scale (cheaper than scaling the scores). With
-    ``keep_tanh`` the result is ``(scores, tanh)``: the backward's softcap derivative
-    needs ``tanh`` of the capped entries (None without a softcap).
+    Masked entries are ``-inf``; ``masked=False`` for a tile the block form says is
+    full. ``q`` and ``k`` are grouped, in the compute dtype, and ``q`` is already
+    multiplied by the scale (cheaper than scaling the scores). With ``keep_tanh`` the
+    result is ``(scores, tanh)``: the backward's softcap derivative needs ``tanh`` of
+    the capped entries (None without a softcap).
     """
     xp = inputs.xp
     s = xp.matmul(q, xp.matrix_transpose(k))
@@ -81,19 +81,19 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
         b = slice_tile(inputs.bias, q0, q1, k0, k1)
         s = s + group_tile(xp, cast(xp, b, s.dtype), inputs.num_kv_heads)
     mask = inputs.mask
-    if mask is not None and not mask.covers(q0, q1, k0, k1, inputs.q_len, inputs.kv_len):
+    if mask is not None and masked:
         allowed = mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, inputs.device_obj)
         s = xp.where(group_tile(xp, allowed, inputs.num_kv_heads), s, -math.inf)
     return (s, t) if keep_tanh else s
 
 
 def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: Any,
-                    q0: int, q1: int, k0: int, k1: int) -> Any:
+                    q0: int, q1: int, k0: int, k1: int, masked: bool = True) -> Any:
     """:func:`scores` of queries and keys split by :func:`split_nonfinite`, with NaN put
     back where a row that held a non-finite entry meets such a key unmasked: the same
     scores, but autograd's ``dS @ K`` and ``dS^T @ Q`` never see ``0 * NaN`` from a
     hidden key or a padded query."""
-    s = scores(inputs, q, k, q0, q1, k0, k1)
+    s = scores(inputs, q, k, q0, q1, k0, k1, masked=masked)
     if bad_q is None and bad_k is None:
         return s
     xp = inputs.xp

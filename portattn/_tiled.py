@@ -2,9 +2,9 @@
 
 Queries are processed in blocks; for each block the keys are visited in blocks with an
 online softmax (running max ``m``, running denominator ``l``, rescaled accumulator), so
-memory is O(L * block) rather than O(L^2). The structured mask tells which key blocks
-a query block can reach at all (causal: about half), which tiles inside that range it
-hides (packed documents) and which tiles need no mask.
+memory is O(L * block) rather than O(L^2). The mask's block form tells which tiles a
+query block visits (causal: about half, packed documents: those inside a document)
+and which of them need no mask.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ._wiring import attach_for
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
+    from .masks import BlockMask
 
 #: Score-tile budget in elements across all batch and head rows: large tiles amortise
 #: per-call overhead, small ones stay in cache.
@@ -79,13 +80,14 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
         query, bad_query = split_nonfinite(xp, query)
         k, bad_k = split_nonfinite(xp, k)
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
+    blocks = inputs.blocks(block_q, block_k)
     outs, lses = [], []
-    for q0 in range(0, inputs.q_len, block_q):
-        q1 = min(inputs.q_len, q0 + block_q)
+    for a in range(blocks.num_q_blocks):
+        q0, q1 = blocks.q_range(a)
         q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
         bad_q = None if bad_query is None else group_queries(
             xp, cast(xp, bad_query[..., q0:q1, :], ct), hkv)
-        out, lse = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, q0, q1, block_k)
+        out, lse = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, blocks, a)
         outs.append(out)
         lses.append(lse)
     out = ungroup(xp, xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0])
@@ -94,21 +96,18 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
 
 
 def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[Any, Any],
-                 v: Any, bad: Any, q0: int, q1: int, block_k: int) -> tuple[Any, Any]:
-    """One query block against its key tiles; ``queries`` and ``keys`` are
+                 v: Any, bad: Any, blocks: BlockMask, a: int) -> tuple[Any, Any]:
+    """Query block ``a`` against the key tiles it visits; ``queries`` and ``keys`` are
     ``(values, rows that held a non-finite entry or None)``."""
     xp = inputs.xp
     (q, bad_q), (k, bad_k) = queries, keys
-    lo, hi = (0, inputs.kv_len) if inputs.mask is None else inputs.mask.key_range(
-        q0, q1, inputs.q_len, inputs.kv_len)
+    q0, q1 = blocks.q_range(a)
     acc = denom = m = m_safe = None
-    for k0 in range(lo, hi, block_k):
-        k1 = min(hi, k0 + block_k)
-        if inputs.mask is not None and inputs.mask.hides(q0, q1, k0, k1, inputs.q_len,
-                                                         inputs.kv_len):
-            continue  # e.g. a key block of another document
+    for b, full in blocks.kv_blocks(a):
+        k0, k1 = blocks.kv_range(b)
         s = scores_of_clean(inputs, q, bad_q, k[..., k0:k1, :],
-                            None if bad_k is None else bad_k[..., k0:k1, :], q0, q1, k0, k1)
+                            None if bad_k is None else bad_k[..., k0:k1, :], q0, q1, k0, k1,
+                            masked=not full)
         m_tile = xp.max(s, axis=-1, keepdims=True)
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
         m_safe = finite_or_zero(xp, m_new)

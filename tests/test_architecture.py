@@ -19,6 +19,8 @@ def _contracts() -> dict[str, dict]:
 def test_every_private_core_module_is_closed_to_plugins():
     private = {f"portattn.{p.stem}" for p in (ROOT / "portattn").glob("_*.py")
                if not p.stem.startswith("__")}
+    private |= {f"portattn.masks.{p.stem}" for p in (ROOT / "portattn" / "masks").glob("_*.py")
+                if not p.stem.startswith("__")}
     contract = next(c for name, c in _contracts().items() if name.startswith("Plugins"))
     assert private == set(contract["forbidden_modules"])
 

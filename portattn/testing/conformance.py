@@ -84,38 +84,72 @@ class Case:
         import numpy as np
 
         rng = np.random.default_rng(self.seed + 1)  # same draws for backend and oracle
-        parts = []
-        for kind, *args in self.mask:
-            if kind == "causal":
-                parts.append(masks.causal(*args))
-            elif kind == "sliding_window":
-                parts.append(masks.sliding_window(*args))
-            elif kind in ("key_lengths", "query_lengths"):
-                lengths = np.asarray(args[0], dtype=np.int64).reshape(self.batch)
-                parts.append(getattr(masks, kind)(convert(lengths)))
-            elif kind == "dense":
-                allowed = rng.random((*self.batch, self.hq, self.lq, self.lk)) < args[0]
-                parts.append(masks.dense(convert(allowed)))
-            elif kind in ("key_ranges", "query_ranges"):
-                start, stop = (convert(self._per_batch(a)) for a in args)
-                parts.append(getattr(masks, kind)(start, stop))
-            elif kind == "sequence_window":
-                left, right, q_lengths, k_lengths = args
-                parts.append(masks.sequence_window(
-                    left, right, query_lengths=convert(self._per_batch(q_lengths)),
-                    key_lengths=convert(self._per_batch(k_lengths))))
-            elif kind == "documents":
-                ids = np.asarray(args[0], dtype=np.int64).reshape(*self.batch, self.lq)
-                parts.append(masks.documents(convert(ids)))
-        mask = parts[0]
-        for part in parts[1:]:
-            mask = mask & part
+        mask = None
+        for spec in self.mask:
+            part = self._part(spec, convert, rng)
+            mask = part if mask is None else mask & part
         return mask
+
+    def _part(self, spec: tuple[Any, ...], convert: Any, rng: Any) -> masks.Mask:
+        import numpy as np
+
+        kind, *args = spec
+        if kind in ("causal", "sliding_window", "sink_tokens", "chunks"):
+            return getattr(masks, kind)(*args)
+        if kind in ("key_lengths", "query_lengths", "prefix"):
+            lengths = np.asarray(args[0], dtype=np.int64).reshape(self.batch)
+            return getattr(masks, kind)(convert(lengths))
+        if kind == "dense":
+            allowed = rng.random((*self.batch, self.hq, self.lq, self.lk)) < args[0]
+            return masks.dense(convert(allowed))
+        if kind in ("key_ranges", "query_ranges"):
+            start, stop = (convert(self._per_batch(a)) for a in args)
+            return getattr(masks, kind)(start, stop)
+        if kind == "sequence_window":
+            left, right, q_lengths, k_lengths = args
+            return masks.sequence_window(
+                left, right, query_lengths=convert(self._per_batch(q_lengths)),
+                key_lengths=convert(self._per_batch(k_lengths)))
+        if kind == "documents":
+            ids = np.asarray(args[0], dtype=np.int64).reshape(*self.batch, self.lq)
+            return masks.documents(convert(ids))
+        if kind == "global_tokens":
+            positions = np.asarray(args[0], dtype=np.int64)
+            return masks.global_tokens(convert(positions.reshape(*self.batch, -1)
+                                               if positions.ndim > 1 else positions))
+        if kind == "block_layout":
+            density, block = args
+            rows = cols = -(-self.lk // block)
+            layout = rng.random((self.hq, rows, cols)) < density
+            return masks.block_layout(convert(layout), block)
+        if kind == "function":
+            return masks.function(MASK_FUNCTIONS[args[0]])
+        if kind == "union":
+            union = None
+            for member in args:
+                part = self._part(member, convert, rng)
+                union = part if union is None else union | part
+            return union
+        msg = f"unknown mask kind in a conformance case: {kind!r}"
+        raise ValueError(msg)
 
     def _per_batch(self, values: tuple[int, ...]) -> Any:
         import numpy as np
 
         return np.asarray(values, dtype=np.int64).reshape(self.batch)
+
+
+def _chunked_causal(b: Any, h: Any, q: Any, k: Any) -> Any:
+    return (q >= k) & (q // 8 == k // 8)
+
+
+def _per_batch_and_head(b: Any, h: Any, q: Any, k: Any) -> Any:
+    return ((q - k) % (h + 2) == 0) | (k < 3 + 4 * b)
+
+
+#: Mask functions of the conformance cases: written with operators only, so the same
+#: function runs on every library.
+MASK_FUNCTIONS = {"chunked_causal": _chunked_causal, "per_batch_and_head": _per_batch_and_head}
 
 
 def _lengths(n: int, values: tuple[int, ...]) -> tuple[int, ...]:
@@ -178,11 +212,18 @@ def _mask_cases(k: type[Kernel], base: Case) -> list[Case]:
     declared = k.masks
     cases = []
 
+    def kinds_of(parts: tuple[tuple[Any, ...], ...]) -> set[str]:
+        kinds = set()
+        for kind, *args in parts:
+            kinds.add(kind)
+            if kind == "sequence_window":  # it comes with the lengths it is aligned to
+                kinds |= {"query_lengths", "key_lengths"}
+            if kind == "union":
+                kinds |= kinds_of(tuple(args))
+        return kinds
+
     def add(name: str, *parts: tuple[Any, ...], **changes: Any) -> None:
-        kinds = {p[0] for p in parts}
-        if "sequence_window" in kinds:  # it comes with the lengths it is aligned to
-            kinds |= {"query_lengths", "key_lengths"}
-        if kinds <= declared:
+        if kinds_of(parts) <= declared:
             cases.append(replace(base, name=name, mask=parts, **changes))
 
     br, tl = ("causal", "bottom_right"), ("causal", "top_left")
@@ -215,6 +256,22 @@ def _mask_cases(k: type[Kernel], base: Case) -> list[Case]:
     add("documents", ("documents", [0] * 10 + [1] * 15 + [2] * 8 + [0] * 20 + [1] * 10
                       + [-1] * 3))
     add("documents_causal", tl, ("documents", [0] * 16 + [1] * 17 + [5] * 33))
+    # The sparse patterns of long-context models (with the block form, a kernel that
+    # takes one takes them all).
+    add("prefix_lm", ("union", br, ("prefix", _lengths(2, (12, 0)))))
+    add("sink_tokens_and_window", br, ("union", ("sliding_window", 4, 0), ("sink_tokens", 3)))
+    add("global_tokens_and_window", ("union", ("sliding_window", 3, 3),
+                                     ("global_tokens", (0, 17, -1))))
+    add("global_tokens_per_batch", ("global_tokens", (5, -1, 30, 2)))
+    add("global_tokens_cross", ("union", br, ("global_tokens", (39,))), lq=9, lk=40)
+    add("chunks_causal", br, ("chunks", 8))
+    add("chunks_cross", ("chunks", 16), lq=10, lk=40)
+    add("block_layout", ("block_layout", 0.4, 8))
+    add("block_layout_cross_causal", br, ("block_layout", 0.5, 16), lq=20, lk=40)
+    add("function", ("function", "chunked_causal"))
+    add("function_per_batch_and_head", ("function", "per_batch_and_head"), lq=20, lk=37)
+    add("union_of_documents_and_sinks", ("union", ("documents", [0] * 10 + [1] * 23 + [2] * 33),
+                                         ("sink_tokens", 2)))
     if not k.finite_inputs_only:  # dispatch checks the answers of the others
         add("nan_past_key_lengths", ("key_lengths", (20, 20)), nan_keys_from=20)
         add("nan_keys_no_query_sees", tl, lq=9, lk=40, nan_keys_from=9)

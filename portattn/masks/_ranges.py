@@ -8,9 +8,10 @@
   different lengths needs exactly this).
 
 Their tiles depend on array values. When a mask is bound to a call whose arrays can
-be read (see :mod:`portattn._host_values`) it keeps their extremes as a ``summary``,
-from which :meth:`key_range`, :meth:`hides` and :meth:`covers` tell the kernels which
-tiles to skip; without one (traced or lazy arrays) every tile is visited.
+be read it keeps their host copies, from which :meth:`block_states` (and
+:meth:`key_range`, :meth:`hides`, :meth:`covers`, through their extremes) tell the
+kernels which tiles to skip; without them (traced or lazy arrays) every tile is
+visited.
 """
 
 from __future__ import annotations
@@ -18,42 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._host_values import host_copy
-from ._mask_values import dtype_text, signed, values_readable
-from .masks import Band, Mask, _replaced
+from ._base import Band, Mask, band_states, column, replaced, tile_states
+from ._values import check_array, check_bounds, check_integer_array, host_copy
 
-__all__ = ["KeyRanges", "QueryRanges", "SequenceWindow", "check_integer_array"]
-
-
-def check_integer_array(xp: Any, a: Any, name: str, shape: tuple[int, ...]) -> Any:
-    """``a`` checked to be integral with ``shape``; returned in a signed dtype."""
-    if not xp.isdtype(a.dtype, "integral"):
-        msg = f"{name} must have an integer dtype; got {name}.dtype={dtype_text(a.dtype)}"
-        raise TypeError(msg)
-    if tuple(a.shape) != tuple(shape):
-        msg = f"{name} must have shape {tuple(shape)}; got {name}.shape={tuple(a.shape)}"
-        raise ValueError(msg)
-    return signed(xp, a)
-
-
-def check_bounds(xp: Any, a: Any, limit: int, name: str, limit_name: str) -> None:
-    """Values of ``a`` must lie in ``[0, limit]``, checked wherever they can be read."""
-    if 0 in tuple(a.shape) or not values_readable(a):
-        return
-    try:
-        bad = bool(xp.any(xp.logical_or(a < 0, a > limit)))
-    except Exception:  # values that exist only while tracing
-        return
-    if bad:
-        low, high = int(xp.min(a)), int(xp.max(a))
-        msg = (f"{name} must lie in [0, {limit_name}={limit}]; "
-               f"got {name} with min={low}, max={high}")
-        raise ValueError(msg)
-
-
-def _column(xp: Any, a: Any) -> Any:
-    """``(*batch) -> (*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
-    return xp.reshape(a, (*a.shape, 1, 1, 1))
+__all__ = ["KeyRanges", "QueryRanges", "SequenceWindow"]
 
 
 class _Ranges(Mask):
@@ -61,16 +30,21 @@ class _Ranges(Mask):
 
     start: Any
     stop: Any
-    summary: tuple[int, int, int, int] | None
-    """``(min start, max start, min stop, max stop)``, when the values were read."""
+    host: tuple[Any, Any] | None
+    """``(start, stop)`` on the host, when the values were read."""
 
     def __post_init__(self) -> None:
         for name in ("start", "stop"):
-            a = getattr(self, name)
-            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-                msg = (f"{self.kind} expects integer arrays with the batch shape; got "
-                       f"{name} of type {type(a).__name__}")
-                raise TypeError(msg)
+            check_array(getattr(self, name), self.kind, "integer arrays with the batch shape",
+                        name)
+
+    @property
+    def summary(self) -> tuple[int, int, int, int] | None:
+        """``(min start, max start, min stop, max stop)``, when the values were read."""
+        if self.host is None or self.host[0].size == 0:
+            return None
+        start, stop = self.host
+        return int(start.min()), int(start.max()), int(stop.min()), int(stop.max())
 
     @property
     def _limit_name(self) -> str:
@@ -82,16 +56,18 @@ class _Ranges(Mask):
 
     def with_arrays(self, arrays):
         start, stop = arrays
-        # other arrays may hold other values: the summary of these ones is dropped
-        return _replaced(self, start=start, stop=stop, summary=None)
+        # other arrays may hold other values: the copies of these ones are dropped
+        return replaced(self, start=start, stop=stop, host=None)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk):
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
         limit = lk if self.kind == "key_ranges" else lq
         start = check_integer_array(xp, self.start, f"{self.kind} start", batch_shape)
         stop = check_integer_array(xp, self.stop, f"{self.kind} stop", batch_shape)
         for name, a in (("start", start), ("stop", stop)):
             check_bounds(xp, a, limit, f"{self.kind} {name}", self._limit_name)
-        return _replaced(self, start=start, stop=stop, summary=_summary(start, stop))
+        host = host_copy(start), host_copy(stop)
+        known = not any(h is None for h in host)
+        return replaced(self, start=start, stop=stop, host=host if known else None)
 
     def _span(self, lo: int, hi: int) -> tuple[int, int]:
         """The part of ``[lo, hi)`` that some batch element keeps."""
@@ -112,26 +88,25 @@ class _Ranges(Mask):
 
     def _inside(self, xp: Any, lo: int, hi: int, device: Any) -> Any:
         index = xp.arange(lo, hi, device=device)
-        start, stop = _column(xp, self.start), _column(xp, self.stop)
+        start, stop = column(xp, self.start), column(xp, self.stop)
         return xp.logical_and(start <= index, index < stop)
 
     def _restricted(self, xp: Any, lo: int, hi: int) -> Mask:
         def cut(a):  # asarray: NumPy's clip turns a 0-d array into a scalar
             return xp.asarray(xp.clip(a - lo, 0, hi - lo))
 
-        summary = None if self.summary is None else tuple(
-            min(max(v - lo, 0), hi - lo) for v in self.summary)
-        return _replaced(self, start=cut(self.start), stop=cut(self.stop), summary=summary)
+        host = None if self.host is None else tuple((a - lo).clip(0, hi - lo) for a in self.host)
+        return replaced(self, start=cut(self.start), stop=cut(self.stop), host=host)
+
+    def _states(self, first: Any, last: Any) -> Any:
+        """States of blocks ``[first, last]`` along the ranged axis, per batch element."""
+        if self.host is None:
+            return None
+        start, stop = (a.reshape(*a.shape, 1, 1, 1) for a in self.host)
+        return tile_states((last < start) | (first >= stop), (first >= start) & (last < stop))
 
     def __repr__(self) -> str:
         return f"{self.kind}(shape={tuple(self.start.shape)})"
-
-
-def _summary(start: Any, stop: Any) -> tuple[int, int, int, int] | None:
-    start_h, stop_h = host_copy(start), host_copy(stop)
-    if start_h is None or stop_h is None or start_h.size == 0:
-        return None
-    return (int(start_h.min()), int(start_h.max()), int(stop_h.min()), int(stop_h.max()))
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -141,10 +116,13 @@ class KeyRanges(_Ranges):
     kind: ClassVar[str] = "key_ranges"
     start: Any
     stop: Any
-    summary: tuple[int, int, int, int] | None = field(default=None, compare=False)
+    host: tuple[Any, Any] | None = field(default=None, compare=False)
 
     def key_range(self, q0, q1, lq, lk):
         return self._span(0, lk)
+
+    def block_states(self, grid):
+        return self._states(grid.k_first[None, :], grid.k_last[None, :])
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         return q0 >= q1 or self._hidden(k0, k1)
@@ -166,10 +144,13 @@ class QueryRanges(_Ranges):
     kind: ClassVar[str] = "query_ranges"
     start: Any
     stop: Any
-    summary: tuple[int, int, int, int] | None = field(default=None, compare=False)
+    host: tuple[Any, Any] | None = field(default=None, compare=False)
 
     def key_range(self, q0, q1, lq, lk):
         return (0, 0) if self._hidden(q0, q1) else (0, lk)
+
+    def block_states(self, grid):
+        return self._states(grid.q_first[:, None], grid.q_last[:, None])
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         return k0 >= k1 or self._hidden(q0, q1)
@@ -198,16 +179,13 @@ class SequenceWindow(Mask):
     left: int | None = None
     right: int | None = 0
     shift: int = 0
-    summary: tuple[int, int] | None = field(default=None, compare=False)
-    """``(min offset, max offset)`` over the batch, when the lengths were read."""
+    host: Any = field(default=None, compare=False)
+    """``key_lengths - query_lengths`` on the host, when the lengths were read."""
 
     def __post_init__(self) -> None:
         for name in ("query_lengths", "key_lengths"):
-            a = getattr(self, name)
-            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-                msg = (f"sequence_window expects integer arrays with the batch shape; "
-                       f"got {name} of type {type(a).__name__}")
-                raise TypeError(msg)
+            check_array(getattr(self, name), "sequence_window",
+                        "integer arrays with the batch shape", name)
         for name in ("left", "right"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -221,24 +199,33 @@ class SequenceWindow(Mask):
 
     def with_arrays(self, arrays):
         query_lengths, key_lengths = arrays
-        return _replaced(self, query_lengths=query_lengths, key_lengths=key_lengths,
-                         summary=None)
+        return replaced(self, query_lengths=query_lengths, key_lengths=key_lengths, host=None)
 
     def structure(self) -> tuple:
         return (self.kind, self.left, self.right, self.shift)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk):
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
         ql = check_integer_array(xp, self.query_lengths, "sequence_window query_lengths",
                                  batch_shape)
         kl = check_integer_array(xp, self.key_lengths, "sequence_window key_lengths",
                                  batch_shape)
         check_bounds(xp, ql, lq, "sequence_window query_lengths", "Lq")
         check_bounds(xp, kl, lk, "sequence_window key_lengths", "Lk")
-        summary = None
-        offsets = host_copy(kl - ql)
-        if offsets is not None and offsets.size:
-            summary = (int(offsets.min()) + self.shift, int(offsets.max()) + self.shift)
-        return _replaced(self, query_lengths=ql, key_lengths=kl, summary=summary)
+        return replaced(self, query_lengths=ql, key_lengths=kl, host=host_copy(kl - ql))
+
+    @property
+    def summary(self) -> tuple[int, int] | None:
+        """``(min offset, max offset)`` over the batch, when the lengths were read."""
+        if self.host is None or self.host.size == 0:
+            return None
+        return int(self.host.min()) + self.shift, int(self.host.max()) + self.shift
+
+    def block_states(self, grid):
+        if self.host is None:
+            return None
+        offset = self.host.reshape(*self.host.shape, 1, 1, 1) + self.shift
+        return band_states(grid, None if self.left is None else offset - self.left,
+                           None if self.right is None else offset + self.right)
 
     def _outer(self) -> Band | None:
         """Every pair some batch element allows lies in this band."""
@@ -268,7 +255,7 @@ class SequenceWindow(Mask):
         rows = xp.arange(q0, q1, device=device)[:, None]
         cols = xp.arange(k0, k1, device=device)[None, :]
         diff = cols - rows
-        offset = _column(xp, self.key_lengths - self.query_lengths) + self.shift
+        offset = column(xp, self.key_lengths - self.query_lengths) + self.shift
         allowed = None
         if self.left is not None:
             allowed = diff >= offset - self.left
@@ -281,9 +268,7 @@ class SequenceWindow(Mask):
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         # local query i' = i - q0 and key j' = j - k0: j - i = j' - i' + k0 - q0
-        moved = q0 - k0
-        summary = None if self.summary is None else tuple(v + moved for v in self.summary)
-        return _replaced(self, shift=self.shift + moved, summary=summary)
+        return replaced(self, shift=self.shift + q0 - k0)
 
     def __repr__(self) -> str:
         shift = f", shift={self.shift}" if self.shift else ""

@@ -6,10 +6,11 @@ attends nothing. Combined with ``causal()`` through ``&`` it is the usual mask f
 training on packed batches.
 
 Skipping the tiles across documents needs the ids' values: when the mask is bound to a
-call whose ids can be read, a :class:`DocumentPlan` keeps, per position, the smallest
-and largest id over the batch. A tile whose key ids all lie outside the range of its
-query ids is hidden, and a tile of one document everywhere needs no mask. Traced or
-lazy ids get no plan: every tile is visited, which stays correct.
+call whose ids can be read, their host copies give each batch element's tiles (a tile
+whose key ids all lie outside the range of its query ids is hidden, a tile of one
+document needs no mask), and a :class:`DocumentPlan` keeps, per position, the smallest
+and largest id over the batch for the single-tile questions. Traced or lazy ids get
+neither: every tile is visited, which stays correct.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._host_values import host_copy
-from ._mask_values import dtype_text, signed
-from .masks import Mask, _replaced
+from ._base import Mask, interval_states, replaced
+from ._values import check_array, dtype_text, host_copy, signed
 
 __all__ = ["DocumentPlan", "Documents", "ids_from_cu_seqlens"]
 
@@ -37,11 +37,9 @@ class DocumentPlan:
     k_pad: Any
 
     @classmethod
-    def of(cls, query_ids: Any, key_ids: Any) -> DocumentPlan | None:
-        q, k = host_copy(query_ids), host_copy(key_ids)
-        if q is None or k is None:
-            return None
-        return cls(*_extremes(q), *_extremes(k))
+    def of(cls, query_ids: Any, key_ids: Any) -> DocumentPlan:
+        """The plan of host copies of the ids."""
+        return cls(*_extremes(query_ids), *_extremes(key_ids))
 
     def _query_span(self, q0: int, q1: int) -> tuple[int, int]:
         return int(self.q_lo[q0:q1].min()), int(self.q_hi[q0:q1].max())
@@ -69,6 +67,17 @@ class DocumentPlan:
                             self.k_lo[ks], self.k_hi[ks], self.k_pad[ks])
 
 
+def _block_ids(reduce: Any, ids: Any) -> tuple[Any, Any, Any]:
+    """Per block: the smallest and largest non-negative id (``lo > hi`` when the block
+    is all padding) and whether the block has no padding."""
+    import numpy as np
+
+    pad = ids < 0
+    lo = reduce(np.minimum, np.where(pad, np.iinfo(np.int64).max, ids))
+    hi = reduce(np.maximum, np.where(pad, -1, ids))
+    return lo, hi, ~reduce(np.logical_or, pad)
+
+
 def _extremes(ids: Any) -> tuple[Any, Any, Any]:
     import numpy as np
 
@@ -91,14 +100,12 @@ class Documents(Mask):
     query_ids: Any
     key_ids: Any
     plan: DocumentPlan | None = field(default=None, compare=False)
+    host: tuple[Any, Any] | None = field(default=None, compare=False)
+    """``(query_ids, key_ids)`` on the host, when they could be read."""
 
     def __post_init__(self) -> None:
         for name in ("query_ids", "key_ids"):
-            a = getattr(self, name)
-            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-                msg = f"documents expects integer arrays of segment ids; got {name} of type " \
-                      f"{type(a).__name__}"
-                raise TypeError(msg)
+            check_array(getattr(self, name), "documents", "integer arrays of segment ids", name)
 
     @property
     def arrays(self):
@@ -106,9 +113,9 @@ class Documents(Mask):
 
     def with_arrays(self, arrays):
         query_ids, key_ids = arrays
-        return _replaced(self, query_ids=query_ids, key_ids=key_ids, plan=None)
+        return replaced(self, query_ids=query_ids, key_ids=key_ids, plan=None, host=None)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk):
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
         ids = []
         for name, a, length, length_name in (("query_ids", self.query_ids, lq, "Lq"),
                                              ("key_ids", self.key_ids, lk, "Lk")):
@@ -125,8 +132,22 @@ class Documents(Mask):
             ids.append(xp.reshape(signed(xp, a), (1,) * (len(batch_shape) + 1 - len(shape))
                                   + shape))
         query_ids, key_ids = ids
-        return _replaced(self, query_ids=query_ids, key_ids=key_ids,
-                         plan=DocumentPlan.of(query_ids, key_ids))
+        host = host_copy(query_ids), host_copy(key_ids)
+        if any(h is None for h in host):
+            return replaced(self, query_ids=query_ids, key_ids=key_ids, plan=None, host=None)
+        return replaced(self, query_ids=query_ids, key_ids=key_ids,
+                        plan=DocumentPlan.of(*host), host=host)
+
+    def block_states(self, grid):
+        if self.host is None:
+            return None
+        import numpy as np
+
+        q, k = (a.astype(np.int64) for a in self.host)  # (*batch, L): a plan per element
+        q_lo, q_hi, q_exact = _block_ids(grid.reduce_q, q)
+        k_lo, k_hi, k_exact = _block_ids(grid.reduce_k, k)
+        states = interval_states(q_lo, q_hi, k_lo, k_hi, q_exact, k_exact)
+        return states.reshape(*states.shape[:-2], 1, *states.shape[-2:])  # one for all heads
 
     def key_range(self, q0, q1, lq, lk):
         return (0, lk) if self.plan is None else self.plan.key_range(q0, q1)
@@ -147,8 +168,9 @@ class Documents(Mask):
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         plan = None if self.plan is None else self.plan.sliced(q0, q1, k0, k1)
-        return _replaced(self, query_ids=self.query_ids[..., q0:q1],
-                         key_ids=self.key_ids[..., k0:k1], plan=plan)
+        host = None if self.host is None else (self.host[0][..., q0:q1], self.host[1][..., k0:k1])
+        return replaced(self, query_ids=self.query_ids[..., q0:q1],
+                        key_ids=self.key_ids[..., k0:k1], plan=plan, host=host)
 
     def __repr__(self) -> str:
         return (f"documents(query_ids.shape={tuple(self.query_ids.shape)}, "

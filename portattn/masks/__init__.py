@@ -1,0 +1,274 @@
+"""Structured attention masks: a public protocol every kernel reads.
+
+A mask says which (query i, key j) pairs may attend. Masks are small frozen objects,
+not L x L arrays, so a kernel can tell from the structure alone which tiles are
+fully hidden (and skip them) and build a boolean mask for one tile at a time.
+
+Positions: with ``bottom_right`` alignment query ``i`` sits at absolute position
+``i + (Lk - Lq)``; with ``top_left`` at ``i``. The two coincide when ``Lq == Lk``.
+Every kind but ``causal("top_left")`` is bottom-right aligned. Masks combine with ``&``
+(pairs allowed by every part) and ``|`` (pairs allowed by any). ``causal`` and
+``sliding_window`` are aligned to the array lengths ``Lq`` and ``Lk``, so combining them
+with ``key_lengths`` is a plain intersection; :func:`sequence_causal` and
+:func:`sequence_window` align to each sequence's own lengths instead (flash-attn's
+varlen convention).
+
+What a kernel may ask, for a call of ``Lq`` queries and ``Lk`` keys:
+
+- :func:`block_mask` (or ``AttentionInputs.blocks``): the block form, which tiles to
+  skip, which to compute without a mask and which with one (:class:`BlockMask`,
+  :class:`BlockTables`); the way every kernel should read a mask;
+- :meth:`Mask.tile`: the boolean mask of one tile;
+- :attr:`Mask.parts` and :attr:`Mask.kinds`: the kinds below, with their parameters
+  as attributes; :meth:`Mask.band`: every causal and sliding-window part folded into
+  one :class:`Band` (``lower <= j - i <= upper`` for query row ``i``, key ``j``);
+- :meth:`Mask.key_range`, :meth:`Mask.covers`, :meth:`Mask.hides`: what one tile
+  needs, known without reading data;
+- :attr:`Mask.arrays` and :meth:`Mask.with_arrays`: the arrays inside, and the same
+  mask holding other ones (pytrees, device moves, borrowing into another library);
+- :meth:`Mask.restrict`: the mask of a sub-problem (split-KV, ring attention).
+
+Tiles are boolean arrays (True = attend) of shape ``(tq, tk)`` or of full rank
+``(*batch, H, tq, tk)`` with broadcastable 1s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._bands import Causal, SlidingWindow
+from ._base import (
+    FULL,
+    HIDDEN,
+    PARTIAL,
+    POSITIONAL,
+    Band,
+    Grid,
+    Intersection,
+    Mask,
+    Union,
+    before_creating,
+    expand_to_rank,
+    on_mask_created,
+    slice_tile,
+)
+from ._blocks import BlockMask, BlockTables, block_mask
+from ._dense import Dense, Function
+from ._documents import Documents, ids_from_cu_seqlens
+from ._lengths import KeyLengths, Prefix, QueryLengths
+from ._ranges import KeyRanges, QueryRanges, SequenceWindow
+from ._sparse import BlockLayout, Chunks, GlobalTokens, SinkTokens
+from ._values import check_range, dtype_text, jax_tracer_type, signed, values_readable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "FULL",
+    "HIDDEN",
+    "KINDS",
+    "PARTIAL",
+    "POSITIONAL",
+    "Band",
+    "BlockLayout",
+    "BlockMask",
+    "BlockTables",
+    "Causal",
+    "Chunks",
+    "Dense",
+    "Documents",
+    "Function",
+    "GlobalTokens",
+    "Grid",
+    "Intersection",
+    "KeyLengths",
+    "KeyRanges",
+    "Mask",
+    "Prefix",
+    "QueryLengths",
+    "QueryRanges",
+    "SequenceWindow",
+    "SinkTokens",
+    "SlidingWindow",
+    "Union",
+    "block_layout",
+    "block_mask",
+    "causal",
+    "check_range",
+    "chunks",
+    "dense",
+    "documents",
+    "documents_from_cu_seqlens",
+    "dtype_text",
+    "expand_to_rank",
+    "function",
+    "global_tokens",
+    "jax_tracer_type",
+    "key_lengths",
+    "key_ranges",
+    "on_mask_created",
+    "prefix",
+    "query_lengths",
+    "query_ranges",
+    "sequence_causal",
+    "sequence_window",
+    "signed",
+    "sink_tokens",
+    "slice_tile",
+    "sliding_window",
+    "values_readable",
+]
+
+KINDS = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense", "key_ranges",
+         "query_ranges", "sequence_window", "documents", "prefix", "sink_tokens",
+         "global_tokens", "chunks", "block_layout", "function", "union")
+"""The kinds a kernel may declare in ``Kernel.masks``. A kernel that reads the block
+form and :meth:`Mask.tile` takes them all."""
+
+
+def causal(alignment: str = "bottom_right") -> Causal:
+    """Query at position ``p`` attends keys ``j <= p`` (see module doc for alignment)."""
+    before_creating()
+    return Causal(alignment)
+
+
+def sliding_window(left: int | None, right: int | None = 0) -> SlidingWindow:
+    """Query at (bottom-right aligned) position ``p`` attends ``p-left <= j <= p+right``.
+
+    Both ends are inclusive; ``None`` leaves that side unbounded, so
+    ``sliding_window(None, 0)`` equals ``causal()``.
+    """
+    before_creating()
+    return SlidingWindow(left, right)
+
+
+def key_lengths(lengths: Any) -> KeyLengths:
+    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
+    before_creating()
+    return KeyLengths(lengths)
+
+
+def query_lengths(lengths: Any) -> QueryLengths:
+    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked (output 0)."""
+    before_creating()
+    return QueryLengths(lengths)
+
+
+def dense(allowed: Any) -> Dense:
+    """An explicit boolean mask (True = attend), broadcastable to ``(..., Hq, Lq, Lk)``."""
+    before_creating()
+    return Dense(allowed)
+
+
+def key_ranges(start: Any, stop: Any) -> KeyRanges:
+    """Batch element ``b`` attends keys ``start[b] <= j < stop[b]`` only (left padding:
+    ``start`` = number of pad tokens, ``stop`` = ``Lk``). Integer arrays with the batch
+    shape, values in ``[0, Lk]``."""
+    before_creating()
+    return KeyRanges(start, stop)
+
+
+def query_ranges(start: Any, stop: Any) -> QueryRanges:
+    """Queries outside ``start[b] <= i < stop[b]`` are padding: their rows are fully
+    masked (output 0)."""
+    before_creating()
+    return QueryRanges(start, stop)
+
+
+def sequence_window(left: int | None, right: int | None = 0, *, query_lengths: Any,
+                    key_lengths: Any) -> Mask:
+    """A sliding window aligned to each sequence's own lengths (flash-attn's varlen).
+
+    Query ``i`` of batch element ``b`` sits at ``p = i + key_lengths[b] -
+    query_lengths[b]`` and attends ``p - left <= j <= p + right``; queries
+    ``i >= query_lengths[b]`` and keys ``j >= key_lengths[b]`` are padding. With equal
+    lengths everywhere this is :func:`sliding_window` and :func:`key_lengths`.
+    """
+    before_creating()
+    return Intersection((SequenceWindow(query_lengths, key_lengths, left, right),
+                         QueryLengths(query_lengths), KeyLengths(key_lengths)))
+
+
+def sequence_causal(query_lengths: Any, key_lengths: Any) -> Mask:
+    """Causal attention aligned to each sequence's own lengths (flash-attn's varlen
+    ``causal=True``): ``sequence_window(None, 0, ...)``. Decoding a batch of caches of
+    different lengths is ``sequence_causal(ones, cache_lengths)``."""
+    return sequence_window(None, 0, query_lengths=query_lengths, key_lengths=key_lengths)
+
+
+def documents(segment_ids: Any, key_segment_ids: Any = None) -> Documents:
+    """Packed sequences: query ``i`` attends key ``j`` only when their segment ids are
+    equal; negative ids are padding and attend nothing.
+
+    ``segment_ids`` is ``(*batch, Lq)`` or ``(Lq,)``; ``key_segment_ids`` (default: the
+    same array, for ``Lq == Lk``) is ``(*batch, Lk)`` or ``(Lk,)``. Combine with
+    ``causal()`` for causal packed training.
+    """
+    before_creating()
+    return Documents(segment_ids, segment_ids if key_segment_ids is None else key_segment_ids)
+
+
+def documents_from_cu_seqlens(cu_seqlens: Any, length: int) -> Documents:
+    """:func:`documents` from cumulative lengths ``(*batch, n + 1)`` or ``(n + 1,)``
+    (flash-attn's ``cu_seqlens``): document ``d`` holds positions
+    ``cu_seqlens[d] <= j < cu_seqlens[d + 1]`` of a row of ``length`` tokens; positions
+    past the last document are padding."""
+    before_creating()
+    ids = ids_from_cu_seqlens(cu_seqlens, length)
+    return Documents(ids, ids)
+
+
+def prefix(lengths: Any) -> Prefix:
+    """The first ``lengths[b]`` positions of batch element ``b`` attend each other in
+    both directions: queries and keys at positions ``< lengths[b]``. A prefix-LM (T5,
+    PaliGemma) is ``causal() | prefix(lengths)``; ``lengths`` has the batch shape."""
+    before_creating()
+    return Prefix(lengths)
+
+
+def sink_tokens(count: int) -> SinkTokens:
+    """The first ``count`` keys are visible to every query (StreamingLLM's attention
+    sinks): ``causal() & (sliding_window(w) | sink_tokens(4))``."""
+    before_creating()
+    return SinkTokens(count)
+
+
+def global_tokens(positions: Any) -> GlobalTokens:
+    """Tokens at ``positions`` see every key and are seen by every query (Longformer,
+    BigBird): ``sliding_window(256, 256) | global_tokens(positions)``. ``positions`` is
+    ``(n,)`` or ``(*batch, n)`` integers in ``[0, Lk)``; negative entries are unused."""
+    before_creating()
+    return GlobalTokens(positions)
+
+
+def chunks(size: int) -> Chunks:
+    """Query and key attend only inside the same chunk of ``size`` positions (Llama 4's
+    chunked attention: ``causal() & chunks(8192)``)."""
+    before_creating()
+    return Chunks(size)
+
+
+def block_layout(layout: Any, block_q: int, block_k: int | None = None) -> BlockLayout:
+    """One boolean per pair of position blocks: query at position ``p`` attends key
+    ``j`` when ``layout[..., p // block_q, j // block_k]`` (BigBird's random blocks, the
+    Sparse Transformer's strided patterns). ``layout`` is ``(R, C)`` or broadcastable to
+    ``(*batch, H, R, C)`` with ``R = ceil(Lk / block_q)``, ``C = ceil(Lk / block_k)``;
+    ``block_k`` defaults to ``block_q``."""
+    before_creating()
+    return BlockLayout(layout, block_q, block_q if block_k is None else block_k)
+
+
+def function(fn: Callable[[Any, Any, Any, Any], Any]) -> Function:
+    """Pairs for which ``fn(b, h, q_idx, kv_idx)`` is True (FlexAttention's
+    ``mask_mod``): ``b`` the flat batch index, ``h`` the query head, ``q_idx`` and
+    ``kv_idx`` array indices, all integer arrays of the call's library that broadcast
+    together. Write ``fn`` with operators and that library's functions; it is evaluated
+    tile by tile, and its block form is built once per call shape and kept on the mask
+    (reuse one mask object across calls and layers; build a new one when what ``fn``
+    reads changes).
+
+    >>> from portattn import masks
+    >>> causal_in_docs = masks.function(lambda b, h, q, k: (q >= k) & (q // 64 == k // 64))
+    """
+    before_creating()
+    return Function(fn)

@@ -1,0 +1,573 @@
+"""What every mask kind builds on: the :class:`Mask` protocol, :class:`Band`, the
+combinations ``a & b`` (:class:`Intersection`) and ``a | b`` (:class:`Union`), and the
+grid of tiles a kind classifies (:class:`Grid`, :data:`HIDDEN`/:data:`PARTIAL`/
+:data:`FULL`).
+
+The kinds live in sibling modules that import this one and nothing back.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+__all__ = ["FULL", "HIDDEN", "PARTIAL", "POSITIONAL", "Band", "Grid", "Intersection", "Mask",
+           "Union", "band_states", "expand_to_rank", "interval_states", "on_mask_created",
+           "slice_tile", "tile_states"]
+
+POSITIONAL = frozenset({"causal", "sliding_window"})
+"""Kinds defined by positions alone: :meth:`Mask.band` describes them completely."""
+
+HIDDEN, PARTIAL, FULL = 0, 1, 2
+"""A tile's state in a block form: no pair allowed, some, every one. Intersections take
+the smallest state of their parts and unions the largest."""
+
+
+_creation_hooks: list[Callable[[], bool]] = []
+_hooks_lock = threading.Lock()
+
+
+def on_mask_created(hook: Callable[[], bool]) -> None:
+    """For plugins: call ``hook()`` whenever a mask is built, until it returns True.
+
+    JAX needs masks registered as pytrees before one is passed to a jitted function,
+    and a plugin may be loaded before JAX is imported: its hook registers them on the
+    first mask built once JAX is there. A hook never imports a library itself.
+    """
+    with _hooks_lock:
+        _creation_hooks.append(hook)
+
+
+def before_creating() -> None:
+    """Run the creation hooks (the public constructors call this first: a compiler
+    that stops tracing inside a hook then never holds a half-built mask)."""
+    if not _creation_hooks:
+        return
+    for hook in list(_creation_hooks):
+        if hook():
+            with _hooks_lock:  # masks built in several threads at once: remove it once
+                if hook in _creation_hooks:
+                    _creation_hooks.remove(hook)
+
+
+@dataclass(frozen=True)
+class Band:
+    """Key ``j`` is allowed for query row ``i`` iff ``lower <= j - i <= upper``.
+
+    Rows and keys are array indices (``0 <= i < Lq``, ``0 <= j < Lk``); alignment and
+    any shift are already folded in. ``None`` leaves a side unbounded. Top-left causal
+    is ``Band(None, 0)``; bottom-right causal is ``Band(None, Lk - Lq)``.
+    """
+
+    lower: int | None = None
+    upper: int | None = None
+
+    def __and__(self, other: Band) -> Band:
+        return Band(_max(self.lower, other.lower), _min(self.upper, other.upper))
+
+    def normalized(self, lq: int, lk: int) -> Band:
+        """The same set of pairs, with bounds that exclude nothing made ``None``."""
+        lower = None if self.lower is not None and self.lower <= -(lq - 1) else self.lower
+        upper = None if self.upper is not None and self.upper >= lk - 1 else self.upper
+        return Band(lower, upper)
+
+    def key_range(self, q0: int, q1: int, lk: int) -> tuple[int, int]:
+        """Half-open range of keys that some row in ``[q0, q1)`` may attend."""
+        lo = 0 if self.lower is None else q0 + self.lower
+        hi = lk if self.upper is None else q1 + self.upper
+        return min(max(lo, 0), lk), max(min(hi, lk), 0)
+
+    def covers(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Every pair of the tile is allowed."""
+        return ((self.lower is None or k0 - (q1 - 1) >= self.lower)
+                and (self.upper is None or (k1 - 1) - q0 <= self.upper))
+
+    def hides(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """No pair of the tile is allowed."""
+        if q0 >= q1 or k0 >= k1:
+            return True
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            return True
+        return ((self.upper is not None and k0 - (q1 - 1) > self.upper)
+                or (self.lower is not None and (k1 - 1) - q0 < self.lower))
+
+    def tile(self, xp: Any, q0: int, q1: int, k0: int, k1: int, device: Any = None) -> Any:
+        """Boolean ``(q1 - q0, k1 - k0)`` array, True where the pair is allowed."""
+        rows = xp.arange(q0, q1, device=device)[:, None]
+        cols = xp.arange(k0, k1, device=device)[None, :]
+        diff = cols - rows
+        allowed = None
+        if self.lower is not None:
+            allowed = diff >= self.lower
+        if self.upper is not None:
+            upper = diff <= self.upper
+            allowed = upper if allowed is None else xp.logical_and(allowed, upper)
+        if allowed is None:  # unbounded both ways: every pair
+            allowed = xp.logical_or(diff >= 0, diff < 0)
+        return allowed
+
+    def block_states(self, grid: Grid) -> Any:
+        """The state of every tile of ``grid`` (see :func:`band_states`)."""
+        return band_states(grid, self.lower, self.upper)
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _min(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+@dataclass(frozen=True, eq=False)
+class Grid:
+    """Tiles to classify: query rows ``[q_edges[a], q_edges[a + 1])`` against keys
+    ``[k_edges[b], k_edges[b + 1])``, for a call of ``q_len`` queries and ``kv_len``
+    keys. Edges are increasing NumPy integer arrays; the tiles need not start at 0."""
+
+    q_edges: Any
+    k_edges: Any
+    q_len: int
+    kv_len: int
+
+    @classmethod
+    def uniform(cls, q_len: int, kv_len: int, block_q: int, block_k: int) -> Grid:
+        """Blocks of ``block_q`` queries and ``block_k`` keys (the last ones shorter)."""
+        import numpy as np
+
+        return cls(_edges(np, q_len, block_q), _edges(np, kv_len, block_k), q_len, kv_len)
+
+    @classmethod
+    def one(cls, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int) -> Grid:
+        """The single tile ``[q0, q1) x [k0, k1)``."""
+        import numpy as np
+
+        return cls(np.asarray([q0, q1]), np.asarray([k0, k1]), q_len, kv_len)
+
+    @property
+    def q_first(self) -> Any:
+        return self.q_edges[:-1]
+
+    @property
+    def q_last(self) -> Any:
+        return self.q_edges[1:] - 1
+
+    @property
+    def k_first(self) -> Any:
+        return self.k_edges[:-1]
+
+    @property
+    def k_last(self) -> Any:
+        return self.k_edges[1:] - 1
+
+    def reduce_q(self, op: Any, values: Any) -> Any:
+        """``op`` (a NumPy ufunc: ``minimum``, ``logical_or``...) over each query block
+        of ``values`` (positions on the last axis)."""
+        return _reduce_blocks(op, values, self.q_edges)
+
+    def reduce_k(self, op: Any, values: Any) -> Any:
+        return _reduce_blocks(op, values, self.k_edges)
+
+
+def _edges(np: Any, length: int, block: int) -> Any:
+    return np.append(np.arange(0, length, max(block, 1)), length) if length else \
+        np.zeros(1, dtype=np.int64)
+
+
+def _reduce_blocks(op: Any, values: Any, edges: Any) -> Any:
+    start = int(edges[0])
+    return op.reduceat(values[..., start:int(edges[-1])], edges[:-1] - start, axis=-1)
+
+
+def tile_states(hidden: Any, full: Any) -> Any:
+    """:data:`HIDDEN` where ``hidden``, else :data:`FULL` where ``full``, else
+    :data:`PARTIAL`, as int8."""
+    import numpy as np
+
+    return np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+def band_states(grid: Grid, lower: Any, upper: Any) -> Any:
+    """Tile states of ``lower <= j - i <= upper`` (``None``: unbounded). The bounds
+    may be arrays shaped ``(*batch, 1, 1, 1)``, one band per batch element."""
+    import numpy as np
+
+    smallest = grid.k_first[None, :] - grid.q_last[:, None]  # of j - i over each tile
+    largest = grid.k_last[None, :] - grid.q_first[:, None]
+    hidden, full = np.zeros(smallest.shape, dtype=bool), np.ones(smallest.shape, dtype=bool)
+    if lower is not None:
+        hidden, full = hidden | (largest < lower), full & (smallest >= lower)
+    if upper is not None:
+        hidden, full = hidden | (smallest > upper), full & (largest <= upper)
+    return tile_states(hidden, full)
+
+
+def interval_states(q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any, q_exact: Any = True,
+                    k_exact: Any = True) -> Any:
+    """Tile states of "query id == key id" from each block's smallest and largest id
+    (blocks on the last axis; ``lo > hi`` marks a block with no id at all). ``exact``:
+    every position of the block carries an id (no padding), needed for :data:`FULL`."""
+    ql, qh, kl, kh = q_lo[..., :, None], q_hi[..., :, None], k_lo[..., None, :], k_hi[..., None, :]
+    hidden = (ql > qh) | (kl > kh) | (qh < kl) | (kh < ql)
+    full = (ql == qh) & (kl == kh) & (ql == kl)
+    if q_exact is not True:
+        full = full & q_exact[..., :, None]
+    if k_exact is not True:
+        full = full & k_exact[..., None, :]
+    return tile_states(hidden, full)
+
+
+def combine_states(states: list[Any], union: bool) -> Any:
+    """The states of an intersection (smallest) or union (largest) of parts; None
+    entries stand for :data:`PARTIAL` everywhere, and so is an empty result."""
+    import numpy as np
+
+    known = [s for s in states if s is not None]
+    if not known:
+        return None
+    pick = np.maximum if union else np.minimum
+    result = known[0]
+    for s in known[1:]:
+        result = pick(result, s)
+    if len(known) < len(states):  # a part whose tiles are unknown: partial everywhere
+        result = pick(result, PARTIAL)
+    return result.astype(np.int8)
+
+
+class Mask:
+    """Base of every mask; combine masks with ``&`` and ``|``. Defaults describe a
+    part that allows every pair as far as the structure tells (subclasses narrow
+    them)."""
+
+    kind: ClassVar[str] = ""
+
+    @property
+    def parts(self) -> tuple[Mask, ...]:
+        """The masks this one intersects (itself for a single kind)."""
+        return (self,)
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """Every kind inside: a union adds ``"union"`` and the kinds of its members."""
+        return frozenset(k for p in self.parts for k in p._own_kinds())
+
+    def _own_kinds(self) -> frozenset[str]:
+        return frozenset({self.kind})
+
+    def parts_of(self, kind: str) -> tuple[Mask, ...]:
+        """The parts of one kind, e.g. ``[p.lengths for p in m.parts_of("key_lengths")]``."""
+        return tuple(p for p in self.parts if p.kind == kind)
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        """The arrays held by the mask, in a fixed order (see :meth:`with_arrays`)."""
+        return ()
+
+    def with_arrays(self, arrays: Sequence[Any]) -> Mask:
+        """The same mask holding ``arrays`` (as many as :attr:`arrays`, same order)
+        instead. Nothing is checked: it is for moving arrays (pytrees, devices,
+        DLPack), not for building masks from user input."""
+        if len(arrays):
+            msg = f"{self!r} holds no arrays; got {len(arrays)}"
+            raise ValueError(msg)
+        return self
+
+    def structure(self) -> tuple:
+        """A hashable value equal for masks that differ at most in their arrays."""
+        return (self.kind,)
+
+    def key(self) -> Any:
+        """A plain value equal for equal masks (what ``==`` and ``hash`` compare).
+
+        Built from the parameters alone, so a compiler tracing a mask built inside the
+        traced function (torch.compile) can use it before the mask object exists.
+        Masks that hold arrays compare by the arrays' identity."""
+        return (self.structure(), tuple(id(a) for a in self.arrays))
+
+    def __and__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return Intersection(self.parts + other.parts)
+
+    def __or__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return Union(_alternatives(self) + _alternatives(other))
+
+    def __iter__(self) -> Iterator[Mask]:
+        return iter(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mask) and other.key() == self.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    # --- static structure: what a tile needs, known without reading data --------------
+    def band(self, lq: int, lk: int) -> Band | None:
+        """The positional parts folded into one band; None when there are none."""
+        return None
+
+    def block_states(self, grid: Grid) -> Any:
+        """The state of every tile of ``grid``: a NumPy int8 array of :data:`HIDDEN`,
+        :data:`PARTIAL` and :data:`FULL`, shaped ``(n_query_blocks, n_key_blocks)`` or
+        with leading axes that broadcast against ``(*batch, H)``; None when unknown
+        (values that cannot be read now): every tile then counts as partial.
+
+        Built from the structure (and the host copies of small arrays) in time
+        proportional to the number of tiles; what :mod:`portattn.masks.blocks` reads."""
+        return None
+
+    def key_range(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
+        """Half-open range of keys that some query in ``[q0, q1)`` may attend."""
+        return 0, lk
+
+    def covers(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> bool:
+        """True when every pair in the tile is allowed, known without reading data."""
+        return tile_state(self, q0, q1, k0, k1, lq, lk) == FULL
+
+    def hides(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> bool:
+        """True when no pair in the tile is allowed, known without reading data."""
+        return q0 >= q1 or k0 >= k1 or tile_state(self, q0, q1, k0, k1, lq, lk) == HIDDEN
+
+    def tile(self, xp: Any, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int,
+             device: Any = None) -> Any:
+        """Boolean array for the tile (True = attend)."""
+        raise NotImplementedError
+
+    def bind(self, xp: Any, batch_shape: tuple[int, ...], num_heads: int, lq: int,
+             lk: int, device: Any = None) -> Mask:
+        """Validate against a call's shapes (on ``device``); return the mask normalised
+        for it."""
+        return self
+
+    def restrict(self, xp: Any, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> Mask:
+        """The mask of the sub-problem ``query[q0:q1]`` x ``key[k0:k1]``, in its own
+        coordinates (for split-KV, ring attention and blockwise schedulers)."""
+        raise NotImplementedError
+
+
+def tile_state(mask: Mask, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> int:
+    """One tile's state over every batch element and head: :data:`HIDDEN` only when
+    hidden everywhere, :data:`FULL` only when full everywhere."""
+    if q0 >= q1 or k0 >= k1:
+        return HIDDEN
+    states = mask.block_states(Grid.one(q0, q1, k0, k1, lq, lk))
+    if states is None:
+        return PARTIAL
+    if not states.size:  # no batch element: nothing to see
+        return HIDDEN
+    low, high = int(states.min()), int(states.max())
+    return HIDDEN if high == HIDDEN else FULL if low == FULL else PARTIAL
+
+
+def _alternatives(mask: Mask) -> tuple[Mask, ...]:
+    return mask.members if isinstance(mask, Union) else (mask,)
+
+
+def all_allowed(xp: Any, q0: int, q1: int, k0: int, k1: int, device: Any = None) -> Any:
+    """A tile that allows every pair."""
+    return xp.ones((q1 - q0, k1 - k0), dtype=xp.bool, device=device)
+
+
+class _Combination(Mask):
+    """What intersections and unions share: members, their arrays and structure."""
+
+    members: tuple[Mask, ...]
+    union: ClassVar[bool]
+
+    @property
+    def arrays(self):
+        return tuple(a for p in self.members for a in p.arrays)
+
+    def with_arrays(self, arrays):
+        if len(arrays) != len(self.arrays):
+            msg = f"{self!r} holds {len(self.arrays)} arrays; got {len(arrays)}"
+            raise ValueError(msg)
+        rest, parts = list(arrays), []
+        for p in self.members:
+            n = len(p.arrays)
+            parts.append(p.with_arrays(rest[:n]))
+            del rest[:n]
+        return type(self)(tuple(parts))
+
+    def structure(self):
+        return (self.kind, *(p.structure() for p in self.members))
+
+    def key(self) -> tuple:
+        return (self.kind, *(p.key() for p in self.members))
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        return type(self)(tuple(p.restrict(xp, q0, q1, k0, k1, lq, lk) for p in self.members))
+
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        return type(self)(tuple(p.bind(xp, batch_shape, num_heads, lq, lk, device)
+                                for p in self.members))
+
+    def block_states(self, grid):
+        return combine_states([p.block_states(grid) for p in self.members], self.union)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Intersection(_Combination):
+    """Pairs allowed by every one of ``members`` (what ``a & b`` builds)."""
+
+    kind: ClassVar[str] = "intersection"
+    union: ClassVar[bool] = False
+    members: tuple[Mask, ...]
+
+    @property
+    def parts(self):
+        return self.members
+
+    def band(self, lq, lk):
+        bands = [p.band(lq, lk) for p in self.members if p.kind in POSITIONAL]
+        if not bands:
+            return None
+        band = bands[0]
+        for b in bands[1:]:
+            band = band & b
+        return band
+
+    def block_states(self, grid):
+        # The positional parts as one band (two windows may hide a tile that neither
+        # hides alone), the others one by one.
+        band = self.band(grid.q_len, grid.kv_len)
+        states = [p.block_states(grid) for p in self.members if p.kind not in POSITIONAL]
+        if band is not None:
+            states.append(band.block_states(grid))
+        return combine_states(states, union=False)
+
+    def key_range(self, q0, q1, lq, lk):
+        lo, hi = 0, lk
+        for p in self.members:
+            plo, phi = p.key_range(q0, q1, lq, lk)
+            lo, hi = max(lo, plo), min(hi, phi)
+        return lo, hi
+
+    def covers(self, q0, q1, k0, k1, lq, lk):
+        return all(p.covers(q0, q1, k0, k1, lq, lk) for p in self.members)
+
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        band = self.band(lq, lk)
+        return ((band is not None and band.hides(q0, q1, k0, k1))
+                or any(p.hides(q0, q1, k0, k1, lq, lk) for p in self.members
+                       if p.kind not in POSITIONAL))
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        allowed = None
+        for p in self.members:
+            if p.covers(q0, q1, k0, k1, lq, lk):
+                continue
+            t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
+            allowed = t if allowed is None else xp.logical_and(allowed, t)
+        return all_allowed(xp, q0, q1, k0, k1, device) if allowed is None else allowed
+
+    def __repr__(self) -> str:
+        return " & ".join(repr(p) for p in self.members)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Union(_Combination):
+    """Pairs allowed by any one of ``members`` (what ``a | b`` builds), e.g. a window
+    with sink tokens, ``sliding_window(w) | sink_tokens(4)``, or a prefix-LM,
+    ``causal() | prefix(lengths)``. A single part of an intersection: its kinds are
+    ``"union"`` and those of its members."""
+
+    kind: ClassVar[str] = "union"
+    union: ClassVar[bool] = True
+    members: tuple[Mask, ...]
+
+    def _own_kinds(self):
+        return frozenset({"union"}).union(*(p.kinds for p in self.members))
+
+    def key_range(self, q0, q1, lq, lk):
+        ranges = [p.key_range(q0, q1, lq, lk) for p in self.members]
+        ranges = [(lo, hi) for lo, hi in ranges if lo < hi]
+        return (0, 0) if not ranges else (min(r[0] for r in ranges), max(r[1] for r in ranges))
+
+    def covers(self, q0, q1, k0, k1, lq, lk):
+        return any(p.covers(q0, q1, k0, k1, lq, lk) for p in self.members)
+
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        return all(p.hides(q0, q1, k0, k1, lq, lk) for p in self.members)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        allowed = None
+        for p in self.members:
+            if p.hides(q0, q1, k0, k1, lq, lk):
+                continue
+            if p.covers(q0, q1, k0, k1, lq, lk):
+                return all_allowed(xp, q0, q1, k0, k1, device)
+            t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
+            allowed = t if allowed is None else xp.logical_or(allowed, t)
+        return xp.logical_not(all_allowed(xp, q0, q1, k0, k1, device)) if allowed is None \
+            else allowed
+
+    def __repr__(self) -> str:
+        return "(" + " | ".join(repr(p) for p in self.members) + ")"
+
+
+def replaced(mask: Mask, **changes: Any) -> Mask:
+    """A copy of a frozen mask with some fields changed, without re-running the
+    checks of its constructor (the values come from a mask that passed them, or are
+    arrays being moved: tracers, placeholders)."""
+    copy = object.__new__(type(mask))
+    for f in fields(mask):
+        object.__setattr__(copy, f.name, changes.get(f.name, getattr(mask, f.name)))
+    return copy
+
+
+def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> Any:
+    """Check ``array`` broadcasts to ``target``; prepend 1s to reach its rank."""
+    shape = tuple(array.shape)
+    ok = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
+    if not ok:
+        msg = (f"{what} of shape {shape} does not broadcast to "
+               f"(*batch, Hq, Lq, Lk) = {target}")
+        raise ValueError(msg)
+    return xp.reshape(array, (1,) * (len(target) - len(shape)) + shape)
+
+
+def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+    """Rows ``q0:q1`` and columns ``k0:k1`` of a full-rank array (a bound dense mask, a
+    bias), keeping its 1-sized (broadcast) axes as they are."""
+    rows = slice(None) if array.shape[-2] == 1 else slice(q0, q1)
+    cols = slice(None) if array.shape[-1] == 1 else slice(k0, k1)
+    return array[..., rows, cols]
+
+
+def column(xp: Any, a: Any) -> Any:
+    """``(*batch) -> (*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
+    return xp.reshape(a, (*a.shape, 1, 1, 1))
+
+
+class Aligned(Mask):
+    """A kind defined by absolute positions, bottom-right aligned: key ``j`` sits at
+    ``j + origin`` and query ``i`` at ``i + Lk - Lq + shift + origin``. ``shift`` and
+    ``origin`` are 0 for a whole call; :meth:`restrict` sets them so a sub-problem
+    keeps the positions it had in the whole."""
+
+    shift: int
+    origin: int
+
+    def query_offset(self, lq: int, lk: int) -> int:
+        """Absolute position of query 0."""
+        return lk - lq + self.shift + self.origin
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        return replaced(self, shift=self.shift + q0 - k0 + (lk - lq) - ((k1 - k0) - (q1 - q0)),
+                        origin=self.origin + k0, **self._restricted_arrays(xp, q0, q1, k0, k1))
+
+    def _restricted_arrays(self, xp: Any, q0: int, q1: int, k0: int, k1: int) -> dict:
+        """Fields that change besides the positions (none by default)."""
+        return {}
+
+    def _position_text(self) -> str:
+        moved = [f"{n}={getattr(self, n)}" for n in ("shift", "origin") if getattr(self, n)]
+        return "".join(f", {m}" for m in moved)

@@ -1,0 +1,219 @@
+"""The block form of a mask: which tiles of a call a kernel visits, and which of
+those need the elementwise mask.
+
+A call's ``Lq x Lk`` pairs are cut into tiles of ``block_q x block_k``. Each tile is
+:data:`HIDDEN` (skip it), :data:`FULL` (every pair allowed: no mask needed) or
+:data:`PARTIAL` (compute it with the mask's ``tile``), per batch element and head where
+the mask varies across them. The states come from each kind's ``block_states``,
+built from its structure (and host copies of small arrays) in time proportional to the
+number of tiles; only ``dense`` masks and mask functions read every pair. Where values
+cannot be read (``jax.jit``, ``torch.compile``, Dask) the parts that depend on them
+count as partial everywhere: the same answer, fewer tiles skipped.
+
+Like FlexAttention's ``BlockMask`` and splash attention's ``MaskInfo``, for any
+library: :meth:`BlockMask.kv_blocks` and :meth:`BlockMask.q_blocks` serve loops on the
+host; :meth:`BlockMask.tables` gives the index tables a compiled kernel reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from ._base import FULL, HIDDEN, PARTIAL, Grid
+
+if TYPE_CHECKING:
+    from ._base import Mask
+
+__all__ = ["BlockMask", "BlockTables", "block_mask"]
+
+#: Block forms of masks that hold no arrays, remembered by structure and shape.
+CACHE_SIZE = 128
+_cache: OrderedDict[tuple, BlockMask] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+@dataclass(frozen=True, eq=False)
+class BlockTables:
+    """A block form as index tables (NumPy int32), FlexAttention's layout.
+
+    For each query block ``a`` (leading axes broadcast against ``(*batch, H)``):
+    ``kv_indices[..., a, :kv_num_blocks[..., a]]`` are its partial key blocks and
+    ``full_kv_indices[..., a, :full_kv_num_blocks[..., a]]`` its full ones, in
+    increasing order (entries past the count are padding). The ``q_`` tables are the
+    transpose, for each key block its query blocks (a backward's dK/dV pass).
+    """
+
+    kv_num_blocks: Any
+    kv_indices: Any
+    full_kv_num_blocks: Any
+    full_kv_indices: Any
+    q_num_blocks: Any
+    q_indices: Any
+    full_q_num_blocks: Any
+    full_q_indices: Any
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """The block form of ``mask`` for a call of ``q_len`` queries and ``kv_len`` keys
+    on a grid of ``block_q x block_k`` tiles.
+
+    ``states`` is a NumPy int8 array ``(*lead, n_q_blocks, n_kv_blocks)`` of
+    :data:`HIDDEN`, :data:`PARTIAL` and :data:`FULL`, whose leading axes broadcast
+    against ``(*batch, H)`` (none when every batch element and head sees the same
+    tiles). ``mask`` is the bound mask whose ``tile`` masks the partial tiles.
+    """
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    states: Any
+    mask: Mask | None = None
+
+    @property
+    def num_q_blocks(self) -> int:
+        return int(self.states.shape[-2])
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return int(self.states.shape[-1])
+
+    def q_range(self, a: int) -> tuple[int, int]:
+        """Rows ``[q0, q1)`` of query block ``a``."""
+        return a * self.block_q, min(self.q_len, (a + 1) * self.block_q)
+
+    def kv_range(self, b: int) -> tuple[int, int]:
+        """Keys ``[k0, k1)`` of key block ``b``."""
+        return b * self.block_k, min(self.kv_len, (b + 1) * self.block_k)
+
+    @cached_property
+    def merged(self) -> Any:
+        """``(n_q_blocks, n_kv_blocks)`` states for a kernel that computes every batch
+        element and head of a tile at once: hidden only where hidden for all of them,
+        full only where full for all of them."""
+        import numpy as np
+
+        if self.states.ndim == 2:
+            return self.states
+        axes = tuple(range(self.states.ndim - 2))
+        high, low = self.states.max(axis=axes), self.states.min(axis=axes)
+        return np.where(high == HIDDEN, HIDDEN, np.where(low == FULL, FULL, PARTIAL)).astype(
+            np.int8)
+
+    @cached_property
+    def _kv_lists(self) -> list[list[tuple[int, bool]]]:
+        return [[(int(b), bool(row[b] == FULL)) for b in row.nonzero()[0]]
+                for row in self.merged]
+
+    @cached_property
+    def _q_lists(self) -> list[list[tuple[int, bool]]]:
+        return [[(int(a), bool(col[a] == FULL)) for a in col.nonzero()[0]]
+                for col in self.merged.T]
+
+    def kv_blocks(self, a: int) -> list[tuple[int, bool]]:
+        """``(key block, full)`` for every key block query block ``a`` visits, in
+        order, over all batch elements and heads (see :attr:`merged`)."""
+        return self._kv_lists[a]
+
+    def q_blocks(self, b: int) -> list[tuple[int, bool]]:
+        """``(query block, full)`` for every query block that visits key block ``b``."""
+        return self._q_lists[b]
+
+    def tables(self) -> BlockTables:
+        """The block form as FlexAttention-style index tables (see :class:`BlockTables`)."""
+        partial, full = _lists(self.states == PARTIAL), _lists(self.states == FULL)
+        t_partial = _lists(_transposed(self.states == PARTIAL))
+        t_full = _lists(_transposed(self.states == FULL))
+        return BlockTables(*partial, *full, *t_partial, *t_full)
+
+    @cached_property
+    def visible(self) -> float:
+        """Fraction of the pairs that lie in visited tiles (averaged over batch and
+        heads): the share of full attention's work a block-skipping kernel does."""
+        return self._share(self.states != HIDDEN)
+
+    @cached_property
+    def partial(self) -> float:
+        """Fraction of the pairs that lie in partial tiles."""
+        return self._share(self.states == PARTIAL)
+
+    def _share(self, selected: Any) -> float:
+        import numpy as np
+
+        if not self.q_len or not self.kv_len:
+            return 0.0
+        rows = np.diff(np.minimum(np.arange(self.num_q_blocks + 1) * self.block_q, self.q_len))
+        cols = np.diff(np.minimum(np.arange(self.num_kv_blocks + 1) * self.block_k,
+                                  self.kv_len))
+        area = (selected * rows[:, None] * cols[None, :]).sum(axis=(-2, -1))
+        return float(np.mean(area)) / (self.q_len * self.kv_len)
+
+    def __repr__(self) -> str:
+        lead = f", per {tuple(self.states.shape[:-2])}" if self.states.ndim > 2 else ""
+        return (f"BlockMask(Lq={self.q_len}, Lk={self.kv_len}, tiles of "
+                f"{self.block_q}x{self.block_k}: {self.num_q_blocks}x{self.num_kv_blocks}"
+                f"{lead}, {self.visible:.1%} visible, {self.partial:.1%} partial)")
+
+
+def _lists(selected: Any) -> tuple[Any, Any]:
+    """Counts and indices (selected first, in order) along the last axis."""
+    import numpy as np
+
+    counts = selected.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
+    return counts, order
+
+
+def _transposed(a: Any) -> Any:
+    import numpy as np
+
+    return np.swapaxes(a, -1, -2)
+
+
+def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
+               block_k: int) -> BlockMask:
+    """The block form of a bound ``mask`` (None: every tile full), built once: per
+    mask object for masks holding arrays, per structure and shape for the others."""
+    key = (q_len, kv_len, block_q, block_k)
+    if mask is not None and mask.arrays:
+        own = mask.__dict__.get("_block_masks")
+        if own is None:  # masks are frozen: the cache is set once, like a field
+            own = {}
+            object.__setattr__(mask, "_block_masks", own)
+        found = own.get(key)
+        if found is None:
+            found = own[key] = _build(mask, *key)
+        return found
+    shared = (None if mask is None else mask.key(), *key)
+    with _cache_lock:
+        found = _cache.get(shared)
+        if found is not None:
+            _cache.move_to_end(shared)
+            return found
+    found = _build(mask, *key)
+    with _cache_lock:
+        _cache[shared] = found
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return found
+
+
+def _build(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
+           block_k: int) -> BlockMask:
+    import numpy as np
+
+    grid = Grid.uniform(q_len, kv_len, block_q, block_k)
+    shape = (len(grid.q_edges) - 1, len(grid.k_edges) - 1)
+    states = None if mask is None else mask.block_states(grid)
+    if states is None:
+        fill = FULL if mask is None else PARTIAL
+        states = np.full(shape, fill, dtype=np.int8)
+    elif states.shape[-2:] != shape:  # a part that depends on one axis only
+        states = np.broadcast_to(states, (*states.shape[:-2], *shape))
+    states.setflags(write=False)
+    return BlockMask(q_len, kv_len, block_q, block_k, states, mask)

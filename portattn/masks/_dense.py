@@ -1,0 +1,204 @@
+"""Masks given pair by pair: an explicit boolean array (:class:`Dense`) and a mask
+function of the indices (:class:`Function`, FlexAttention's ``mask_mod``). Their block
+forms are the only ones read from every pair; a function's is remembered on the mask
+object, so one mask reused across calls and layers is evaluated once per shape."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ._base import Mask, expand_to_rank, replaced, slice_tile, tile_states
+from ._values import check_array, dtype_text, host_copy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._base import Grid
+
+__all__ = ["Dense", "Function"]
+
+#: Pairs evaluated at once while building a function's block form.
+CHUNK_PAIRS = 1 << 22
+
+
+def pair_states(allowed: Any, grid: Grid) -> Any:
+    """Tile states of a host boolean array ``(..., rows, keys)`` whose rows and keys
+    are those of ``grid``'s tiles (a size-1 axis broadcasts)."""
+    import numpy as np
+
+    q0, k0 = int(grid.q_edges[0]), int(grid.k_edges[0])
+    shape = (*allowed.shape[:-2], int(grid.q_edges[-1]) - q0, int(grid.k_edges[-1]) - k0)
+    allowed = np.broadcast_to(allowed, shape)
+    q_edges, k_edges = grid.q_edges[:-1] - q0, grid.k_edges[:-1] - k0
+    some = np.logical_or.reduceat(np.logical_or.reduceat(allowed, q_edges, axis=-2),
+                                  k_edges, axis=-1)
+    every = np.logical_and.reduceat(np.logical_and.reduceat(allowed, q_edges, axis=-2),
+                                    k_edges, axis=-1)
+    return tile_states(~some, every)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Dense(Mask):
+    """An explicit boolean array (True = attend); full rank once bound to a call."""
+
+    kind: ClassVar[str] = "dense"
+    allowed: Any
+
+    def __post_init__(self) -> None:
+        check_array(self.allowed, "dense", "a boolean array")
+
+    @property
+    def arrays(self):
+        return (self.allowed,)
+
+    def with_arrays(self, arrays):
+        (allowed,) = arrays
+        return replaced(self, allowed=allowed)
+
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        if not xp.isdtype(self.allowed.dtype, "bool"):
+            msg = ("dense mask must have dtype bool (True = attend); got "
+                   f"dense.dtype={dtype_text(self.allowed.dtype)}")
+            raise TypeError(msg)
+        full = expand_to_rank(xp, self.allowed, (*batch_shape, num_heads, lq, lk), "dense mask")
+        return replaced(self, allowed=full)
+
+    # A single tile's state would read the array: kernels ask the block form instead.
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        return q0 >= q1 or k0 >= k1
+
+    def covers(self, q0, q1, k0, k1, lq, lk):
+        return False
+
+    def block_states(self, grid):
+        q0, q1, k0, k1 = (int(e) for e in (grid.q_edges[0], grid.q_edges[-1],
+                                           grid.k_edges[0], grid.k_edges[-1]))
+        allowed = host_copy(slice_tile(self.allowed, q0, q1, k0, k1))
+        return None if allowed is None else pair_states(allowed, grid)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        return slice_tile(self.allowed, q0, q1, k0, k1)
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        return replaced(self, allowed=slice_tile(self.allowed, q0, q1, k0, k1))
+
+    def __repr__(self) -> str:
+        return f"dense(shape={tuple(self.allowed.shape)})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Function(Mask):
+    """Pairs for which ``fn(b, h, q_idx, kv_idx)`` is True: ``b`` the flat batch index,
+    ``h`` the query head, ``q_idx`` and ``kv_idx`` the query and key indices of the
+    whole call. ``fn`` receives integer arrays of the call's library that broadcast
+    against each other and returns a boolean array (write it with operators and the
+    library's functions: ``(q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])``)."""
+
+    kind: ClassVar[str] = "function"
+    fn: Callable[..., Any]
+    q_origin: int = 0
+    k_origin: int = 0
+    batch_shape: tuple[int, ...] | None = None
+    num_heads: int | None = None
+    context: Any = field(default=None, compare=False)
+    """``(xp, device)`` of the call it is bound to."""
+    _states: dict = field(default_factory=dict, compare=False)
+    """Block forms already built, per grid and library (shared by the copies bind makes)."""
+    _lock: Any = field(default_factory=threading.Lock, compare=False)
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            msg = f"function expects a callable fn(b, h, q_idx, kv_idx); got {self.fn!r}"
+            raise TypeError(msg)
+
+    def structure(self):
+        return (self.kind, self.fn, self.q_origin, self.k_origin, self.batch_shape,
+                self.num_heads)
+
+    def key(self):
+        return self.structure()
+
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        bound = replaced(self, batch_shape=tuple(batch_shape), num_heads=num_heads,
+                         context=(xp, device))
+        if lq and lk:  # one pair: a clear error now rather than deep inside a kernel
+            probe = bound.tile(xp, 0, 1, 0, 1, lq, lk, device)
+            if not xp.isdtype(probe.dtype, "bool"):
+                msg = ("a mask function must return a boolean array; got "
+                       f"dtype={dtype_text(probe.dtype)} from {_name(self.fn)}")
+                raise TypeError(msg)
+        return bound
+
+    def _indices(self, xp: Any, device: Any) -> tuple[Any, Any]:
+        batch, heads = self.batch_shape or (), self.num_heads or 1
+        b = xp.reshape(xp.arange(math.prod(batch), device=device), (*batch, 1, 1, 1))
+        h = xp.reshape(xp.arange(heads, device=device), (heads, 1, 1))
+        return b, h
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        b, h = self._indices(xp, device)
+        rows = xp.arange(q0 + self.q_origin, q1 + self.q_origin, device=device)[:, None]
+        cols = xp.arange(k0 + self.k_origin, k1 + self.k_origin, device=device)[None, :]
+        allowed = self.fn(b, h, rows, cols)
+        return allowed if hasattr(allowed, "shape") else xp.asarray(allowed, device=device)
+
+    def hides(self, q0, q1, k0, k1, lq, lk):
+        return q0 >= q1 or k0 >= k1
+
+    def covers(self, q0, q1, k0, k1, lq, lk):
+        return False
+
+    def block_states(self, grid):
+        if self.context is None:
+            return None
+        xp, device = self.context
+        key = (tuple(grid.q_edges), tuple(grid.k_edges), grid.q_len, grid.kv_len,
+               self.q_origin, self.k_origin, self.batch_shape, self.num_heads, id(xp))
+        with self._lock:
+            if key in self._states:
+                return self._states[key]
+        states = self._evaluate(xp, device, grid)
+        if states is not None:
+            with self._lock:
+                self._states[key] = states
+        return states
+
+    def _evaluate(self, xp: Any, device: Any, grid: Grid) -> Any:
+        """Every pair of the grid, a few query blocks at a time."""
+        import numpy as np
+
+        rows = max(1, CHUNK_PAIRS // max(1, int(grid.k_edges[-1] - grid.k_edges[0])
+                                         * math.prod(self.batch_shape or ())
+                                         * (self.num_heads or 1)))
+        parts, first = [], 0
+        edges = grid.q_edges
+        while first < len(edges) - 1:
+            last = first + 1  # query blocks [first, last) in this chunk
+            while last < len(edges) - 1 and edges[last + 1] - edges[first] <= rows:
+                last += 1
+            allowed = host_copy(self.tile(xp, int(edges[first]), int(edges[last]),
+                                          int(grid.k_edges[0]), int(grid.k_edges[-1]),
+                                          grid.q_len, grid.kv_len, device))
+            if allowed is None:  # traced: the values do not exist yet
+                return None
+            chunk = type(grid)(edges[first:last + 1], grid.k_edges, grid.q_len, grid.kv_len)
+            parts.append(pair_states(allowed, chunk))
+            first = last
+        lead = np.broadcast_shapes(*(p.shape[:-2] for p in parts))
+        return np.concatenate([np.broadcast_to(p, (*lead, *p.shape[-2:])) for p in parts],
+                              axis=-2)
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        return replaced(self, q_origin=self.q_origin + q0, k_origin=self.k_origin + k0)
+
+    def __repr__(self) -> str:
+        moved = "".join(f", {n}={getattr(self, n)}" for n in ("q_origin", "k_origin")
+                        if getattr(self, n))
+        return f"function({_name(self.fn)}{moved})"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

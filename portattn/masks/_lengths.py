@@ -1,0 +1,146 @@
+"""Per-batch lengths: padding on the right of the keys (:class:`KeyLengths`) or the
+queries (:class:`QueryLengths`), and the bidirectional prefix of a prefix-LM
+(:class:`Prefix`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ._base import Aligned, Mask, column, replaced, tile_states
+from ._values import check_array, check_range, dtype_text, host_copy, signed
+
+__all__ = ["KeyLengths", "Prefix", "QueryLengths"]
+
+
+class _Lengths(Mask):
+    """One integer per batch element; ``host`` is their copy on the host once bound
+    to a call whose values can be read."""
+
+    lengths: Any
+    host: Any
+
+    def __post_init__(self) -> None:
+        check_array(self.lengths, self.kind, "an integer array with the batch shape")
+
+    @property
+    def arrays(self):
+        return (self.lengths,)
+
+    def with_arrays(self, arrays):
+        (lengths,) = arrays
+        return replaced(self, lengths=lengths, host=None)
+
+    def _limit(self, lq: int, lk: int) -> tuple[int, str]:
+        return (lk, "Lk") if self.kind == "key_lengths" else (lq, "Lq")
+
+    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        lengths = self.lengths
+        if not xp.isdtype(lengths.dtype, "integral"):
+            msg = (f"{self.kind} lengths must have an integer dtype; got "
+                   f"{self.kind}.dtype={dtype_text(lengths.dtype)}")
+            raise TypeError(msg)
+        if tuple(lengths.shape) != tuple(batch_shape):
+            msg = (f"{self.kind} lengths must have the batch shape of query, "
+                   f"{tuple(batch_shape)}; got lengths.shape={tuple(lengths.shape)}")
+            raise ValueError(msg)
+        lengths = signed(xp, lengths)
+        check_range(xp, lengths, self._limit(lq, lk)[0], self.kind)
+        return replaced(self, lengths=lengths, host=host_copy(lengths))
+
+    def column(self, xp: Any) -> Any:
+        """The lengths as ``(*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
+        return column(xp, self.lengths)
+
+    def _host_column(self) -> Any:
+        return None if self.host is None else self.host.reshape(*self.host.shape, 1, 1, 1)
+
+    def __repr__(self) -> str:
+        return f"{self.kind}(shape={tuple(self.lengths.shape)})"
+
+
+class _PaddingLengths(_Lengths):
+    """Right padding along one axis: positions ``>= lengths[b]`` are padding."""
+
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        start, stop = (k0, k1) if self.kind == "key_lengths" else (q0, q1)
+        # signed first: lengths - start must not wrap around in an unsigned dtype
+        # (asarray: NumPy's clip turns a 0-d array into a scalar)
+        lengths = xp.asarray(xp.clip(signed(xp, self.lengths) - start, 0, stop - start))
+        host = None if self.host is None else (self.host - start).clip(0, stop - start)
+        return replaced(self, lengths=lengths, host=host)
+
+    def _states(self, first: Any, last: Any) -> Any:
+        """States of blocks ``[first, last]`` along the padded axis, per batch element."""
+        lengths = self._host_column()
+        return None if lengths is None else tile_states(first >= lengths, last < lengths)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class KeyLengths(_PaddingLengths):
+    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
+
+    kind: ClassVar[str] = "key_lengths"
+    lengths: Any
+    host: Any = field(default=None, compare=False)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        return xp.arange(k0, k1, device=device) < self.column(xp)
+
+    def block_states(self, grid):
+        return self._states(grid.k_first[None, :], grid.k_last[None, :])
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class QueryLengths(_PaddingLengths):
+    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked."""
+
+    kind: ClassVar[str] = "query_lengths"
+    lengths: Any
+    host: Any = field(default=None, compare=False)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        return xp.arange(q0, q1, device=device)[:, None] < self.column(xp)
+
+    def block_states(self, grid):
+        return self._states(grid.q_first[:, None], grid.q_last[:, None])
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Prefix(_Lengths, Aligned):
+    """The first ``lengths[b]`` positions of batch element ``b`` attend each other:
+    query at (bottom-right aligned) position ``0 <= p < lengths[b]`` and key
+    ``j < lengths[b]``. A prefix-LM is ``causal() | prefix(lengths)``."""
+
+    kind: ClassVar[str] = "prefix"
+    lengths: Any
+    shift: int = 0
+    origin: int = 0
+    host: Any = field(default=None, compare=False)
+
+    def _limit(self, lq, lk):
+        return lk, "Lk"
+
+    def structure(self):
+        return (self.kind, self.shift, self.origin)
+
+    def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
+        offset = self.query_offset(lq, lk)
+        rows = xp.arange(q0 + offset, q1 + offset, device=device)[:, None]
+        cols = xp.arange(k0 + self.origin, k1 + self.origin, device=device)[None, :]
+        lengths = self.column(xp)
+        return xp.logical_and(xp.logical_and(rows >= 0, rows < lengths), cols < lengths)
+
+    def block_states(self, grid):
+        lengths = self._host_column()
+        if lengths is None:
+            return None
+        offset = self.query_offset(grid.q_len, grid.kv_len)
+        q_first, q_last = grid.q_first[:, None] + offset, grid.q_last[:, None] + offset
+        k_first, k_last = grid.k_first[None, :] + self.origin, grid.k_last[None, :] + self.origin
+        hidden = (q_last < 0) | (q_first >= lengths) | (k_first >= lengths)
+        full = (q_first >= 0) & (q_last < lengths) & (k_last < lengths)
+        return tile_states(hidden, full)
+
+    def __repr__(self) -> str:
+        return f"prefix(shape={tuple(self.lengths.shape)}{self._position_text()})"

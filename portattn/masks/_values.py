@@ -1,0 +1,116 @@
+"""Reading the values masks hold: integer arrays checked wherever they can be read,
+kept in signed dtypes (arithmetic on unsigned lengths would wrap around), and copied
+to the host once so a block form can follow them.
+
+Values cannot be read while JAX traces, inside torch.compile, or from a lazy Dask
+graph; there the masks keep no copy and the kernels visit every tile the structure
+alone does not rule out, which stays correct. Reading an array on an accelerator waits
+for it. A leaf module: it imports nothing else of portattn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_array", "check_bounds", "check_integer_array", "check_range", "dtype_text",
+           "host_copy", "jax_tracer_type", "signed", "values_readable"]
+
+
+def signed(xp: Any, lengths: Any) -> Any:
+    """``lengths`` in a signed integer dtype (unsigned ones wrap around on subtraction)."""
+    if not xp.isdtype(lengths.dtype, "unsigned integer"):
+        return lengths
+    bits = xp.iinfo(lengths.dtype).bits
+    return xp.astype(lengths, xp.int32 if bits <= 16 else xp.int64)
+
+
+def jax_tracer_type() -> type | None:
+    """JAX's tracer class when JAX is imported (``jax.core`` itself may not be in
+    ``sys.modules``: recent JAX loads it lazily)."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    core = getattr(jax, "core", None) if jax is not None else None
+    return getattr(core, "Tracer", None)
+
+
+def values_readable(a: Any) -> bool:
+    """Whether ``a``'s values can be read now: not a lazy Dask graph, not a JAX tracer,
+    not a tensor being compiled by torch.compile. Reading may sync a GPU."""
+    import sys
+
+    from array_api_compat import is_dask_array
+
+    if is_dask_array(a):
+        return False
+    tracer = jax_tracer_type()
+    if tracer is not None and isinstance(a, tracer):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and isinstance(a, torch.Tensor)
+                and torch.compiler.is_compiling())
+
+
+def host_copy(a: Any) -> Any:
+    """``a`` as a NumPy array on the host, or None when its values cannot be read now
+    (or NumPy is not installed: the block form is then the conservative one)."""
+    if not values_readable(a):
+        return None
+    try:
+        import numpy as np
+        from array_api_compat import to_device
+
+        try:
+            return np.asarray(a)
+        except (TypeError, RuntimeError, ValueError):
+            return np.asarray(to_device(a, "cpu"))
+    except Exception:  # e.g. no NumPy, or a library that cannot hand its values over
+        return None
+
+
+def check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
+    """Lengths must lie in ``[0, limit]``, checked wherever the values are readable
+    (traced and lazy arrays are not checked: there a length is clipped to the range)."""
+    length_name = "Lk" if kind == "key_lengths" else "Lq"
+    check_bounds(xp, lengths, limit, f"{kind} lengths", length_name, what=kind)
+
+
+def check_bounds(xp: Any, a: Any, limit: int, name: str, limit_name: str,
+                 what: str | None = None) -> None:
+    """Values of ``a`` must lie in ``[0, limit]``, checked wherever they can be read."""
+    if math.prod(a.shape) == 0 or not values_readable(a):
+        return
+    try:
+        bad = bool(xp.any(xp.logical_or(a < 0, a > limit)))
+    except Exception:  # values that exist only while tracing, under a transformation
+        return           # not recognised above: they cannot be read, as documented
+    if bad:
+        low, high = int(xp.min(a)), int(xp.max(a))
+        msg = (f"{name} must lie in [0, {limit_name}={limit}]; "
+               f"got {what or name} with min={low}, max={high}")
+        raise ValueError(msg)
+
+
+def check_integer_array(xp: Any, a: Any, name: str, shape: tuple[int, ...]) -> Any:
+    """``a`` checked to be integral with ``shape``; returned in a signed dtype."""
+    if not xp.isdtype(a.dtype, "integral"):
+        msg = f"{name} must have an integer dtype; got {name}.dtype={dtype_text(a.dtype)}"
+        raise TypeError(msg)
+    if tuple(a.shape) != tuple(shape):
+        msg = f"{name} must have shape {tuple(shape)}; got {name}.shape={tuple(a.shape)}"
+        raise ValueError(msg)
+    return signed(xp, a)
+
+
+def check_array(a: Any, kind: str, what: str, name: str | None = None) -> None:
+    """A constructor's argument must be an array (checked before any binding)."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        got = type(a).__name__ if name is None else f"{name} of type {type(a).__name__}"
+        msg = f"{kind} expects {what}; got {got}"
+        raise TypeError(msg)
+
+
+def dtype_text(dtype: Any) -> str:
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
