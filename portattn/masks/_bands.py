@@ -45,6 +45,9 @@ class _Positional(Mask):
     def block_states(self, grid):
         return self.band(grid.q_len, grid.kv_len).block_states(grid)
 
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return self.band(lq, lk).allows(q, k)
+
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         # global position of local query i: (q0 + i) + offset; of local key j: k0 + j.
         shift = self.offset(lq, lk) + q0 - k0 - self._base(q1 - q0, k1 - k0)

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["FULL", "HIDDEN", "PARTIAL", "POSITIONAL", "Band", "Grid", "Intersection", "Mask",
-           "Union", "band_states", "expand_to_rank", "interval_states", "on_mask_created",
-           "slice_tile", "tile_states"]
+           "Union", "band_states", "expand_to_rank", "interval_states", "linear_index",
+           "on_mask_created", "per_batch", "per_position", "slice_tile", "tile_states",
+           "within"]
 
 POSITIONAL = frozenset({"causal", "sliding_window"})
 """Kinds defined by positions alone: :meth:`Mask.band` describes them completely."""
@@ -114,6 +115,51 @@ class Band:
         """The state of every tile of ``grid`` (see :func:`band_states`)."""
         return band_states(grid, self.lower, self.upper)
 
+    def allows(self, q: Any, k: Any) -> Any:
+        """Whether row ``q`` attends key ``k`` (integer arrays that broadcast)."""
+        return within(k - q, self.lower, self.upper)
+
+
+def within(diff: Any, lower: Any, upper: Any) -> Any:
+    """``lower <= diff <= upper`` elementwise (``None``: unbounded)."""
+    allowed = None
+    if lower is not None:
+        allowed = diff >= lower
+    if upper is not None:
+        allowed = diff <= upper if allowed is None else (allowed & (diff <= upper))
+    return (diff >= 0) | (diff < 0) if allowed is None else allowed
+
+
+def per_batch(xp: Any, a: Any, b: Any) -> Any:
+    """``a``'s value for flat batch index ``b`` (``a`` has the batch shape)."""
+    return xp.reshape(a, (-1,))[b]
+
+
+def per_position(xp: Any, a: Any, b: Any, i: Any) -> Any:
+    """``a[b, i]`` for ``a`` of shape ``(*batch, L)`` or ``(1, ..., 1, L)`` (shared by the
+    batch), with ``b`` a flat batch index."""
+    length = a.shape[-1]
+    rows = 1
+    for n in a.shape[:-1]:
+        rows *= n
+    flat = xp.reshape(a, (-1,))
+    return flat[i] if rows == 1 else flat[b * length + i]
+
+
+def linear_index(shape: tuple[int, ...], batch_shape: tuple[int, ...], b: Any,
+                 *trailing: Any) -> Any:
+    """Flat index into a full-rank array of ``shape`` (``(*batch|1, ...)``, size-1 axes
+    broadcast) of flat batch index ``b`` and the ``trailing`` indices."""
+    coords, rest = [], b
+    for size in reversed(batch_shape):
+        coords.append(rest % size)
+        rest = rest // size
+    coords.reverse()
+    index: Any = 0
+    for n, c in zip(shape, [*coords, *trailing], strict=True):
+        index = index * n + (c if n > 1 else 0)
+    return index
+
 
 def _max(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else max(a, b)
@@ -203,6 +249,8 @@ def band_states(grid: Grid, lower: Any, upper: Any) -> Any:
         hidden, full = hidden | (largest < lower), full & (smallest >= lower)
     if upper is not None:
         hidden, full = hidden | (smallest > upper), full & (largest <= upper)
+    if lower is not None and upper is not None:
+        hidden = hidden | (lower > upper)  # an empty band
     return tile_states(hidden, full)
 
 
@@ -339,6 +387,14 @@ class Mask:
         """Boolean array for the tile (True = attend)."""
         raise NotImplementedError
 
+    def allows(self, xp: Any, b: Any, h: Any, q: Any, k: Any, lq: int, lk: int) -> Any:
+        """Whether query ``q`` attends key ``k`` in batch element ``b`` (flat index over
+        the batch dims) and query head ``h``: integer arrays (or scalars) that broadcast
+        together, possibly traced. The mask as FlexAttention's ``mask_mod``, for
+        kernels whose tile offsets are only known on the device (:meth:`tile` is the
+        same for a tile whose bounds are Python ints)."""
+        raise NotImplementedError
+
     def bind(self, xp: Any, batch_shape: tuple[int, ...], num_heads: int, lq: int,
              lk: int, device: Any = None) -> Mask:
         """Validate against a call's shapes (on ``device``); return the mask normalised
@@ -410,6 +466,13 @@ class _Combination(Mask):
 
     def block_states(self, grid):
         return combine_states([p.block_states(grid) for p in self.members], self.union)
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        allowed = None
+        for p in self.members:
+            a = p.allows(xp, b, h, q, k, lq, lk)
+            allowed = a if allowed is None else (allowed | a if self.union else allowed & a)
+        return allowed
 
 
 @dataclass(frozen=True, eq=False, repr=False)

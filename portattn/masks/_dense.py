@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._base import Mask, expand_to_rank, replaced, slice_tile, tile_states
+from ._base import Mask, expand_to_rank, linear_index, replaced, slice_tile, tile_states
 from ._values import check_array, dtype_text, host_copy
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class Dense(Mask):
 
     kind: ClassVar[str] = "dense"
     allowed: Any
+    batch_shape: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_array(self.allowed, "dense", "a boolean array")
@@ -64,7 +65,7 @@ class Dense(Mask):
                    f"dense.dtype={dtype_text(self.allowed.dtype)}")
             raise TypeError(msg)
         full = expand_to_rank(xp, self.allowed, (*batch_shape, num_heads, lq, lk), "dense mask")
-        return replaced(self, allowed=full)
+        return replaced(self, allowed=full, batch_shape=tuple(batch_shape))
 
     # A single tile's state would read the array: kernels ask the block form instead.
     def hides(self, q0, q1, k0, k1, lq, lk):
@@ -81,6 +82,10 @@ class Dense(Mask):
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         return slice_tile(self.allowed, q0, q1, k0, k1)
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        index = linear_index(tuple(self.allowed.shape), self.batch_shape or (), b, h, q, k)
+        return xp.reshape(self.allowed, (-1,))[index]
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         return replaced(self, allowed=slice_tile(self.allowed, q0, q1, k0, k1))
@@ -144,6 +149,9 @@ class Function(Mask):
         cols = xp.arange(k0 + self.k_origin, k1 + self.k_origin, device=device)[None, :]
         allowed = self.fn(b, h, rows, cols)
         return allowed if hasattr(allowed, "shape") else xp.asarray(allowed, device=device)
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return self.fn(b, h, q + self.q_origin, k + self.k_origin)
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         return q0 >= q1 or k0 >= k1

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Mask, interval_states, replaced
+from ._base import Mask, interval_states, per_position, replaced
 from ._values import check_array, dtype_text, host_copy, signed
 
 __all__ = ["DocumentPlan", "Documents", "ids_from_cu_seqlens"]
@@ -165,6 +165,10 @@ class Documents(Mask):
         q = xp.reshape(q, (*q.shape[:-1], 1, q1 - q0, 1))
         k = xp.reshape(k, (*k.shape[:-1], 1, 1, k1 - k0))
         return xp.logical_and(q == k, q >= 0)
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        q_ids = per_position(xp, self.query_ids, b, q)
+        return (q_ids == per_position(xp, self.key_ids, b, k)) & (q_ids >= 0)
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         plan = None if self.plan is None else self.plan.sliced(q0, q1, k0, k1)

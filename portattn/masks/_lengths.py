@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Aligned, Mask, column, replaced, tile_states
-from ._values import check_array, check_range, dtype_text, host_copy, signed
+from ._base import Aligned, Mask, column, per_batch, replaced, tile_states
+from ._values import check_array, check_bounds, dtype_text, host_copy, signed
 
 __all__ = ["KeyLengths", "Prefix", "QueryLengths"]
 
@@ -45,7 +45,8 @@ class _Lengths(Mask):
                    f"{tuple(batch_shape)}; got lengths.shape={tuple(lengths.shape)}")
             raise ValueError(msg)
         lengths = signed(xp, lengths)
-        check_range(xp, lengths, self._limit(lq, lk)[0], self.kind)
+        limit, limit_name = self._limit(lq, lk)
+        check_bounds(xp, lengths, limit, f"{self.kind} lengths", limit_name, what=self.kind)
         return replaced(self, lengths=lengths, host=host_copy(lengths))
 
     def column(self, xp: Any) -> Any:
@@ -90,6 +91,9 @@ class KeyLengths(_PaddingLengths):
     def block_states(self, grid):
         return self._states(grid.k_first[None, :], grid.k_last[None, :])
 
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return k < per_batch(xp, self.lengths, b)
+
 
 @dataclass(frozen=True, eq=False, repr=False)
 class QueryLengths(_PaddingLengths):
@@ -104,6 +108,9 @@ class QueryLengths(_PaddingLengths):
 
     def block_states(self, grid):
         return self._states(grid.q_first[:, None], grid.q_last[:, None])
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return q < per_batch(xp, self.lengths, b)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -130,6 +137,10 @@ class Prefix(_Lengths, Aligned):
         cols = xp.arange(k0 + self.origin, k1 + self.origin, device=device)[None, :]
         lengths = self.column(xp)
         return xp.logical_and(xp.logical_and(rows >= 0, rows < lengths), cols < lengths)
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        position, lengths = q + self.query_offset(lq, lk), per_batch(xp, self.lengths, b)
+        return (position >= 0) & (position < lengths) & (k + self.origin < lengths)
 
     def block_states(self, grid):
         lengths = self._host_column()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Band, Mask, band_states, column, replaced, tile_states
+from ._base import Band, Mask, band_states, column, per_batch, replaced, tile_states, within
 from ._values import check_array, check_bounds, check_integer_array, host_copy
 
 __all__ = ["KeyRanges", "QueryRanges", "SequenceWindow"]
@@ -86,6 +86,9 @@ class _Ranges(Mask):
         _, max_start, min_stop, _ = self.summary
         return max_start <= lo and hi <= min_stop
 
+    def _holds(self, xp: Any, b: Any, index: Any) -> Any:
+        return (per_batch(xp, self.start, b) <= index) & (index < per_batch(xp, self.stop, b))
+
     def _inside(self, xp: Any, lo: int, hi: int, device: Any) -> Any:
         index = xp.arange(lo, hi, device=device)
         start, stop = column(xp, self.start), column(xp, self.stop)
@@ -103,7 +106,8 @@ class _Ranges(Mask):
         if self.host is None:
             return None
         start, stop = (a.reshape(*a.shape, 1, 1, 1) for a in self.host)
-        return tile_states((last < start) | (first >= stop), (first >= start) & (last < stop))
+        hidden = (last < start) | (first >= stop) | (start >= stop)
+        return tile_states(hidden, (first >= start) & (last < stop))
 
     def __repr__(self) -> str:
         return f"{self.kind}(shape={tuple(self.start.shape)})"
@@ -133,6 +137,9 @@ class KeyRanges(_Ranges):
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         return self._inside(xp, k0, k1, device)
 
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return self._holds(xp, b, k)
+
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         return self._restricted(xp, k0, k1)
 
@@ -161,6 +168,9 @@ class QueryRanges(_Ranges):
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         rows = self._inside(xp, q0, q1, device)
         return xp.reshape(rows, (*rows.shape[:-2], q1 - q0, 1))
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return self._holds(xp, b, q)
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         return self._restricted(xp, q0, q1)
@@ -265,6 +275,10 @@ class SequenceWindow(Mask):
         if allowed is None:
             allowed = xp.logical_or(diff >= offset, diff < offset)
         return allowed
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        offset = per_batch(xp, self.key_lengths - self.query_lengths, b) + self.shift
+        return within(k - q - offset, None if self.left is None else -self.left, self.right)
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         # local query i' = i - q0 and key j' = j - k0: j - i = j' - i' + k0 - q0

@@ -20,7 +20,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Aligned, expand_to_rank, interval_states, replaced, tile_states
+from array_api_compat import device as device_of
+
+from ._base import (
+    Aligned,
+    expand_to_rank,
+    interval_states,
+    linear_index,
+    replaced,
+    tile_states,
+)
 from ._values import check_array, check_bounds, dtype_text, host_copy, signed
 
 __all__ = ["BlockLayout", "Chunks", "GlobalTokens", "SinkTokens"]
@@ -58,6 +67,9 @@ class SinkTokens(Aligned):
         cols = _positions(xp, k0 + self.origin, k1 + self.origin, device)[None, :]
         return xp.broadcast_to(cols < self.count, (q1 - q0, k1 - k0))
 
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return k + self.origin < self.count
+
     def block_states(self, grid):
         first, last = grid.k_first + self.origin, grid.k_last + self.origin
         return tile_states(first >= self.count, last < self.count)[None, :]
@@ -92,6 +104,9 @@ class Chunks(Aligned):
         rows = _positions(xp, q0 + offset, q1 + offset, device)[:, None]
         cols = _positions(xp, k0 + self.origin, k1 + self.origin, device)[None, :]
         return (rows // self.size) == (cols // self.size)
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        return (q + self.query_offset(lq, lk)) // self.size == (k + self.origin) // self.size
 
     def block_states(self, grid):
         offset = self.query_offset(grid.q_len, grid.kv_len)
@@ -168,6 +183,15 @@ class GlobalTokens(Aligned):
         return xp.logical_or(xp.reshape(rows, (*lead, 1, q1 - q0, 1)),
                              xp.reshape(cols, (*lead, 1, 1, k1 - k0)))
 
+    def allows(self, xp, b, h, q, k, lq, lk):
+        positions = self.positions
+        if positions.ndim > 1:  # one row per batch element
+            n = positions.shape[-1]
+            columns = xp.arange(n, device=device_of(positions))
+            positions = xp.reshape(positions, (-1,))[b[..., None] * n + columns]
+        return (xp.any((q + self.query_offset(lq, lk))[..., None] == positions, axis=-1)
+                | xp.any((k + self.origin)[..., None] == positions, axis=-1))
+
     def block_states(self, grid):
         if self.host is None:
             return None
@@ -204,6 +228,7 @@ class BlockLayout(Aligned):
     block_k: int
     shift: int = 0
     origin: int = 0
+    batch_shape: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_array(self.layout, "block_layout", "a boolean array")
@@ -235,7 +260,14 @@ class BlockLayout(Aligned):
             raise ValueError(msg)
         layout = expand_to_rank(xp, self.layout, (*batch_shape, num_heads, rows, cols),
                                 "block_layout layout")
-        return replaced(self, layout=layout)
+        return replaced(self, layout=layout, batch_shape=tuple(batch_shape))
+
+    def allows(self, xp, b, h, q, k, lq, lk):
+        position = q + self.query_offset(lq, lk)
+        row = xp.where(position < 0, 0, position) // self.block_q
+        index = linear_index(tuple(self.layout.shape), self.batch_shape or (), b, h, row,
+                             (k + self.origin) // self.block_k)
+        return xp.reshape(self.layout, (-1,))[index] & (position >= 0)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         offset = self.query_offset(lq, lk)
