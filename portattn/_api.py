@@ -21,7 +21,8 @@ __all__ = ["attention", "explain", "scaled_dot_product_attention"]
 def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               bias: Any = None, scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False, return_weights: bool = False,
-              dropout_p: float = 0.0, kernel: str | None = None) -> Any:
+              dropout_p: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+              kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
     Shapes: ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``,
@@ -41,6 +42,14 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
         return_weights: also return the softmax matrix; materialises ``Lq x Lk``.
         dropout_p: dropout on the weights; only kernels backed by a random generator
             accept it.
+        alibi_slopes: ALiBi, ``(Hq,)`` or ``(*batch, Hq)``: ``-slope * |i + Lk - Lq - j|``
+            joins the score of query ``i`` and key ``j`` (with the bias, after softcap),
+            as flash-attn defines it; computed per tile, never as an ``Lq x Lk`` array.
+            Constants: no gradient flows to them.
+        sinks: learned attention sinks, ``(Hq,)`` or ``(*batch, Hq)``: each row's softmax
+            denominator gains ``exp(sinks[h])``, a logit that attends no value (gpt-oss).
+            The lse includes it (so a fully masked row gives 0 and an lse of ``sinks``);
+            gradients flow to it.
         kernel: run this kernel by name instead of choosing one.
 
     Returns:
@@ -48,7 +57,7 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     """
     options = {"mask": mask, "bias": bias, "scale": scale, "softcap": softcap,
                "return_lse": return_lse, "return_weights": return_weights,
-               "dropout_p": dropout_p}
+               "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks}
     inputs, entry = described_and_chosen(query, key, value, options, kernel)
     out, lse, weights = entry.kernel.run(inputs)
     check_result(entry, inputs, out, lse, weights)

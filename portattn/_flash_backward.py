@@ -8,7 +8,9 @@ instead of the O(Lq * Lk) that recording every tile would keep. Per tile, with
     dV += P^T dO        dP = dO V^T        dS = P * (dP - Delta)
     dQ += dS K          dK += dS^T Q       dBias += dS
 
-(``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) A softcap
+(``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) A sink
+logit ``z`` per head (in the lse, attending no value) gets ``-sum P_z * Delta`` with
+``P_z = exp(z - lse)``. A softcap
 multiplies ``dS`` by ``1 - tanh^2`` before it reaches Q and K. The tiles the forward
 visited are visited again (the same block form); fully masked rows (lse ``-inf``) get
 ``P = 0`` and so gradient 0. Grouped-query heads are summed into their K/V head per
@@ -17,7 +19,8 @@ tile.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_extra as xpx
 
@@ -27,6 +30,7 @@ from ._portable import (
     group_kv,
     group_queries,
     is_empty,
+    per_head_column,
     scores,
     split_nonfinite,
     ungroup,
@@ -36,22 +40,33 @@ from ._tiled import block_sizes
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
-__all__ = ["flash_backward"]
+__all__ = ["Gradients", "flash_backward"]
+
+
+class Gradients(NamedTuple):
+    """What :func:`flash_backward` returns, each in its input's dtype and shape."""
+
+    query: Any
+    key: Any
+    value: Any
+    bias: Any
+    """None unless asked for (``bias_grad``)."""
+    sinks: Any
+    """None without ``inputs.sinks``."""
 
 
 def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
-                   dlse: Any = None, *, bias_grad: bool = False,
-                   ) -> tuple[Any, Any, Any, Any]:
-    """``(dq, dk, dv, dbias)`` of attention ``(out, lse)`` computed from ``inputs``.
+                   dlse: Any = None, *, bias_grad: bool = False) -> Gradients:
+    """The :class:`Gradients` of attention ``(out, lse)`` computed from ``inputs``.
 
     ``lse`` is the forward's log-sum-exp ``(..., Hq, Lq)``; ``dout`` and ``dlse`` (None
-    for zero) are the gradients of the output and of the lse. ``dbias`` is None unless
-    ``bias_grad``; it has the shape of ``inputs.bias``. Each gradient has its input's
-    dtype; half precision is accumulated in float32.
+    for zero) are the gradients of the output and of the lse. The bias gradient is
+    computed only with ``bias_grad``, the sinks' whenever the call has sinks. Half
+    precision is accumulated in float32.
     """
     xp = inputs.xp
     if is_empty(inputs):
-        return _zero_grads(inputs, bias_grad)
+        return _zero_grads(inputs, bias_grad, dlse)
     ct = inputs.compute_dtype
     hkv = inputs.num_kv_heads
     block_q, block_k = block_sizes(inputs)
@@ -68,6 +83,7 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     dk = _zeros(inputs, inputs.key)
     dv = _zeros(inputs, inputs.value)
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
+    dsinks = None
     blocks = inputs.blocks(block_q, block_k)
     for a in range(blocks.num_q_blocks):
         q0, q1 = blocks.q_range(a)
@@ -78,6 +94,10 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
             d = d - cast(xp, dlse[..., q0:q1, None], ct)
         do, d = group_queries(xp, do, hkv), group_queries(xp, d, hkv)
         m = group_queries(xp, lse[..., q0:q1, None], hkv)
+        if inputs.sinks is not None:  # d lse / d sink = its weight; d out / d sink = -w out
+            sink = per_head_column(inputs, inputs.sinks, ct)
+            part = -xp.sum(xp.exp(sink - m) * d, axis=(-2, -1))
+            dsinks = part if dsinks is None else dsinks + part
         dq_block = None
         for b, full in blocks.kv_blocks(a):  # the tiles the forward visited
             k0, k1 = blocks.kv_range(b)
@@ -98,8 +118,20 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
         if dq_block is not None:  # else the mask leaves this query block no keys
             dq_block = ungroup(xp, dq_block) * inputs.scale
             dq = xpx.at(dq)[..., q0:q1, :].set(cast(xp, dq_block, dq.dtype))
-    return (cast(xp, dq, inputs.query.dtype), cast(xp, dk, inputs.key.dtype),
-            cast(xp, dv, inputs.value.dtype), None if bias is None else bias.result())
+    return Gradients(cast(xp, dq, inputs.query.dtype), cast(xp, dk, inputs.key.dtype),
+                     cast(xp, dv, inputs.value.dtype), None if bias is None else bias.result(),
+                     None if dsinks is None else _per_head_grad(inputs, dsinks))
+
+
+def _per_head_grad(inputs: AttentionInputs, grouped: Any) -> Any:
+    """``(*b, Hkv, G)`` summed over the batch axes a per-head input broadcasts along."""
+    xp = inputs.xp
+    total = xp.reshape(grouped, (*grouped.shape[:-2], inputs.num_heads))
+    shape = tuple(inputs.sinks.shape)
+    axes = tuple(i for i, n in enumerate(shape[:-1]) if n == 1 and total.shape[i] != 1)
+    if axes:
+        total = xp.sum(total, axis=axes, keepdims=True)
+    return cast(xp, total, inputs.sinks.dtype)
 
 
 def _zeros(inputs: AttentionInputs, like: Any) -> Any:
@@ -165,9 +197,18 @@ def _grid(length: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(length, s + block)) for s in range(0, length, block)]
 
 
-def _zero_grads(inputs: AttentionInputs, bias_grad: bool) -> tuple[Any, Any, Any, Any]:
+def _zero_grads(inputs: AttentionInputs, bias_grad: bool, dlse: Any) -> Gradients:
+    """No key, query or row: every gradient is 0 but the sinks', where each row's lse
+    is its sink (no key) and so passes its gradient on whole."""
     xp = inputs.xp
     grads = tuple(xp.zeros_like(a) for a in (inputs.query, inputs.key, inputs.value))
     dbias = xp.zeros_like(inputs.bias) if bias_grad else None
-    return (*grads, dbias)
+    dsinks = None
+    if inputs.sinks is not None:
+        dsinks = xp.zeros_like(inputs.sinks)
+        if dlse is not None and math.prod(dlse.shape):
+            rows = xp.sum(cast(xp, dlse, inputs.compute_dtype), axis=-1)
+            dsinks = _per_head_grad(inputs, xp.reshape(rows, (*rows.shape[:-1],
+                                                              inputs.num_kv_heads, -1)))
+    return Gradients(*grads, dbias, dsinks)
 

@@ -126,6 +126,10 @@ class AttentionInputs(NamedTuple):
     value_head_dim: int
     requires_grad: bool
     mask_kinds: frozenset[str] = frozenset()
+    alibi_slopes: Any = None
+    """``(*batch | 1, Hq)``: ``-slope * |i + Lk - Lq - j|`` joins the scores."""
+    sinks: Any = None
+    """``(*batch | 1, Hq)``: a logit per head in each row's softmax denominator."""
 
     @property
     def compute_dtype(self) -> Any:
@@ -161,6 +165,9 @@ class AttentionInputs(NamedTuple):
         bias = None if self.bias is None else f"shape={tuple(self.bias.shape)}"
         lines.append(f"    mask={self.mask!r} bias={bias} scale={self.scale:.6g} "
                      f"softcap={self.softcap}")
+        for name in ("alibi_slopes", "sinks"):
+            if getattr(self, name) is not None:
+                lines.append(f"    {name}: shape={tuple(getattr(self, name).shape)}")
         flags = [f for f in ("return_lse", "return_weights", "requires_grad") if getattr(self, f)]
         if self.dropout_p:
             flags.append(f"dropout_p={self.dropout_p}")
@@ -172,7 +179,8 @@ class AttentionInputs(NamedTuple):
 def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias: Any = None,
              scale: float | None = None, softcap: float | None = None,
              return_lse: bool = False, return_weights: bool = False,
-             dropout_p: float = 0.0) -> AttentionInputs:
+             dropout_p: float = 0.0, alibi_slopes: Any = None,
+             sinks: Any = None) -> AttentionInputs:
     """Validate one call's arguments and describe it."""
     arrays = {"query": query, "key": key, "value": value}
     xp = _common_namespace(arrays)
@@ -197,6 +205,14 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
             msg = f"bias must have a real floating dtype; got dtype={dtype_name(bias.dtype)}"
             raise TypeError(msg)
         bias = _masks.expand_to_rank(xp, bias, full_shape, "bias")
+    if alibi_slopes is not None:
+        if getattr(alibi_slopes, "requires_grad", False) is True:
+            msg = ("alibi_slopes are constants (no gradient flows to them, as in "
+                   "flash-attn); pass alibi_slopes.detach()")
+            raise ValueError(msg)
+        alibi_slopes = _per_head(xp, dev, alibi_slopes, "alibi_slopes", batch, hq)
+    if sinks is not None:
+        sinks = _per_head(xp, dev, sinks, "sinks", batch, hq)
 
     scale = _check_scale(scale, default=1.0 / math.sqrt(d) if d else 1.0)
     if softcap is not None:
@@ -215,9 +231,24 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         dtype=dtype_name(query.dtype),
         batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
         head_dim=d, value_head_dim=dv,
-        requires_grad=needs_grad((query, key, value, bias)),
+        requires_grad=needs_grad((query, key, value, bias, sinks)),
         mask_kinds=mask.kinds if mask is not None else frozenset(),
+        alibi_slopes=alibi_slopes, sinks=sinks,
     )
+
+
+def _per_head(xp: Any, dev: Any, a: Any, name: str, batch: tuple[int, ...], heads: int) -> Any:
+    """A float value per query head, ``(Hq,)`` or ``(*batch, Hq)``, as ``(*batch | 1, Hq)``."""
+    _check_same_library(xp, dev, a, name)
+    if not xp.isdtype(a.dtype, "real floating"):
+        msg = f"{name} must have a real floating dtype; got {name}.dtype={dtype_name(a.dtype)}"
+        raise TypeError(msg)
+    shape = tuple(a.shape)
+    if shape not in ((heads,), (*batch, heads)):
+        msg = (f"{name} must have shape (Hq,) = ({heads},) or (*batch, Hq) = "
+               f"{(*batch, heads)}; got {name}.shape={shape}")
+        raise ValueError(msg)
+    return xp.reshape(a, (*(1,) * (len(batch) + 1 - len(shape)), *shape))
 
 
 _namespaces: dict[tuple[type, ...], Any] = {}

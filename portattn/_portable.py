@@ -24,7 +24,7 @@ class PortableKernel(Kernel):
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
     masks = frozenset(KINDS)
-    bias = softcap = gqa = value_head_dim = empty = True
+    bias = softcap = alibi = sinks = gqa = value_head_dim = empty = True
     returns_lse = grad = True
 
 
@@ -80,6 +80,8 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
     if inputs.bias is not None:
         b = slice_tile(inputs.bias, q0, q1, k0, k1)
         s = s + group_tile(xp, cast(xp, b, s.dtype), inputs.num_kv_heads)
+    if inputs.alibi_slopes is not None:
+        s = s + alibi_tile(inputs, q0, q1, k0, k1, s.dtype)
     mask = inputs.mask
     if mask is not None and masked:
         allowed = mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, inputs.device_obj)
@@ -102,6 +104,36 @@ def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: 
         0 if bad_k is None else xp.matrix_transpose(bad_k))
     return xp.where((bad > 0) & (s > -math.inf), xp.asarray(math.nan, dtype=s.dtype,
                                                             device=inputs.device_obj), s)
+
+
+def alibi_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int,
+               dtype: Any) -> Any:
+    """ALiBi's ``-slope * |i + Lk - Lq - j|`` over one tile, in grouped layout."""
+    xp, dev = inputs.xp, inputs.device_obj
+    rows = xp.arange(q0 + inputs.kv_len - inputs.q_len, q1 + inputs.kv_len - inputs.q_len,
+                     device=dev)
+    distance = xp.abs(rows[:, None] - xp.arange(k0, k1, device=dev)[None, :])
+    slopes = cast(xp, inputs.alibi_slopes, dtype)[..., None, None]
+    return group_tile(xp, -slopes * cast(xp, distance, dtype), inputs.num_kv_heads)
+
+
+def per_head_column(inputs: AttentionInputs, values: Any, dtype: Any) -> Any:
+    """A value per query head, ``(*b | 1, Hq)``, as a grouped column
+    ``(*b | 1, Hkv, G, 1, 1)`` that broadcasts against a tile's rows."""
+    xp = inputs.xp
+    return group_tile(xp, cast(xp, values, dtype)[..., None, None], inputs.num_kv_heads)
+
+
+def add_sinks(inputs: AttentionInputs, acc: Any, m: Any, denom: Any) -> tuple[Any, Any, Any]:
+    """``(acc, m, denom)`` of an online softmax with each head's sink logit joined to
+    the denominator (it attends no value); ``m`` must be finite (a safe maximum)."""
+    if inputs.sinks is None:
+        return acc, m, denom
+    xp = inputs.xp
+    sink = per_head_column(inputs, inputs.sinks, m.dtype)
+    top = xp.maximum(m, sink)
+    alpha = xp.exp(m - top)
+    return acc * alpha, top, denom * alpha + xp.exp(sink - top)
 
 
 def safe_max(xp: Any, s: Any) -> Any:
@@ -157,11 +189,16 @@ def is_empty(inputs: AttentionInputs) -> bool:
 
 
 def empty_result(inputs: AttentionInputs) -> tuple[Any, Any]:
-    """Output zeros and lse ``-inf`` for calls with no keys (or no queries, or rows)."""
+    """Output zeros and lse ``-inf`` (each head's sink, with sinks) for calls with no
+    keys (or no queries, or rows)."""
     xp = inputs.xp
     lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
     out = _full(xp, (*lead, inputs.value_head_dim), 0.0, inputs.query.dtype, inputs.device_obj)
-    lse = _full(xp, lead, -math.inf, inputs.compute_dtype, inputs.device_obj)
+    if inputs.sinks is None:
+        lse = _full(xp, lead, -math.inf, inputs.compute_dtype, inputs.device_obj)
+    else:
+        lse = (_full(xp, lead, 0.0, inputs.compute_dtype, inputs.device_obj)
+               + cast(xp, inputs.sinks, inputs.compute_dtype)[..., None])
     return out, lse
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._portable import (
     PortableKernel,
+    add_sinks,
     attend_values,
     cast,
     empty_result,
@@ -56,7 +57,7 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     m = safe_max(xp, s)
     p = xp.exp(s - m)
     denom = xp.sum(p, axis=-1, keepdims=True)
-    weights, lse = finish(xp, p, m, denom)
+    weights, lse = finish(xp, *add_sinks(inputs, p, m, denom))
     out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad, s)), inputs.query.dtype)
     return (
         out,

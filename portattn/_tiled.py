@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._portable import (
     PortableKernel,
+    add_sinks,
     attend_values,
     cast,
     empty_result,
@@ -124,6 +125,9 @@ def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[
         m = m_new
     if acc is None:  # the mask leaves this query block no keys at all
         shape = (*q.shape[:-1], v.shape[-1])
-        zeros = xp.zeros(shape, dtype=q.dtype, device=inputs.device_obj)
-        return zeros, xp.full(shape[:-1], -math.inf, dtype=q.dtype, device=inputs.device_obj)
-    return finish(xp, acc, m_safe, denom)
+        if inputs.sinks is None:
+            zeros = xp.zeros(shape, dtype=q.dtype, device=inputs.device_obj)
+            return zeros, xp.full(shape[:-1], -math.inf, dtype=q.dtype, device=inputs.device_obj)
+        acc = xp.zeros(shape, dtype=q.dtype, device=inputs.device_obj)
+        m_safe = denom = xp.zeros((*shape[:-1], 1), dtype=q.dtype, device=inputs.device_obj)
+    return finish(xp, *add_sinks(inputs, acc, m_safe, denom))

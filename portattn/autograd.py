@@ -13,7 +13,7 @@ named after the namespace (``torch``, ``jax``, ...)::
 
 whose value is a callable ``attach(inputs) -> (out, lse)``: it returns
 ``flash_forward(inputs)`` recorded so that the library's autograd differentiates it
-with ``flash_backward``, saving only ``query, key, value, bias, out, lse``. The
+with ``flash_backward``, saving only ``query, key, value, bias, sinks, out, lse``. The
 ``tiled`` kernel calls it for calls that need gradients; without one for the call's
 library it lets the library record every tile (O(Lq * Lk) memory).
 """
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._flash_backward import flash_backward
+from ._flash_backward import Gradients, flash_backward
 from ._tiled import tiled_attention
 from ._wiring import GROUP, attach_for
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
-__all__ = ["GROUP", "attach_for", "flash_backward", "flash_forward"]
+__all__ = ["GROUP", "Gradients", "attach_for", "flash_backward", "flash_forward"]
 
 
 def flash_forward(inputs: AttentionInputs) -> tuple[Any, Any]:

@@ -48,6 +48,11 @@ class Kernel:
     masks: ClassVar[frozenset[str]] = frozenset()
     bias: ClassVar[bool] = False
     softcap: ClassVar[bool] = False
+    alibi: ClassVar[bool] = False
+    """Takes ``alibi_slopes`` (a linear bias by distance, computed per tile)."""
+    sinks: ClassVar[bool] = False
+    """Takes ``sinks`` (a logit per head in each row's softmax denominator), with its
+    gradient when the kernel declares ``grad``."""
     gqa: ClassVar[bool] = False
     value_head_dim: ClassVar[bool] = False
     """Supports ``value.shape[-1] != query.shape[-1]``."""
@@ -75,7 +80,8 @@ class Kernel:
     #: Capability names shown by ``python -m portattn info`` and read by the
     #: conformance kit.
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
-        "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "gqa",
+        "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "alibi",
+        "sinks", "gqa",
         "value_head_dim", "empty", "returns_lse", "returns_weights", "dropout", "grad",
         "deterministic", "finite_inputs_only", "priority",
     )
@@ -142,6 +148,10 @@ class Kernel:
             reasons.append("bias not supported")
         if inputs.softcap is not None and not cls.softcap:
             reasons.append("softcap not supported")
+        if inputs.alibi_slopes is not None and not cls.alibi:
+            reasons.append("alibi_slopes not supported")
+        if inputs.sinks is not None and not cls.sinks:
+            reasons.append("sinks not supported")
         if inputs.num_heads != inputs.num_kv_heads and not cls.gqa:
             reasons.append(f"grouped-query (Hq={inputs.num_heads}, Hkv={inputs.num_kv_heads}) "
                            "not supported")

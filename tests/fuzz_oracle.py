@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,8 @@ class Spec:
     dv: int
     dtype: str
     parts: tuple[tuple[Any, ...], ...]
-    """``("causal", alignment)``, ``("window", left, right)``, ``("key_lengths", ints)``,
-    ``("query_lengths", ints)``, ``("dense", shape)``; lengths are flat tuples."""
+    """Intersected parts, each ``(kind, *parameters)`` (see :func:`part_mask`); lengths
+    and ranges are flat tuples; ``("union", part, part)`` joins two parts."""
     whole: tuple[int, int, int, int] | None
     bias: tuple[tuple[int, ...], str, float] | None
     """``(shape, dtype, magnitude)``."""
@@ -39,84 +42,196 @@ class Spec:
     lse: bool
     length_dtype: str
     seed: int
+    alibi: tuple[int, ...] | None = None
+    """The shape of ``alibi_slopes``: ``(Hq,)`` or ``(*batch, Hq)``."""
+    sinks: bool = False
 
 
-def whole_mask(spec: Spec, dense: list[np.ndarray]) -> np.ndarray | None:
-    """``(*batch, Hq, LQ, LK)`` booleans (True = attend) on the whole problem."""
+def mask_function(name: str) -> Callable[..., Any]:
+    """Mask functions ``fn(b, h, q_idx, kv_idx)`` of the fuzzer, by name; operators only,
+    so one function serves every library and this oracle."""
+    return {
+        "strided": lambda b, h, q, k: ((q - k) % (h + 2) == 0) | (k <= b),
+        "near": lambda b, h, q, k: (q - k <= 3) & (k - q <= 3 + h),
+    }[name]
+
+
+def data_shapes(spec: Spec) -> list[tuple[str, tuple[int, ...]]]:
+    """The random arrays the parts need, in order: ``(what, shape)``."""
     big_q, big_k = (spec.lq, spec.lk) if spec.whole is None else spec.whole[:2]
-    i = np.arange(big_q)[:, None]
-    j = np.arange(big_k)[None, :]
-    full = np.ones((*spec.batch, spec.hq, big_q, big_k), dtype=bool)
-    tail = (1, 1, 1)  # lengths broadcast over heads, queries and keys
-    dense_arrays = iter(dense)
+    found = []
+
+    def visit(part: tuple[Any, ...]) -> None:
+        kind, *args = part
+        if kind == "union":
+            for member in args:
+                visit(member)
+        elif kind == "dense":
+            found.append(("dense", args[0]))
+        elif kind == "documents":
+            lead = () if args[0] else spec.batch
+            found.append(("ids", (*lead, big_q)))
+            found.append(("ids", (*lead, big_k)))
+        elif kind == "layout":
+            block_q, block_k = args
+            found.append(("layout", (-(-big_k // block_q), -(-big_k // block_k))))
+
+    for part in spec.parts:
+        visit(part)
+    return found
+
+
+def draw_data(spec: Spec, rng: np.random.Generator) -> list[np.ndarray]:
+    """The arrays of :func:`data_shapes`: dense masks, sorted segment ids, layouts."""
+    data = []
+    for what, shape in data_shapes(spec):
+        if what == "ids":  # packed documents: sorted ids, padding (-1) first
+            data.append(np.sort(rng.integers(-1, 4, shape), axis=-1))
+        else:
+            data.append(rng.random(shape) < (0.7 if what == "dense" else 0.5))
+    return data
+
+
+def whole_mask(spec: Spec, data: list[np.ndarray]) -> np.ndarray | None:
+    """``(*batch, Hq, LQ, LK)`` booleans (True = attend) on the whole problem."""
     if not spec.parts:
         return None
-    for kind, *args in spec.parts:
-        if kind == "causal":
-            pos = i + (big_k - big_q if args[0] == "bottom_right" else 0)
-            full = full & (j <= pos)
-        elif kind == "window":
-            left, right = args
-            pos = i + big_k - big_q
-            if left is not None:
-                full = full & (j >= pos - left)
-            if right is not None:
-                full = full & (j <= pos + right)
-        elif kind == "key_lengths":
-            n = np.asarray(args[0], dtype=np.int64).reshape((*spec.batch, *tail))
-            full = full & (j < n)
-        elif kind == "query_lengths":
-            n = np.asarray(args[0], dtype=np.int64).reshape((*spec.batch, *tail))
-            full = full & (i < n)
-        elif kind == "dense":
-            full = full & next(dense_arrays)
+    big_q, big_k = (spec.lq, spec.lk) if spec.whole is None else spec.whole[:2]
+    full = np.ones((*spec.batch, spec.hq, big_q, big_k), dtype=bool)
+    arrays = iter(data)
+    for part in spec.parts:
+        full = full & part_mask(spec, part, arrays, big_q, big_k)
     return full
 
 
-def local_mask(spec: Spec, dense: list[np.ndarray]) -> np.ndarray | None:
+def part_mask(spec: Spec, part: tuple[Any, ...], arrays: Any, big_q: int,
+              big_k: int) -> np.ndarray:
+    """One part's pairs, from the definitions: query ``i`` sits at position
+    ``i + LK - LQ`` (bottom-right), ``i`` for top-left causal."""
+    i = np.arange(big_q)[:, None]
+    j = np.arange(big_k)[None, :]
+    pos = i + big_k - big_q
+    tail = (1, 1, 1)  # per-sequence values broadcast over heads, queries and keys
+
+    def per_batch(values: Any) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64).reshape((*spec.batch, *tail))
+
+    kind, *args = part
+    if kind == "causal":
+        return j <= (pos if args[0] == "bottom_right" else i)
+    if kind == "window":
+        left, right = args
+        allowed = np.ones((big_q, big_k), dtype=bool)
+        if left is not None:
+            allowed = allowed & (j >= pos - left)
+        if right is not None:
+            allowed = allowed & (j <= pos + right)
+        return allowed
+    if kind == "key_lengths":
+        return j < per_batch(args[0])
+    if kind == "query_lengths":
+        return i < per_batch(args[0])
+    if kind in ("key_ranges", "query_ranges"):
+        index = j if kind == "key_ranges" else i
+        return (per_batch(args[0]) <= index) & (index < per_batch(args[1]))
+    if kind == "prefix":
+        n = per_batch(args[0])
+        return (pos >= 0) & (pos < n) & (j < n)
+    if kind == "sinks":
+        return np.broadcast_to(j < args[0], (big_q, big_k))
+    if kind == "global":
+        chosen = {p for p in args[0] if p >= 0}
+        rows = np.isin(pos, list(chosen))
+        return rows | np.isin(j, list(chosen))
+    if kind == "chunks":
+        return (pos >= 0) & (pos // args[0] == j // args[0])
+    if kind == "layout":
+        block_q, block_k = args
+        layout = next(arrays)
+        return (pos >= 0) & layout[np.maximum(pos, 0) // block_q, j // block_k]
+    if kind == "documents":
+        q_ids, k_ids = next(arrays), next(arrays)
+        q_ids = q_ids.reshape((*q_ids.shape[:-1], 1, big_q, 1))
+        k_ids = k_ids.reshape((*k_ids.shape[:-1], 1, 1, big_k))
+        return (q_ids == k_ids) & (q_ids >= 0)
+    if kind == "function":
+        n = int(np.prod(spec.batch))
+        b = np.arange(n).reshape((*spec.batch, *tail))
+        h = np.arange(spec.hq).reshape(spec.hq, 1, 1)
+        return np.asarray(mask_function(args[0])(b, h, i, j), dtype=bool)
+    if kind == "dense":
+        return next(arrays)
+    if kind == "union":
+        return part_mask(spec, args[0], arrays, big_q, big_k) | part_mask(
+            spec, args[1], arrays, big_q, big_k)
+    msg = f"unknown part {part!r}"
+    raise ValueError(msg)
+
+
+def local_mask(spec: Spec, data: list[np.ndarray]) -> np.ndarray | None:
     """The call's own ``(*batch, Hq, Lq, Lk)`` mask (the whole one, cut to the call)."""
-    full = whole_mask(spec, dense)
+    full = whole_mask(spec, data)
     if full is None or spec.whole is None:
         return full
     q0, k0 = spec.whole[2:]
     return full[..., q0:q0 + spec.lq, k0:k0 + spec.lk]
 
 
+def _scores(q: np.ndarray, k: np.ndarray, allowed: np.ndarray | None,
+            bias: np.ndarray | None, alibi: np.ndarray | None, scale: float | None,
+            softcap: float | None) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(masked scores, raw scaled scores, scale)``: softcap, bias and ALiBi
+    (``-slope * |i + Lk - Lq - j|``) applied, in that order, then the mask."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    raw = np.einsum("...id,...jd->...ij", q, k) * scale
+    s = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    if bias is not None:
+        s = s + np.asarray(bias, dtype=np.float64)
+    if alibi is not None:
+        lq, lk = s.shape[-2:]
+        distance = np.abs(np.arange(lq)[:, None] + lk - lq - np.arange(lk)[None, :])
+        s = s - np.asarray(alibi, dtype=np.float64)[..., None, None] * distance
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    return s, raw, scale
+
+
+def _softmax(s: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(weights, lse)`` over the last axis (``lse`` keeps its axis), with one sink
+    logit per head in each row's denominator; a row with nothing gives weights 0 and
+    an lse of ``-inf``."""
+    sink = None if sinks is None else np.asarray(sinks, dtype=np.float64)[..., None, None]
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    p = np.exp(s - m)
+    total = p.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - m))
+    empty = total == 0
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, total)))
+    return p / np.where(empty, 1.0, total), lse
+
+
 def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | None,
-                bias: np.ndarray | None, scale: float | None, softcap: float | None
+                bias: np.ndarray | None, scale: float | None, softcap: float | None, *,
+                alibi: np.ndarray | None = None, sinks: np.ndarray | None = None,
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(out, lse)`` in float64; fully masked rows give 0 and ``-inf``."""
+    """``(out, lse)`` in float64; fully masked rows give 0 and ``-inf`` (with sinks:
+    0 and the sink)."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     group = q.shape[-3] // k.shape[-3]
     k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.einsum("...id,...jd->...ij", q, k) * scale
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    if bias is not None:
-        s = s + np.asarray(bias, dtype=np.float64)
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
-    out_shape = (*s.shape[:-1], v.shape[-1])
-    if s.shape[-1] == 0:
-        return np.zeros(out_shape), np.full(s.shape[:-1], -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    total = p.sum(axis=-1, keepdims=True)
-    empty = total == 0
-    w = p / np.where(empty, 1.0, total)
-    out = np.einsum("...ij,...jd->...id", w, v)
-    with np.errstate(divide="ignore"):
-        lse = np.where(empty, -np.inf, np.log(np.where(empty, 1.0, total)) + m)[..., 0]
-    return out, lse
+    s, _, _ = _scores(q, k, allowed, bias, alibi, scale, softcap)
+    w, lse = _softmax(s, sinks)
+    return np.einsum("...ij,...jd->...id", w, v), lse[..., 0]
 
 
 def gradients64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | None,
                 bias: np.ndarray | None, scale: float | None, softcap: float | None,
                 dout: np.ndarray, dlse: np.ndarray | None,
-                stored_out: np.ndarray | None = None,
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                stored_out: np.ndarray | None = None, *, alibi: np.ndarray | None = None,
+                sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` of ``sum(out * dout) + sum(lse * dlse)`` in float64, by the
     chain rule written out (``dlse`` is ignored on fully masked rows).
 
@@ -126,20 +241,10 @@ def gradients64(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     hkv, group = k.shape[-3], q.shape[-3] // k.shape[-3]
     kk, vv = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    raw = np.einsum("...id,...jd->...ij", q, kk) * scale
-    s = raw if softcap is None else softcap * np.tanh(raw / softcap)
-    if bias is not None:
-        s = s + np.asarray(bias, dtype=np.float64)
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
+    s, raw, scale = _scores(q, kk, allowed, bias, alibi, scale, softcap)
     if s.shape[-1] == 0:
         return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    total = p.sum(axis=-1, keepdims=True)
-    w = p / np.where(total == 0, 1.0, total)  # fully masked rows: all zeros
+    w, _ = _softmax(s, sinks)  # fully masked rows: all zeros
     out = np.einsum("...ij,...jd->...id", w, vv) if stored_out is None else stored_out
     delta = (dout * out).sum(axis=-1, keepdims=True)  # = rowsum(w * dw) when exact
     dw = np.einsum("...id,...jd->...ij", dout, vv)

@@ -219,7 +219,8 @@ def test_bad_constructor_arguments_are_named(build, error, message):
      "must end in (ceil(Lk / block_q), ceil(Lk / block_k)) = (2, 2)"),
     (lambda: masks.block_layout(np.ones((2, 2), int), 4), TypeError, "dtype bool"),
     (lambda: masks.global_tokens(np.array([3, 8])), ValueError,
-     "global_tokens positions must lie in [0, Lk - 1=7]"),
+     "global_tokens positions must lie below Lk=8 (negative ones are unused); got positions "
+     "with max=8"),
     (lambda: masks.global_tokens(np.zeros((3, 1), int)), ValueError, "(n,) or (*batch, n)"),
     (lambda: masks.prefix(np.array([9, 1])), ValueError, "prefix lengths must lie in [0, Lk=8]"),
     (lambda: masks.function(lambda b, h, q, k: q - k), TypeError,

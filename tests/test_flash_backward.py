@@ -31,8 +31,11 @@ CASES += [replace(CASES[0], name="long_gqa_softcap_bias", dtype="float64", hq=4,
                   mask=(("sliding_window", 90, 5), ("key_lengths", (600, 123))))]
 
 
-def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap):
-    """``(dq, dk, dv, dbias)`` of ``sum(out * dout) + sum(lse * dlse)``, by hand."""
+def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slopes=None,
+                   sinks=None):
+    """``(dq, dk, dv, dbias, dsinks)`` of ``sum(out * dout) + sum(lse * dlse)``, by hand
+    (ALiBi: ``-slope * |i + Lk - Lq - j|`` added to the scores; a sink: one more logit
+    in each row's denominator)."""
     group = q.shape[-3] // k.shape[-3]
     kr, vr = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
@@ -42,6 +45,9 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap):
     if bias is not None:
         s = s + bias
     lq, lk = q.shape[-2], k.shape[-2]
+    if alibi_slopes is not None:
+        distance = np.abs(np.arange(lq)[:, None] + lk - lq - np.arange(lk)[None, :])
+        s = s - alibi_slopes[..., None, None] * distance
     allowed = np.ones(s.shape, dtype=bool)
     if mask is not None:
         bound = mask.bind(np, q.shape[:-3], q.shape[-3], lq, lk)
@@ -49,8 +55,11 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap):
     s = np.where(allowed, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
+    z = None if sinks is None else sinks[..., None, None]
+    if z is not None:
+        m = np.maximum(m, z)
     e = np.exp(s - m)
-    total = e.sum(axis=-1, keepdims=True)
+    total = e.sum(axis=-1, keepdims=True) + (0.0 if z is None else np.exp(z - m))
     p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
     out = p @ vr
     delta = (dout * out).sum(axis=-1, keepdims=True) - dlse[..., None]
@@ -66,7 +75,11 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap):
     dv = np.swapaxes(p, -1, -2) @ dout
     dk = dk.reshape((*k.shape[:-2], group, *k.shape[-2:])).sum(axis=-3)
     dv = dv.reshape((*v.shape[:-2], group, *v.shape[-2:])).sum(axis=-3)
-    return dq, dk, dv, dbias
+    dsinks = None
+    if z is not None:  # d lse / d z = its weight, d out / d z = -weight * out
+        dsinks = -(np.exp(z - m) / total * delta).sum(axis=(-2, -1))
+        dsinks = dsinks.sum(axis=tuple(range(dsinks.ndim - sinks.ndim)))
+    return dq, dk, dv, dbias, dsinks
 
 
 def assert_grad(actual, expected, dtype, what):
@@ -94,15 +107,22 @@ def test_flash_backward_matches_textbook(case, backend):
     want = textbook_grads(*np_args, np.asarray(to_numpy(dout), dtype=np.float64),
                           np.asarray(to_numpy(dlse), dtype=np.float64),
                           mask=np_kwargs.get("mask"), bias=np_kwargs.get("bias"),
-                          scale=case.scale, softcap=case.softcap)
+                          scale=case.scale, softcap=case.softcap,
+                          alibi_slopes=np_kwargs.get("alibi_slopes"),
+                          sinks=np_kwargs.get("sinks"))
     for name, got, expected, source in zip(("dq", "dk", "dv"), grads, want, args,
                                            strict=False):
         assert got.dtype == source.dtype, f"{name} dtype {got.dtype} != {source.dtype}"
         assert_grad(got, expected, case.dtype, name)
     if case.bias is not None:
-        assert_grad(grads[3], want[3].reshape(tuple(grads[3].shape)), case.dtype, "dbias")
+        assert_grad(grads.bias, want[3].reshape(tuple(grads.bias.shape)), case.dtype, "dbias")
     else:
-        assert grads[3] is None
+        assert grads.bias is None
+    if case.sinks:
+        assert_grad(grads.sinks, want[4].reshape(tuple(grads.sinks.shape)), case.dtype,
+                    "dsinks")
+    else:
+        assert grads.sinks is None
 
 
 def test_fully_masked_rows_get_zero_gradient(backend):
@@ -114,7 +134,7 @@ def test_fully_masked_rows_get_zero_gradient(backend):
                for s in ((1, 2, 12, 8), (1, 2, 5, 8), (1, 2, 5, 8)))
     inputs = describe(q, k, v, mask=masks.causal())  # bottom-right: rows 0..6 see no key
     out, lse = flash_forward(inputs)
-    dq, dk, dv, _ = flash_backward(inputs, out, lse, xp.ones_like(out), xp.ones_like(lse))
+    dq, dk, dv, *_ = flash_backward(inputs, out, lse, xp.ones_like(out), xp.ones_like(lse))
     dq = to_numpy(dq)
     assert np.isfinite(dq).all()
     assert np.isfinite(to_numpy(dk)).all()

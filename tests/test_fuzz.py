@@ -2,11 +2,11 @@
 float64 oracle (``fuzz_oracle``), on every backend.
 
 Random calls cover 0-2 batch dims (sizes 0 included), grouped and multi-query heads,
-``Lq != Lk`` (0 included), ``D != Dv``, every mask kind and ``&`` combinations
-(two dense masks of different ranks too), masks cut from a larger problem with
-``restrict``, integer and unsigned length dtypes, bias broadcast shapes and dtypes
-(a float32 bias on half inputs), softcap, any finite scale (0 and negative too),
-every dtype of the backend and ``return_lse``.
+``Lq != Lk`` (0 included), ``D != Dv``, every mask kind with ``&`` and ``|``
+combinations (two dense masks of different ranks too, mask functions), masks cut from
+a larger problem with ``restrict``, integer and unsigned length dtypes, bias broadcast
+shapes and dtypes (a float32 bias on half inputs), ALiBi and sinks, softcap, any finite
+scale (0 and negative too), every dtype of the backend and ``return_lse``.
 
 A kernel that refuses a call (``KernelNotUsableError``) is counted as a refusal, never
 as agreement; the counts are printed at the end of the run. Profiles:
@@ -26,7 +26,15 @@ import os
 
 import numpy as np
 import pytest
-from fuzz_oracle import COUNTS, Spec, attention64, gradients64, local_mask
+from fuzz_oracle import (
+    COUNTS,
+    Spec,
+    attention64,
+    draw_data,
+    gradients64,
+    local_mask,
+    mask_function,
+)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -79,6 +87,11 @@ def specs(draw, dtypes):
     full = (*batch, hq, big_q, big_k)
     for _ in range(draw(st.integers(0, 2)) if draw(st.booleans()) else 0):
         parts.append(("dense", _broadcast_shape(draw, full)))
+    structured = _structured(big_q, big_k, n)
+    if draw(st.integers(0, 2)) == 0:
+        parts.append(draw(structured))
+    if draw(st.integers(0, 3)) == 0:
+        parts.append(("union", draw(structured), draw(structured)))
     draw(st.randoms()).shuffle(parts)
     bias = None
     if draw(st.integers(0, 2)) == 0:
@@ -92,7 +105,29 @@ def specs(draw, dtypes):
         softcap=draw(st.sampled_from([None, None, None, 0.5, 5.0])),
         lse=draw(st.booleans()),
         length_dtype=draw(st.sampled_from(["int64", "int32", "uint8"])),
-        seed=draw(st.integers(0, 2**31)))
+        seed=draw(st.integers(0, 2**31)),
+        alibi=draw(st.sampled_from([None, None, None, (hq,), (*batch, hq)])),
+        sinks=draw(st.integers(0, 3)) == 0)
+
+
+def _structured(big_q: int, big_k: int, n: int):
+    """One part of the kinds for real batches and long contexts, on the whole problem."""
+    def per_batch(limit):
+        return st.lists(st.integers(0, limit), min_size=n, max_size=n).map(tuple)
+
+    return st.one_of(
+        st.tuples(st.just("key_ranges"), per_batch(big_k), per_batch(big_k)),
+        st.tuples(st.just("query_ranges"), per_batch(big_q), per_batch(big_q)),
+        st.tuples(st.just("prefix"), per_batch(big_k)),
+        st.tuples(st.just("sinks"), st.integers(0, 5)),
+        st.tuples(st.just("global"), st.lists(st.integers(-1, max(big_k - 1, -1)),
+                                              max_size=4).map(tuple)),
+        st.tuples(st.just("chunks"), st.integers(1, 9)),
+        st.tuples(st.just("layout"), st.integers(1, 8), st.integers(1, 8)),
+        st.tuples(st.just("documents"), st.booleans()),
+        st.tuples(st.just("function"), st.sampled_from(["strided", "near"])),
+        st.tuples(st.just("causal"), st.sampled_from(["bottom_right", "top_left"])),
+        st.tuples(st.just("window"), st.integers(0, 6), st.integers(0, 3)))
 
 
 def _broadcast_shape(draw, full):
@@ -102,43 +137,41 @@ def _broadcast_shape(draw, full):
 
 def build(spec: Spec, backend):
     """``(args, kwargs)`` on ``backend``, and the oracle's ``(out, lse)``."""
-    args, kwargs, oracle_args = build_call(spec, backend)
-    out, lse = attention64(*oracle_args, spec.scale, spec.softcap)
+    args, kwargs, oracle_args, changes = build_call(spec, backend)
+    out, lse = attention64(*oracle_args, spec.scale, spec.softcap, **changes)
     return args, kwargs, out, lse
 
 
 def build_call(spec: Spec, backend):
     """``(args, kwargs)`` on ``backend``, and what the oracle sees of them in float64:
-    ``(q, k, v, allowed, bias)``."""
+    ``(q, k, v, allowed, bias)`` and the score changes ``{"alibi": ..., "sinks": ...}``."""
     rng = np.random.default_rng(spec.seed)
     shapes = ((*spec.batch, spec.hq, spec.lq, spec.d), (*spec.batch, spec.hkv, spec.lk, spec.d),
               (*spec.batch, spec.hkv, spec.lk, spec.dv))
     arrays = tuple(backend.asarray(rng.standard_normal(s), spec.dtype) for s in shapes)
     seen = [np.asarray(backend.to_numpy(a), dtype=np.float64) for a in arrays]
     kwargs = {"scale": spec.scale, "softcap": spec.softcap, "return_lse": spec.lse}
-    dense = [rng.random(p[1]) < 0.7 for p in spec.parts if p[0] == "dense"]
+    data = draw_data(spec, rng)
     bias64 = None
     if spec.bias is not None:
         shape, bias_dtype, magnitude = spec.bias
         kwargs["bias"] = backend.asarray(rng.standard_normal(shape) * magnitude, bias_dtype)
         bias64 = np.asarray(backend.to_numpy(kwargs["bias"]), dtype=np.float64)
+    changes = {}
+    for name, shape, low, high in (("alibi", spec.alibi, 0.01, 0.5),
+                                   ("sinks", (spec.hq,) if spec.sinks else None, -2.0, 3.0)):
+        if shape is not None:
+            option = "alibi_slopes" if name == "alibi" else name
+            kwargs[option] = backend.asarray(rng.uniform(low, high, shape), spec.dtype)
+            changes[name] = np.asarray(backend.to_numpy(kwargs[option]), dtype=np.float64)
     if spec.parts:
-        kwargs["mask"] = _mask(spec, backend, dense)
-    return arrays, kwargs, (*seen, local_mask(spec, dense), bias64)
+        kwargs["mask"] = _mask(spec, backend, data)
+    return arrays, kwargs, (*seen, local_mask(spec, data), bias64), changes
 
 
-def _mask(spec: Spec, backend, dense):
-    parts, dense = [], iter(dense)
-    for kind, *args in spec.parts:
-        if kind == "causal":
-            parts.append(masks.causal(args[0]))
-        elif kind == "window":
-            parts.append(masks.sliding_window(*args))
-        elif kind == "dense":
-            parts.append(masks.dense(backend.asarray(next(dense))))
-        else:
-            lengths = np.asarray(args[0], dtype=spec.length_dtype).reshape(spec.batch)
-            parts.append(getattr(masks, kind)(backend.asarray(lengths)))
+def _mask(spec: Spec, backend, data):
+    arrays = iter(data)
+    parts = [_part(spec, backend, part, arrays) for part in spec.parts]
     mask = parts[0]
     for part in parts[1:]:
         mask = mask & part
@@ -146,6 +179,38 @@ def _mask(spec: Spec, backend, dense):
         big_q, big_k, q0, k0 = spec.whole
         mask = mask.restrict(backend.xp, q0, q0 + spec.lq, k0, k0 + spec.lk, big_q, big_k)
     return mask
+
+
+def _part(spec: Spec, backend, part, arrays):
+    kind, *args = part
+
+    def per_batch(values):
+        return backend.asarray(np.asarray(values, dtype=spec.length_dtype).reshape(spec.batch))
+
+    if kind == "causal":
+        return masks.causal(args[0])
+    if kind == "window":
+        return masks.sliding_window(*args)
+    if kind == "dense":
+        return masks.dense(backend.asarray(next(arrays)))
+    if kind in ("key_lengths", "query_lengths", "prefix"):
+        return getattr(masks, kind)(per_batch(args[0]))
+    if kind in ("key_ranges", "query_ranges"):
+        return getattr(masks, kind)(per_batch(args[0]), per_batch(args[1]))
+    if kind == "sinks":
+        return masks.sink_tokens(args[0])
+    if kind == "global":
+        return masks.global_tokens(backend.asarray(np.asarray(args[0], dtype=np.int64)))
+    if kind == "chunks":
+        return masks.chunks(args[0])
+    if kind == "layout":
+        return masks.block_layout(backend.asarray(next(arrays)), *args)
+    if kind == "documents":
+        q_ids, k_ids = next(arrays), next(arrays)
+        return masks.documents(backend.asarray(q_ids), backend.asarray(k_ids))
+    if kind == "function":
+        return masks.function(mask_function(args[0]))
+    return _part(spec, backend, args[0], arrays) | _part(spec, backend, args[1], arrays)
 
 
 #: Defects of kernels maintained elsewhere, each with a strict regression test that
@@ -290,8 +355,8 @@ def test_every_grad_kernel_agrees_with_the_oracle(backend):
     @settings(settings.get_profile(PROFILE), max_examples=count)
     @given(spec=specs(backend.dtypes))
     def one_call(spec):
-        args, kwargs, oracle_args = build_call(spec, backend)
-        _, want_lse = attention64(*oracle_args, spec.scale, spec.softcap)
+        args, kwargs, oracle_args, changes = build_call(spec, backend)
+        _, want_lse = attention64(*oracle_args, spec.scale, spec.softcap, **changes)
         rng = np.random.default_rng(spec.seed + 1)
         dout = rng.standard_normal((*spec.batch, spec.hq, spec.lq, spec.dv))
         dlse = None
@@ -303,13 +368,14 @@ def test_every_grad_kernel_agrees_with_the_oracle(backend):
         douts = tuple(np.asarray(backend.to_numpy(backend.asarray(d, spec.dtype)),
                                  dtype=np.float64) for d in douts)
         dlse = douts[1] if spec.lse else None
-        want = [gradients64(*oracle_args, spec.scale, spec.softcap, douts[0], dlse)]
+        want = [gradients64(*oracle_args, spec.scale, spec.softcap, douts[0], dlse,
+                            **changes)]
         if spec.dtype in HALF:  # a flash backward reads the output as stored
-            out, _ = attention64(*oracle_args, spec.scale, spec.softcap)
+            out, _ = attention64(*oracle_args, spec.scale, spec.softcap, **changes)
             stored = np.asarray(backend.to_numpy(backend.asarray(out, spec.dtype)),
                                 dtype=np.float64)
             want.append(gradients64(*oracle_args, spec.scale, spec.softcap, douts[0], dlse,
-                                    stored))
+                                    stored, **changes))
         failures = [f for name in _grad_kernel_names(backend)
                     if (f := check_gradients(name, spec, backend, args, kwargs, douts, want))]
         COUNTS[backend.name, "*", "grad calls"] += 1
@@ -346,8 +412,8 @@ def test_every_kernel_keeps_the_rule_for_nonfinite_inputs(backend, readable, mon
     @given(spec=specs(backend.dtypes), spoil=st.sampled_from(SPOILS),
            share=st.sampled_from([0.05, 0.2, 0.5]))
     def one_call(spec, spoil, share):
-        args, kwargs, oracle_args = build_call(spec, backend)
-        want_out, want_lse = attention64(*oracle_args, spec.scale, spec.softcap)
+        args, kwargs, oracle_args, changes = build_call(spec, backend)
+        want_out, want_lse = attention64(*oracle_args, spec.scale, spec.softcap, **changes)
         rng = np.random.default_rng(spec.seed + 2)
         bad = rng.random((*spec.batch, spec.hkv, spec.lk)) < share
         which, value = spoil.split()

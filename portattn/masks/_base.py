@@ -625,9 +625,9 @@ class Aligned(Mask):
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         return replaced(self, shift=self.shift + q0 - k0 + (lk - lq) - ((k1 - k0) - (q1 - q0)),
-                        origin=self.origin + k0, **self._restricted_arrays(xp, q0, q1, k0, k1))
+                        origin=self.origin + k0, **self._restricted_fields(xp, q0, q1, k0, k1))
 
-    def _restricted_arrays(self, xp: Any, q0: int, q1: int, k0: int, k1: int) -> dict:
+    def _restricted_fields(self, xp: Any, q0: int, q1: int, k0: int, k1: int) -> dict:
         """Fields that change besides the positions (none by default)."""
         return {}
 

@@ -81,12 +81,13 @@ def _block_ids(reduce: Any, ids: Any) -> tuple[Any, Any, Any]:
 def _extremes(ids: Any) -> tuple[Any, Any, Any]:
     import numpy as np
 
-    flat = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
+    rows = int(np.prod(ids.shape[:-1]))  # not -1: ambiguous for zero-size arrays
+    flat = ids.reshape(rows, ids.shape[-1]).astype(np.int64)
     pad = flat < 0
     big = np.iinfo(np.int64).max
     # padding leaves the range: a position that is padding everywhere gets lo > hi
-    lo = np.where(pad, big, flat).min(axis=0)
-    hi = np.where(pad, -1, flat).max(axis=0)
+    lo = np.where(pad, big, flat).min(axis=0, initial=big)
+    hi = np.where(pad, -1, flat).max(axis=0, initial=-1)
     return lo, hi, pad.any(axis=0)
 
 

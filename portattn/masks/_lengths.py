@@ -31,8 +31,11 @@ class _Lengths(Mask):
         (lengths,) = arrays
         return replaced(self, lengths=lengths, host=None)
 
-    def _limit(self, lq: int, lk: int) -> tuple[int, str]:
-        return (lk, "Lk") if self.kind == "key_lengths" else (lq, "Lq")
+    def _limit(self, lq: int, lk: int) -> tuple[int, str, str] | None:
+        """``(limit, name, limit name)`` of the lengths' range ``[0, limit]``."""
+        if self.kind == "key_lengths":
+            return lk, "key_lengths lengths", "Lk"
+        return lq, "query_lengths lengths", "Lq"
 
     def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
         lengths = self.lengths
@@ -45,8 +48,9 @@ class _Lengths(Mask):
                    f"{tuple(batch_shape)}; got lengths.shape={tuple(lengths.shape)}")
             raise ValueError(msg)
         lengths = signed(xp, lengths)
-        limit, limit_name = self._limit(lq, lk)
-        check_bounds(xp, lengths, limit, f"{self.kind} lengths", limit_name, what=self.kind)
+        limit = self._limit(lq, lk)
+        if limit is not None:
+            check_bounds(xp, lengths, *limit, what=self.kind)
         return replaced(self, lengths=lengths, host=host_copy(lengths))
 
     def column(self, xp: Any) -> Any:
@@ -126,7 +130,8 @@ class Prefix(_Lengths, Aligned):
     host: Any = field(default=None, compare=False)
 
     def _limit(self, lq, lk):
-        return lk, "Lk"
+        # Positions are those of the whole call: a part of it cannot check the end.
+        return None if self.origin or self.shift else (lk, "prefix lengths", "Lk")
 
     def structure(self):
         return (self.kind, self.shift, self.origin)

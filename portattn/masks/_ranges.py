@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ._base import Band, Mask, band_states, column, per_batch, replaced, tile_states, within
-from ._values import check_array, check_bounds, check_integer_array, host_copy
+from ._values import check_array, check_bounds, check_integer_array, host_copy, signed
 
 __all__ = ["KeyRanges", "QueryRanges", "SequenceWindow"]
 
@@ -95,8 +95,9 @@ class _Ranges(Mask):
         return xp.logical_and(start <= index, index < stop)
 
     def _restricted(self, xp: Any, lo: int, hi: int) -> Mask:
-        def cut(a):  # asarray: NumPy's clip turns a 0-d array into a scalar
-            return xp.asarray(xp.clip(a - lo, 0, hi - lo))
+        def cut(a):  # signed: a - lo must not wrap around in an unsigned dtype
+            # (asarray: NumPy's clip turns a 0-d array into a scalar)
+            return xp.asarray(xp.clip(signed(xp, a) - lo, 0, hi - lo))
 
         host = None if self.host is None else tuple((a - lo).clip(0, hi - lo) for a in self.host)
         return replaced(self, start=cut(self.start), stop=cut(self.stop), host=host)

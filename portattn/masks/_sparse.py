@@ -30,7 +30,7 @@ from ._base import (
     replaced,
     tile_states,
 )
-from ._values import check_array, check_bounds, dtype_text, host_copy, signed
+from ._values import check_array, dtype_text, host_copy, signed
 
 __all__ = ["BlockLayout", "Chunks", "GlobalTokens", "SinkTokens"]
 
@@ -164,14 +164,21 @@ class GlobalTokens(Aligned):
                    f"batch={tuple(batch_shape)}; got positions.shape={shape}")
             raise ValueError(msg)
         positions = signed(xp, positions)
-        check_bounds(xp, xp.where(positions < 0, 0, positions), lk - 1,
-                     "global_tokens positions", "Lk - 1")
-        return replaced(self, positions=positions, host=host_copy(positions))
+        host = host_copy(positions)
+        # Positions are those of the whole call: a part of it cannot check the end.
+        if host is not None and host.size and not (self.origin or self.shift) \
+                and host.max() >= lk:
+            msg = (f"global_tokens positions must lie below Lk={lk} (negative ones are "
+                   f"unused); got positions with max={int(host.max())}")
+            raise ValueError(msg)
+        return replaced(self, positions=positions, host=host)
 
     def _flags(self, xp: Any, positions: Any, first: int, last: int, device: Any) -> Any:
         """``(*lead, last - first)``: whether each position is a global token."""
         index = _positions(xp, first, last, device)
-        return xp.any(index[:, None] == positions[..., None, :], axis=-1)
+        chosen = positions[..., None, :]
+        # a negative entry is unused, never the position of a query before the keys
+        return xp.any((index[:, None] == chosen) & (chosen >= 0), axis=-1)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         offset = self.query_offset(lq, lk)
@@ -189,8 +196,9 @@ class GlobalTokens(Aligned):
             n = positions.shape[-1]
             columns = xp.arange(n, device=device_of(positions))
             positions = xp.reshape(positions, (-1,))[b[..., None] * n + columns]
-        return (xp.any((q + self.query_offset(lq, lk))[..., None] == positions, axis=-1)
-                | xp.any((k + self.origin)[..., None] == positions, axis=-1))
+        used = positions >= 0
+        return (xp.any(((q + self.query_offset(lq, lk))[..., None] == positions) & used, axis=-1)
+                | xp.any(((k + self.origin)[..., None] == positions) & used, axis=-1))
 
     def block_states(self, grid):
         if self.host is None:
@@ -229,6 +237,8 @@ class BlockLayout(Aligned):
     shift: int = 0
     origin: int = 0
     batch_shape: tuple[int, ...] | None = field(default=None, compare=False)
+    cut: bool = False
+    """Cut from a larger call by :meth:`restrict` (its layout is the whole's)."""
 
     def __post_init__(self) -> None:
         check_array(self.layout, "block_layout", "a boolean array")
@@ -244,7 +254,10 @@ class BlockLayout(Aligned):
         return replaced(self, layout=layout)
 
     def structure(self):
-        return (self.kind, self.block_q, self.block_k, self.shift, self.origin)
+        return (self.kind, self.block_q, self.block_k, self.shift, self.origin, self.cut)
+
+    def _restricted_fields(self, xp, q0, q1, k0, k1):
+        return {"cut": True}
 
     def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
         if not xp.isdtype(self.layout.dtype, "bool"):
@@ -253,12 +266,15 @@ class BlockLayout(Aligned):
             raise TypeError(msg)
         rows, cols = math.ceil(lk / self.block_q), math.ceil(lk / self.block_k)
         shape = tuple(self.layout.shape)
-        if len(shape) < 2 or shape[-2:] != (rows, cols):
+        # A part of a larger call (restrict) keeps the layout of the whole.
+        covering = len(shape) >= 2 and shape[-2] * self.block_q >= lk + self.origin \
+            and shape[-1] * self.block_k >= lk + self.origin
+        if len(shape) < 2 or (shape[-2:] != (rows, cols) and not (self.cut and covering)):
             msg = (f"block_layout layout must end in (ceil(Lk / block_q), ceil(Lk / block_k))"
                    f" = ({rows}, {cols}) for Lk={lk}, block_q={self.block_q}, "
                    f"block_k={self.block_k}; got layout.shape={shape}")
             raise ValueError(msg)
-        layout = expand_to_rank(xp, self.layout, (*batch_shape, num_heads, rows, cols),
+        layout = expand_to_rank(xp, self.layout, (*batch_shape, num_heads, *shape[-2:]),
                                 "block_layout layout")
         return replaced(self, layout=layout, batch_shape=tuple(batch_shape))
 

@@ -39,6 +39,8 @@ class Case:
     mask: tuple[tuple[Any, ...], ...] = ()
     bias: str | None = None  # None, "broadcast" (Hq, Lq, Lk) or "full"
     softcap: float | None = None
+    alibi: str | None = None  # None, "heads" (Hq,) or "batch_heads" (*batch, Hq)
+    sinks: bool = False
     scale: float | None = None
     lse: bool = False
     weights: bool = False
@@ -75,6 +77,12 @@ class Case:
             bias = rng.standard_normal(shape) * 0.5
             kwargs["bias"] = backend.asarray(bias, self.dtype)
             np_kwargs["bias"] = np.asarray(backend.to_numpy(kwargs["bias"]), dtype=np.float64)
+        per_head = {"heads": (self.hq,), "batch_heads": (*self.batch, self.hq)}
+        for name, shape, low, high in (("alibi_slopes", per_head.get(self.alibi), 0.02, 0.6),
+                                       ("sinks", (self.hq,) if self.sinks else None, -1.0, 2.0)):
+            if shape is not None:
+                kwargs[name] = backend.asarray(rng.uniform(low, high, shape), self.dtype)
+                np_kwargs[name] = np.asarray(backend.to_numpy(kwargs[name]), dtype=np.float64)
         if self.mask:
             kwargs["mask"] = self._mask(backend.asarray)
             np_kwargs["mask"] = self._mask(np.asarray)
@@ -191,6 +199,19 @@ def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
     if k.softcap:
         cases += [replace(base, name="softcap", softcap=5.0, scale=1.0),
                   replace(base, name="softcap_small", softcap=1.0, lq=9, lk=30)]
+    if k.alibi:
+        cases += [replace(base, name="alibi", alibi="heads"),
+                  replace(base, name="alibi_per_batch_cross", alibi="batch_heads", lq=9, lk=30)]
+        if "causal" in k.masks:
+            cases.append(replace(base, name="alibi_causal", alibi="heads",
+                                 mask=(("causal", "bottom_right"),)))
+    if k.sinks:
+        cases.append(replace(base, name="sinks", sinks=True))
+        if "causal" in k.masks:  # rows that see no key: output 0, lse = the sink
+            cases.append(replace(base, name="sinks_fully_masked_rows", sinks=True, lq=40, lk=9,
+                                 mask=(("causal", "bottom_right"),)))
+        if k.gqa:
+            cases.append(replace(base, name="sinks_grouped_query", sinks=True, hq=6, hkv=2))
     if k.returns_weights:
         cases += [replace(base, name="weights", weights=True)]
         if "causal" in k.masks:

@@ -30,8 +30,9 @@ def oracle(query: Any, key: Any, value: Any, **kwargs: Any) -> tuple[Any, Any, A
     def f64(a):
         return np.asarray(to_numpy(a), dtype=np.float64)
 
-    if kwargs.get("bias") is not None:
-        kwargs["bias"] = f64(kwargs["bias"])
+    for name in ("bias", "alibi_slopes", "sinks"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = f64(kwargs[name])
     kwargs.update(return_lse=True, return_weights=True)
     inputs = describe(f64(query), f64(key), f64(value), **kwargs)
     return reference_attention(inputs)

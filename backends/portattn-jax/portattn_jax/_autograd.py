@@ -2,7 +2,8 @@
 
 :func:`attach_autograd` runs the core's tiled forward inside a ``jax.custom_vjp``
 whose backward is the core's portable FlashAttention-2 backward, so JAX saves only
-``query, key, value, bias, out, lse`` (and the mask) instead of recording every tile.
+``query, key, value, bias, sinks, out, lse`` (and the mask) instead of recording every
+tile.
 The mask's arrays are arguments (they get no cotangent); its structure is static.
 """
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["attach_autograd"]
 
-_ARRAYS = ("query", "key", "value", "bias", "mask")
+_ARRAYS = ("query", "key", "value", "bias", "sinks", "mask")
 
 
 def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
@@ -32,7 +33,7 @@ def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
     leaves, treedef = tree_util.tree_flatten(inputs.mask)
     static = (inputs._replace(**dict.fromkeys(_ARRAYS)), treedef)
     return _wired()(static, inputs.query, inputs.key, inputs.value, inputs.bias,
-                    tuple(leaves))
+                    inputs.sinks, tuple(leaves))
 
 
 def _with(static: tuple[AttentionInputs, Any], arrays: tuple[Any, ...]) -> AttentionInputs:
@@ -56,8 +57,8 @@ def _wired() -> Any:
     from portattn.autograd import flash_backward, flash_forward
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def wired(static, query, key, value, bias, mask_leaves):
-        return flash_forward(_with(static, (query, key, value, bias, mask_leaves)))
+    def wired(static, query, key, value, bias, sinks, mask_leaves):
+        return flash_forward(_with(static, (query, key, value, bias, sinks, mask_leaves)))
 
     def fwd(static, *arrays):
         bias = arrays[3]
@@ -72,9 +73,9 @@ def _wired() -> Any:
         dout, dlse = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
         if dout is None:
             dout = jnp.zeros_like(out)
-        dq, dk, dv, dbias = flash_backward(_with(static, arrays), out, lse, dout, dlse,
-                                           bias_grad=bias_grad is not None)
-        return dq, dk, dv, dbias, tuple(None for _ in arrays[4])
+        grads = flash_backward(_with(static, arrays), out, lse, dout, dlse,
+                               bias_grad=bias_grad is not None)
+        return *grads, tuple(None for _ in arrays[5])
 
     wired.defvjp(fwd, bwd, symbolic_zeros=True)
     _cache.append(wired)

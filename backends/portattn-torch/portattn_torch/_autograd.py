@@ -3,7 +3,7 @@
 ``attach_autograd`` is registered under the ``portattn.autograd`` entry point for the
 ``torch`` namespace: the ``tiled`` kernel calls it for tensors that need gradients.
 The forward runs without recording (inside ``autograd.Function.forward``) and saves
-only ``query, key, value, bias, out, lse``; the backward is portattn's
+only ``query, key, value, bias, sinks, out, lse``; the backward is portattn's
 FlashAttention-2 pass, which recomputes each tile from the saved log-sum-exp. Memory
 for forward and backward together stays O(L * block).
 """
@@ -25,33 +25,33 @@ __all__ = ["attach_autograd"]
 def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
     """``(out, lse)`` of ``inputs`` with a flash backward attached."""
     return _FlashAttention.apply(inputs.query, inputs.key, inputs.value, inputs.bias,
-                                 _Description(inputs))
+                                 inputs.sinks, _Description(inputs))
 
 
 class _Description:
     """The call without its differentiable tensors (kept by the autograd node)."""
 
     def __init__(self, inputs: AttentionInputs) -> None:
-        self.inputs = inputs._replace(query=None, key=None, value=None, bias=None)
+        self.inputs = inputs._replace(query=None, key=None, value=None, bias=None, sinks=None)
 
-    def with_tensors(self, query: Any, key: Any, value: Any, bias: Any) -> AttentionInputs:
-        return self.inputs._replace(query=query, key=key, value=value, bias=bias)
+    def with_tensors(self, query: Any, key: Any, value: Any, bias: Any,
+                     sinks: Any) -> AttentionInputs:
+        return self.inputs._replace(query=query, key=key, value=value, bias=bias, sinks=sinks)
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query: Any, key: Any, value: Any, bias: Any,
+    def forward(ctx: Any, query: Any, key: Any, value: Any, bias: Any, sinks: Any,
                 description: _Description) -> tuple[Any, Any]:
-        out, lse = flash_forward(description.with_tensors(query, key, value, bias))
-        ctx.save_for_backward(query, key, value, bias, out, lse)
+        out, lse = flash_forward(description.with_tensors(query, key, value, bias, sinks))
+        ctx.save_for_backward(query, key, value, bias, sinks, out, lse)
         ctx.description = description
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
-        query, key, value, bias, out, lse = ctx.saved_tensors
-        inputs = ctx.description.with_tensors(query, key, value, bias)
-        dq, dk, dv, dbias = flash_backward(inputs, out, lse, dout, dlse,
-                                           bias_grad=bias is not None
-                                           and ctx.needs_input_grad[3])
-        return dq, dk, dv, dbias, None
+        query, key, value, bias, sinks, out, lse = ctx.saved_tensors
+        inputs = ctx.description.with_tensors(query, key, value, bias, sinks)
+        grads = flash_backward(inputs, out, lse, dout, dlse,
+                               bias_grad=bias is not None and ctx.needs_input_grad[3])
+        return *grads, None
