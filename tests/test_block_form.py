@@ -253,3 +253,34 @@ def test_allows_runs_on_every_library(name, backend):
                                             np.arange(lq)[:, None], np.arange(lk)[None, :])]
     got = bound.allows(xp, *index, lq, lk)
     np.testing.assert_array_equal(np.broadcast_to(backend.to_numpy(got), want.shape), want)
+
+
+@pytest.mark.parametrize("name", ["causal", "documents", "window_or_global", "dense", "function",
+                                  "key_lengths", "global_tokens_per_batch"])
+def test_the_nonfinite_helpers_find_the_rows_that_see_a_bad_key(name, backend):
+    from portattn import nonfinite
+    from portattn._inputs import describe
+
+    if backend.name == "dask":
+        pytest.skip("the helpers serve kernels with tiles on the host's loop (dask: chunks)")
+    lq, lk, hkv = 300, 290, 1
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((*BATCH, HEADS, lq, 4))
+    k, v = (rng.standard_normal((*BATCH, hkv, lk, 4)) for _ in range(2))
+    bad = rng.random((*BATCH, hkv, lk)) < 0.01
+    k[bad] = np.nan
+    mask = _catalogue(lq, lk, rng)[name]
+    want = (_truth(mask.bind(np, BATCH, HEADS, lq, lk), lq, lk)
+            & np.repeat(bad, HEADS, axis=-2)[..., None, :]).any(axis=-1)
+    mask = mask.with_arrays([backend.asarray(np.asarray(a)) for a in mask.arrays])
+    xp = backend.xp
+    q, k, v = (backend.asarray(a, "float32") for a in (q, k, v))
+    inputs = describe(q, k, v, mask=mask)
+    key, value, marked = nonfinite.clear_keys(xp, k, v)
+    np.testing.assert_array_equal(backend.to_numpy(marked), bad)
+    assert np.isfinite(backend.to_numpy(key)).all()
+    assert np.isfinite(backend.to_numpy(value)).all()
+    rows = nonfinite.rows_seeing(inputs, marked)
+    np.testing.assert_array_equal(backend.to_numpy(rows), want)
+    out = nonfinite.poison(xp, xp.ones((*BATCH, HEADS, lq, 2)), rows)
+    np.testing.assert_array_equal(np.isnan(backend.to_numpy(out)).all(axis=-1), want)
