@@ -10,10 +10,11 @@ from . import __version__
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
           "causal": "causal", "sliding_window": "window", "key_lengths": "klen",
           "query_lengths": "qlen", "dense": "dense"}
-_FLAGS = ("bias", "softcap", "gqa", "value_head_dim", "empty", "returns_lse",
-          "returns_weights", "dropout", "grad", "deterministic", "finite_inputs_only")
-_FLAG_TITLES = ("bias", "cap", "gqa", "dv", "empty", "lse", "wts", "drop", "grad", "det",
-                "fin")
+_FLAGS = ("bias", "softcap", "alibi", "sinks", "gqa", "value_head_dim", "empty",
+          "returns_lse", "returns_weights", "dropout", "grad", "deterministic",
+          "finite_inputs_only")
+_FLAG_TITLES = ("bias", "cap", "alibi", "sinks", "gqa", "dv", "empty", "lse", "wts", "drop",
+                "grad", "det", "fin")
 
 
 def _listed(values: object, order: tuple[str, ...] = ()) -> str:
@@ -21,6 +22,18 @@ def _listed(values: object, order: tuple[str, ...] = ()) -> str:
         return values
     ranked = sorted(values, key=lambda v: (order.index(v) if v in order else len(order), v))
     return ",".join(_SHORT.get(v, v) for v in ranked) or "-"
+
+
+def _mask_kinds(declared: frozenset[str]) -> str:
+    """``all`` (every kind of ``portattn.masks.KINDS``), ``all but ...``, or a list."""
+    from .masks import KINDS
+
+    missing = [k for k in KINDS if k not in declared]
+    if not missing:
+        return "all"
+    if len(missing) < len(KINDS) // 2:
+        return "all but " + _listed(missing, KINDS)
+    return _listed(declared, KINDS)
 
 
 def info() -> int:
@@ -41,7 +54,6 @@ def info() -> int:
                      "available" if why is None else f"unavailable: {why}"))
     _table(rows)
     dtypes = ("float16", "bfloat16", "float32", "float64")
-    masks = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense")
     caps = [("kernel", "namespaces", "devices", "dtypes", "head_dim", "masks", *_FLAG_TITLES)]
     for entry in entries:
         k = entry.kernel
@@ -50,10 +62,11 @@ def info() -> int:
         low, high = k.head_dim
         caps.append((entry.name, _listed(k.namespaces), _listed(k.devices),
                      _listed(k.dtypes, dtypes), f"{low}-{'' if high is None else high}",
-                     _listed(k.masks, masks),
+                     _mask_kinds(k.masks),
                      *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
-    print("\ndeclared capabilities (cap = softcap, dv = value head dim != head dim, "
-          "wts = weights, det = deterministic, fin = finite inputs only):")
+    print("\ndeclared capabilities (masks: all = every kind of portattn.masks.KINDS; cap = "
+          "softcap, dv = value head dim != head dim, wts = weights, det = deterministic, "
+          "fin = finite inputs only):")
     _table(caps)
     tuned = [(entry.name, name, ",".join(map(str, values)), str(entry.kernel.tuned(name)))
              for entry in entries if entry.kernel is not None
