@@ -1,6 +1,8 @@
 """What a kernel author needs: the base class every kernel derives from, and the
 description of a call it receives (:class:`AttentionInputs`, whose ``mask`` speaks the
-public protocol of :mod:`portattn.masks`).
+public protocol of :mod:`portattn.masks`: ``inputs.blocks(block_q, block_k)`` is its
+block form, which tiles to skip and which need ``mask.tile``). Kernels around a library
+call keep the rule for non-finite inputs with :mod:`portattn.nonfinite`.
 
 A kernel declares what it supports as plain class data; the base class turns that
 data into rejection reasons, one short fact each. ``namespaces`` and ``devices`` are
