@@ -59,7 +59,11 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
                "return_lse": return_lse, "return_weights": return_weights,
                "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks}
     inputs, entry = described_and_chosen(query, key, value, options, kernel)
-    out, lse, weights = entry.kernel.run(inputs)
+    try:
+        out, lse, weights = entry.kernel.run(inputs)
+    except Exception as e:
+        _name_the_kernel(e, entry)
+        raise
     check_result(entry, inputs, out, lse, weights)
     if entry.kernel.finite_inputs_only and (why := distrust(inputs, out)) is not None:
         out, lse, weights = _exactly(inputs, kernel, why)
@@ -74,6 +78,12 @@ def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
     would not; computes nothing."""
     kernel = kwargs.pop("kernel", None)
     return select(describe(query, key, value, **kwargs), kernel)
+
+
+def _name_the_kernel(error: Exception, entry: Any) -> None:
+    """Say in ``error``'s traceback which kernel raised it (Python 3.11+ notes)."""
+    if hasattr(error, "add_note"):
+        error.add_note(f"raised by kernel {entry}")
 
 
 def _exactly(inputs: AttentionInputs, kernel: str | None, why: str) -> tuple[Any, Any, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from ._registry import (
 )
 from ._tune import measured_choice, tuned
 from .errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
+from .masks import torch_compiling
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -89,7 +89,10 @@ def _reasons(entry: KernelEntry, inputs: AttentionInputs,
     why = availability(entry)
     if why is not None:
         return [f"unavailable: {why}"]
-    return kernel.not_supported_reasons(inputs)
+    try:
+        return kernel.not_supported_reasons(inputs)
+    except Exception as e:  # a broken plugin refuses, it does not break every call
+        return [f"not_supported_reasons raised {type(e).__name__}: {e}"]
 
 
 _elsewhere_reasons: dict[tuple[type, str, str], tuple[str, ...]] = {}
@@ -201,8 +204,7 @@ def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:
 
 def compiling() -> bool:
     """Inside torch.compile's tracing (which cannot trace logging calls)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    return torch_compiling()
 
 
 def _forced_name(kernel: str | None) -> str | None:

@@ -72,7 +72,7 @@ def availability(entry: KernelEntry) -> str | None:
         return entry.status or "unavailable"
     try:
         return kernel.available()
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         why = f"check_available raised {type(e).__name__}: {e}"
         type(kernel)._availability = why  # the cache Kernel.available() keeps
         warnings.warn(f"portattn kernel {entry.name!r} from {entry.provenance}: "
@@ -114,7 +114,7 @@ def load(ep: EntryPoint) -> KernelEntry:
     dist, version = _origin(ep)
     try:
         obj = ep.load()
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a plugin's exit() must not end the caller
         status = f"unavailable: failed to import {ep.value}: {type(e).__name__}: {e}"
         warnings.warn(f"portattn kernel {ep.name!r} from {dist} {version}: {status}",
                       PluginWarning, stacklevel=2)

@@ -54,3 +54,26 @@ class WrongShape(Good):
         xp = inputs.xp
         shape = (*inputs.batch_shape, inputs.num_heads, inputs.q_len - 1, inputs.value_head_dim)
         return xp.zeros(shape, dtype=inputs.query.dtype), None, None
+
+
+class RaisingReasons(Good):
+    """A plugin whose refusal logic itself fails."""
+
+    name = "raising_reasons"
+    priority = 800
+
+    @classmethod
+    def not_supported_reasons(cls, inputs):
+        msg = "bad declaration"
+        raise KeyError(msg)
+
+
+class RaisingRun(Good):
+    """A plugin that fails while computing."""
+
+    name = "raising_run"
+    priority = 900
+
+    def run(self, inputs):
+        msg = "out of registers"
+        raise RuntimeError(msg)

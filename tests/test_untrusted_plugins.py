@@ -60,3 +60,37 @@ def test_a_result_of_the_wrong_shape_is_an_error_naming_the_kernel(installed):
     with pytest.raises(KernelOutputError, match=r"wrong_shape \(third-party 1.0\).*"
                        r"out.shape=\(1, 2, 4, 8\), expected \(1, 2, 5, 8\)"):
         portattn.attention(*_qkv())
+
+
+def test_a_raising_refusal_is_a_reason_not_a_failure_of_every_call(installed):
+    installed(rk.RaisingReasons)
+    out = portattn.attention(*_qkv())
+    assert out.shape == (1, 2, 5, 8)
+    why = dict((e.name, w) for e, w in portattn.explain(*_qkv()).candidates)
+    assert why["raising_reasons"] == ("not_supported_reasons raised KeyError: 'bad declaration'",)
+
+
+def test_an_error_inside_a_kernel_names_the_kernel(installed):
+    installed(rk.RaisingRun)
+    with pytest.raises(RuntimeError, match="out of registers") as raised:
+        portattn.attention(*_qkv())
+    notes = getattr(raised.value, "__notes__", ["raised by kernel raising_run (third-party 1.0)"])
+    assert notes == ["raised by kernel raising_run (third-party 1.0)"]
+
+
+def test_a_plugin_that_exits_at_import_leaves_the_caller_running():
+    from importlib.metadata import EntryPoint
+
+    with pytest.warns(PluginWarning, match=r"'exiting'.*SystemExit: no GPU here"):
+        entries = registry.discover(eps=[EntryPoint("exiting", "exiting_plugin:K", registry.GROUP)],
+                                    disabled=frozenset())
+    assert next(e for e in entries if e.name == "exiting").kernel is None
+
+
+def test_calls_run_while_torch_is_half_imported(monkeypatch):
+    # Another thread importing torch: the module exists before its attributes do.
+    import types
+
+    monkeypatch.setitem(__import__("sys").modules, "torch", types.ModuleType("torch"))
+    out = portattn.attention(*_qkv(), mask=portattn.masks.key_lengths(np.array([3])))
+    assert out.shape == (1, 2, 5, 8)

@@ -58,7 +58,14 @@ from ._documents import Documents, ids_from_cu_seqlens
 from ._lengths import KeyLengths, Prefix, QueryLengths
 from ._ranges import KeyRanges, QueryRanges, SequenceWindow
 from ._sparse import BlockLayout, Chunks, GlobalTokens, SinkTokens
-from ._values import check_range, dtype_text, jax_tracer_type, signed, values_readable
+from ._values import (
+    check_range,
+    dtype_text,
+    jax_tracer_type,
+    signed,
+    torch_compiling,
+    values_readable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -116,6 +123,7 @@ __all__ = [
     "sink_tokens",
     "slice_tile",
     "sliding_window",
+    "torch_compiling",
     "values_readable",
 ]
 

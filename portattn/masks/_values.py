@@ -11,10 +11,11 @@ for it. A leaf module: it imports nothing else of portattn.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 __all__ = ["check_array", "check_bounds", "check_integer_array", "check_range", "dtype_text",
-           "host_copy", "jax_tracer_type", "signed", "values_readable"]
+           "host_copy", "jax_tracer_type", "signed", "torch_compiling", "values_readable"]
 
 
 def signed(xp: Any, lengths: Any) -> Any:
@@ -38,8 +39,6 @@ def jax_tracer_type() -> type | None:
 def values_readable(a: Any) -> bool:
     """Whether ``a``'s values can be read now: not a lazy Dask graph, not a JAX tracer,
     not a tensor being compiled by torch.compile. Reading may sync a GPU."""
-    import sys
-
     from array_api_compat import is_dask_array
 
     if is_dask_array(a):
@@ -48,8 +47,16 @@ def values_readable(a: Any) -> bool:
     if tracer is not None and isinstance(a, tracer):
         return False
     torch = sys.modules.get("torch")
-    return not (torch is not None and isinstance(a, torch.Tensor)
-                and torch.compiler.is_compiling())
+    tensor = getattr(torch, "Tensor", None)
+    return not (tensor is not None and isinstance(a, tensor) and torch_compiling())
+
+
+def torch_compiling() -> bool:
+    """Inside torch.compile's tracing. False while torch is still being imported (in
+    another thread): its module exists then without ``compiler`` yet."""
+    torch = sys.modules.get("torch")
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return is_compiling is not None and bool(is_compiling())
 
 
 def host_copy(a: Any) -> Any:
