@@ -60,6 +60,15 @@ class KVCache:
         self._length = length
         self._lengths: Any = None  # per-sequence lengths of a ragged cache
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The array module is found again from the buffers: pickling sends a cache to
+        # another process, deepcopy branches it (beam search).
+        return {name: value for name, value in self.__dict__.items() if name != "_xp"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._xp = array_namespace(self._key)
+
     @classmethod
     def ragged(cls, key_buffer: Any, value_buffer: Any, lengths: Any) -> KVCache:
         """A cache whose sequence ``b`` holds its first ``lengths[b]`` positions.

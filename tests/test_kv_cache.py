@@ -102,3 +102,23 @@ def test_cache_is_for_self_attention(backend):
     x = backend.asarray(np.ones((1, 1, 8)), "float32")
     with pytest.raises(ValueError, match=r"both context and cache"):
         layer(x, context=x, cache=layer.new_cache(1, 4))
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_cache_travels_and_branches(backend, how):
+    # to another process (pickle), or a beam search's second branch (deepcopy)
+    import copy
+    import pickle
+
+    if how == "pickle" and backend.name in ("torch_cuda", "jax_cuda", "cupy"):
+        pytest.skip("device arrays pickle through their library's own rules")
+    xp = backend.xp
+    cache = KVCache.ragged(*(backend.asarray(np.zeros((2, 1, 6, 4)), "float32")
+                             for _ in range(2)), backend.asarray(np.array([1, 3])))
+    twin = pickle.loads(pickle.dumps(cache)) if how == "pickle" else copy.deepcopy(cache)
+    step = backend.asarray(np.ones((2, 1, 1, 4)), "float32")
+    keys, _ = twin.append(step, step)
+    assert twin.length == cache.length + 1
+    assert backend.to_numpy(twin.lengths).tolist() == [2, 4]
+    assert backend.to_numpy(cache.lengths).tolist() == [1, 3]  # the original is untouched
+    assert float(xp.sum(keys)) == 8.0
