@@ -113,6 +113,13 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
                "for grouped-query attention")
         raise ValueError(msg)
     mask, bias = None, None
+    causal_bias = _causal_bias(attn_mask, query, key)
+    if causal_bias is not None:
+        if is_causal:
+            msg = ("attn_mask is torch's CausalBias, a causal mask already; pass it or "
+                   "is_causal=True, not both")
+            raise ValueError(msg)
+        mask, attn_mask = causal_bias, None
     if attn_mask is not None:
         xp = _namespace(attn_mask)
         if xp.isdtype(attn_mask.dtype, "bool"):
@@ -127,6 +134,24 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         mask = masks.causal("top_left") if mask is None else mask & masks.causal("top_left")
     return attention(query, key, value, mask=mask, bias=bias, scale=scale,
                      dropout_p=dropout_p)
+
+
+def _causal_bias(attn_mask: Any, query: Any, key: Any) -> Mask | None:
+    """The causal mask of torch's ``causal_upper_left``/``causal_lower_right``
+    (``torch.nn.attention.bias.CausalBias``), or None for any other ``attn_mask``."""
+    import sys
+
+    bias_module = sys.modules.get("torch.nn.attention.bias")
+    kind = getattr(bias_module, "CausalBias", None)
+    if kind is None or not isinstance(attn_mask, kind):
+        return None
+    lq, lk = getattr(query, "shape", (0, 0))[-2], getattr(key, "shape", (0, 0))[-2]
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (lq, lk):
+        msg = (f"attn_mask is a CausalBias for (Lq, Lk) = ({attn_mask.seq_len_q}, "
+               f"{attn_mask.seq_len_kv}); the call has ({lq}, {lk})")
+        raise ValueError(msg)
+    upper_left = attn_mask.variant == bias_module.CausalVariant.UPPER_LEFT
+    return masks.causal("top_left" if upper_left else "bottom_right")
 
 
 def _namespace(x: Any) -> Any:

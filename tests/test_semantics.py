@@ -118,3 +118,23 @@ def test_sdpa_combines_mask_and_causal():
     got = portattn.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=True)
     want, _, _ = oracle(q, k, v, mask=masks.dense(allowed) & masks.causal("top_left"))
     assert_close(got, want, "float64")
+
+
+@pytest.mark.parametrize("variant", ["causal_upper_left", "causal_lower_right"])
+def test_sdpa_wrapper_takes_torchs_causal_bias(variant):
+    # torch.nn.attention.bias: SDPA takes them as attn_mask, and so does the wrapper.
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import bias
+
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.asarray(rng.standard_normal(s)) for s in ((2, 4, 7, 8), (2, 4, 11, 8),
+                                                              (2, 4, 11, 8)))
+    causal = getattr(bias, variant)(7, 11)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    got = portattn.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    assert_close(got, want.numpy(), "float64")
+    with pytest.raises(ValueError, match="CausalBias, a causal mask already"):
+        portattn.scaled_dot_product_attention(q, k, v, attn_mask=causal, is_causal=True)
+    with pytest.raises(ValueError, match=r"CausalBias for \(Lq, Lk\) = \(7, 11\); the call "
+                                         r"has \(7, 10\)"):
+        portattn.scaled_dot_product_attention(q, k[..., 1:, :], v[..., 1:, :], attn_mask=causal)
