@@ -185,6 +185,9 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     arrays = {"query": query, "key": key, "value": value}
     xp = _common_namespace(arrays)
     dev = _common_device(arrays)
+    if not all(_native(a) for a in arrays.values()):
+        arrays = {n: _in_native_order(xp, a) for n, a in arrays.items()}
+        query, key, value = arrays.values()
     _check_dtypes(xp, arrays)
     batch, hq, hkv, lq, lk, d, dv = _check_shapes(query, key, value)
     full_shape = (*batch, hq, lq, lk)
@@ -201,6 +204,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         mask = mask.bind(xp, batch, hq, lq, lk, dev)
     if bias is not None:
         _check_same_library(xp, dev, bias, "bias")
+        bias = _in_native_order(xp, bias)
         if not xp.isdtype(bias.dtype, "real floating"):
             msg = f"bias must have a real floating dtype; got dtype={dtype_name(bias.dtype)}"
             raise TypeError(msg)
@@ -249,6 +253,19 @@ def _per_head(xp: Any, dev: Any, a: Any, name: str, batch: tuple[int, ...], head
                f"{(*batch, heads)}; got {name}.shape={shape}")
         raise ValueError(msg)
     return xp.reshape(a, (*(1,) * (len(batch) + 1 - len(shape)), *shape))
+
+
+def _native(a: Any) -> bool:
+    """Whether ``a``'s bytes are in the machine's order (only NumPy dtypes can say no)."""
+    return getattr(a.dtype, "isnative", True)
+
+
+def _in_native_order(xp: Any, a: Any) -> Any:
+    """``a``, or a copy in the machine's byte order (a big-endian NumPy array): kernels
+    compute and return native dtypes, and compiled loops take nothing else."""
+    if _native(a):
+        return a
+    return xp.astype(a, getattr(xp, dtype_name(a.dtype)))
 
 
 _namespaces: dict[tuple[type, ...], Any] = {}

@@ -219,3 +219,24 @@ def test_torch_compile_fullgraph(backend):
     want, _ = attention64(*seen, np.tril(np.ones((8, 8), bool)), None, None, None)
     out = compiled(*args)
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=2e-5, atol=2e-5)
+
+
+def test_big_endian_arrays_are_taken_in_the_machines_order():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 3, 6, 4)) for _ in range(3))
+    bias = rng.standard_normal((6, 6))
+    want = portattn.attention(q, k, v, bias=bias, mask=masks.causal(), return_lse=True)
+    swapped = [a.astype(a.dtype.newbyteorder(">")) for a in (q, k, v, bias)]
+    for chosen in ([0], [2], [0, 1, 2, 3]):  # the query only, the value only, all
+        args = [swapped[i] if i in chosen else a for i, a in enumerate((q, k, v, bias))]
+        for entry in portattn.kernels():
+            if entry.kernel is None or entry.kernel.available() is not None or (
+                    "numpy" not in entry.kernel.namespaces and entry.kernel.namespaces != "*"):
+                continue
+            try:
+                out, lse = portattn.attention(*args[:3], bias=args[3], mask=masks.causal(),
+                                              return_lse=True, kernel=entry.name)
+            except KernelNotUsableError:  # refused for what it does not declare, say
+                continue
+            np.testing.assert_allclose(out, want[0], rtol=1e-12, err_msg=entry.name)
+            np.testing.assert_allclose(lse, want[1], rtol=1e-12, err_msg=entry.name)
