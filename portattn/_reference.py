@@ -67,9 +67,10 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
 
 
 def _nothing_of(inputs: AttentionInputs, dtype: Any) -> Any:
-    """A 0 computed from no element of query, key and value: adding it ties an empty
-    call's zeros to the inputs, so autograd gives them (zero) gradients, as for any
-    other call."""
+    """A 0 computed from no element of query, key, value and bias: adding it ties an
+    empty call's zeros to the inputs, so autograd gives them (zero) gradients, as for
+    any other call."""
     xp = inputs.xp
-    return sum(xp.sum(cast(xp, a[..., :0, :], dtype))
-               for a in (inputs.query, inputs.key, inputs.value))
+    arrays = [a for a in (inputs.query, inputs.key, inputs.value, inputs.bias, inputs.sinks)
+              if a is not None]
+    return sum(xp.sum(cast(xp, a[..., :0], dtype)) for a in arrays)
