@@ -34,33 +34,36 @@ _forced: ContextVar[str | None] = ContextVar("portattn_forced_kernel", default=N
 _disabled: ContextVar[frozenset[str]] = ContextVar("portattn_disabled", default=frozenset())
 
 
-_active = [0]
-"""How many override blocks are open, in any thread: while none is, the context
-variables need not be read (torch.compile cannot trace ``ContextVar.get``)."""
+_open: list[None] = []
+"""One entry per override block open in any thread (``list.append`` and ``pop`` are
+atomic: no lock to leave held): while it is empty the context variables need not be
+read (torch.compile cannot trace ``ContextVar.get``)."""
 
 
 @contextlib.contextmanager
-def use_kernel(name: str | None) -> Iterator[None]:
+def _overriding(variable: ContextVar[Any], value: Any) -> Iterator[None]:
+    """``variable`` set to ``value`` within the block. It is set inside the ``try`` and
+    reset first on the way out, so an interruption (Ctrl-C) between two steps leaves at
+    most an extra entry in :data:`_open` (a slower dispatch), not an override."""
+    _open.append(None)
+    token = None
+    try:
+        token = variable.set(value)
+        yield
+    finally:
+        if token is not None:
+            variable.reset(token)
+        _open.pop()
+
+
+def use_kernel(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, every call runs kernel ``name`` (like ``kernel=name``)."""
-    token = _forced.set(name)
-    _active[0] += 1
-    try:
-        yield
-    finally:
-        _active[0] -= 1
-        _forced.reset(token)
+    return _overriding(_forced, name)
 
 
-@contextlib.contextmanager
-def disable_kernels(*names: str) -> Iterator[None]:
+def disable_kernels(*names: str) -> contextlib.AbstractContextManager[None]:
     """Within the block, dispatch skips the named kernels."""
-    token = _disabled.set(_disabled.get() | frozenset(names))
-    _active[0] += 1
-    try:
-        yield
-    finally:
-        _active[0] -= 1
-        _disabled.reset(token)
+    return _overriding(_disabled, _disabled.get() | frozenset(names))
 
 
 _NO_OVERRIDES: tuple[str | None, frozenset[str]] = (None, frozenset())
@@ -68,7 +71,7 @@ _NO_OVERRIDES: tuple[str | None, frozenset[str]] = (None, frozenset())
 
 def current_overrides() -> tuple[str | None, frozenset[str]]:
     """The kernel forced and the kernels disabled by the context managers, now."""
-    if not _active[0]:
+    if not _open:
         return _NO_OVERRIDES
     return _forced.get(), _disabled.get()
 

@@ -227,3 +227,32 @@ def test_an_unhashable_device_is_still_named():
             return "<CUDA Device 0>"
 
     assert device_kind(Device()) == "cuda"
+
+
+def test_override_blocks_in_many_threads_leave_nothing_behind(only_builtins):
+    import threading
+
+    from portattn import _dispatch
+
+    def churn():
+        for _ in range(2000):
+            with portattn.use_kernel("reference"), portattn.disable_kernels("tiled"):
+                assert portattn.explain(Q, K, V).kernel.name == "reference"
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    for t in threads:
+        t.start()
+    assert portattn.explain(Q, K, V).kernel.name == "tiled"  # this thread: no override
+    for t in threads:
+        t.join()
+    assert _dispatch._open == []
+    assert portattn.explain(Q, K, V).kernel.name == "tiled"
+
+
+def test_an_exception_inside_an_override_block_closes_it(only_builtins):
+    class Interrupt(BaseException):  # as KeyboardInterrupt is
+        pass
+
+    with pytest.raises(Interrupt), portattn.use_kernel("reference"):
+        raise Interrupt
+    assert portattn.explain(Q, K, V).kernel.name == "tiled"
