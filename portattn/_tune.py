@@ -11,9 +11,11 @@ kernel's ``tunables`` timed fastest, which kernels read through ``_settings``.
 A file from another machine (``foreign``), from other versions of the measured
 distributions or missing a kernel distribution installed since (``stale``) is ignored
 with a :class:`TuneWarning`: its times say nothing about this installation. The
-file's location: ``$PORTATTN_TUNE_FILE``, else ``$XDG_CACHE_HOME/portattn/tune.json``
-(``~/.cache`` when unset; ``%LOCALAPPDATA%`` on Windows). ``PORTATTN_TUNE_FILE=""``
-turns measured dispatch off.
+file's location: ``$PORTATTN_TUNE_FILE``, else
+``$XDG_CACHE_HOME/portattn/tune-<environment>.json`` (``~/.cache`` when unset;
+``%LOCALAPPDATA%`` on Windows), one file per Python environment (``sys.prefix``): each
+virtualenv has its own versions to measure. ``PORTATTN_TUNE_FILE=""`` turns measured
+dispatch off.
 
 No array library is imported here (nor by ``_tune_run``, until it times one).
 """
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import platform
+import stat
 import sys
 import time
 import warnings
@@ -40,8 +43,9 @@ if TYPE_CHECKING:
 
     from ._inputs import AttentionInputs
 
-__all__ = ["TUNE_ENV", "TuneWarning", "band", "call_key", "default_path", "installed_version",
-           "machine", "measured_choice", "refresh", "table_in_use", "tuned"]
+__all__ = ["TUNE_ENV", "TuneWarning", "band", "call_key", "default_path", "environment_id",
+           "installed_version", "machine", "measured_choice", "refresh", "table_in_use",
+           "tuned"]
 
 TUNE_ENV = "PORTATTN_TUNE_FILE"
 FORMAT = 1
@@ -65,7 +69,14 @@ def default_path() -> Path | None:
         root = Path(os.environ["LOCALAPPDATA"])
     else:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "portattn" / "tune.json"
+    return root / "portattn" / f"tune-{environment_id()}.json"
+
+
+def environment_id() -> str:
+    """A short name of this Python environment (from ``sys.prefix``)."""
+    import hashlib
+
+    return hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
 
 
 # -- keys: which representative call a real call is compared with ------------------
@@ -168,13 +179,16 @@ class _Table:
 def _read(path: Path) -> _Table | None:
     """The usable contents of ``path``, or None (with a warning saying why not)."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the call forever
+            msg = "not a regular file"
+            raise ValueError(msg)
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             msg = f"format={data.get('format') if isinstance(data, dict) else None!r}"
             raise ValueError(msg)
         created, rows = str(data["created"]), list(data["entries"])
         recorded_machine, versions = dict(data["machine"]), dict(data["versions"])
-        ranked = {_key_of(row): tuple(sorted(row["times"], key=row["times"].get))
+        ranked = {_key_of(row): tuple(sorted(_times(row), key=row["times"].get))
                   for row in rows}
         settings = {str(kernel): {str(name): found["chosen"] for name, found in dict(
             chosen).items()} for kernel, chosen in dict(data.get("settings", {})).items()}
@@ -204,6 +218,17 @@ def _read(path: Path) -> _Table | None:
               "run `python -m portattn tune` again")
         return None
     return _Table(created[:10], ranked, settings)
+
+
+def _times(row: dict[str, Any]) -> dict[str, float]:
+    """A row's times, checked: finite numbers >= 0 seconds, by kernel name."""
+    times = dict(row["times"])
+    for name, seconds in times.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not math.isfinite(seconds) or seconds < 0:
+            msg = f"time of {name!r} is {seconds!r}, not a number of seconds"
+            raise ValueError(msg)
+    return times
 
 
 def _warn(message: str) -> None:

@@ -111,7 +111,14 @@ def test_an_empty_variable_turns_it_off(tune_file, monkeypatch):
 def test_default_location_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv(_tune.TUNE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert _tune.default_path() == tmp_path / "portattn" / "tune.json"
+    path = _tune.default_path()
+    assert path.parent == tmp_path / "portattn"
+    # one file per Python environment: each virtualenv measures its own versions
+    assert path.name == f"tune-{_tune.environment_id()}.json"
+    other = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.prefix = '/elsewhere'; "
+                            "from portattn import _tune; print(_tune.environment_id())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert other != _tune.environment_id()
 
 
 def test_a_changed_file_is_read_again(tune_file):
@@ -185,6 +192,21 @@ def test_a_kernel_distribution_installed_since_makes_it_stale(tune_file):
 def test_an_unreadable_file_is_ignored_with_a_warning(tune_file, text):
     tune_file.write_text(text, encoding="utf-8")
     with pytest.warns(_tune.TuneWarning, match="not a portattn tune file"):
+        assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+
+
+@pytest.mark.parametrize("seconds", ["fast", float("nan"), -0.01, True, None])
+def test_times_that_are_not_seconds_make_the_file_unusable(tune_file, seconds):
+    _write(tune_file, [_row({"numpy_fast": 0.02, "tiled": seconds})])
+    with pytest.warns(_tune.TuneWarning, match=r"not a portattn tune file .*time of 'tiled'"):
+        assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+
+
+def test_a_fifo_at_the_path_is_ignored_not_waited_on(tune_file):
+    import os
+
+    os.mkfifo(tune_file)  # reading it would block until a writer came
+    with pytest.warns(_tune.TuneWarning, match="not a regular file"):
         assert _tune.measured_choice(_inputs(), RUNNABLE) is None
 
 
