@@ -54,6 +54,13 @@ BAND_SIZES = {"short": 256, "medium": 1024, "long": 4096}
 _BAND_LIMITS = (("short", 512), ("medium", 2048))
 #: How often (seconds) dispatch looks whether the file changed.
 RECHECK_S = 1.0
+#: A kernel replaces the one the priorities pick only when measured at least this much
+#: faster: smaller differences are noise on a shared machine (a 7% "win" of a quick
+#: run made calls 4.5x slower at other shapes).
+MARGIN = 0.1
+#: A measurement steers calls with up to this many times more (or fewer) batch x head
+#: rows than it had: beyond that the fastest kernel may change.
+SPREAD = 8
 
 
 class TuneWarning(UserWarning):
@@ -172,6 +179,9 @@ class _Table:
 
     date: str
     ranked: dict[tuple, tuple[str, ...]]
+    times: dict[tuple, dict[str, float]]
+    rows: dict[tuple, int | None]
+    """Batch x head rows of each measured call (None for a file that did not say)."""
     settings: dict[str, dict[str, Any]]
     """``kernel name -> setting -> value`` chosen by the run."""
 
@@ -188,8 +198,9 @@ def _read(path: Path) -> _Table | None:
             raise ValueError(msg)
         created, rows = str(data["created"]), list(data["entries"])
         recorded_machine, versions = dict(data["machine"]), dict(data["versions"])
-        ranked = {_key_of(row): tuple(sorted(_times(row), key=row["times"].get))
-                  for row in rows}
+        times = {_key_of(row): _times(row) for row in rows}
+        ranked = {key: tuple(sorted(t, key=t.get)) for key, t in times.items()}
+        measured_rows = {_key_of(row): _rows(row) for row in rows}
         settings = {str(kernel): {str(name): found["chosen"] for name, found in dict(
             chosen).items()} for kernel, chosen in dict(data.get("settings", {})).items()}
     except FileNotFoundError:
@@ -217,7 +228,7 @@ def _read(path: Path) -> _Table | None:
         _warn(f"ignoring tune file {path}: stale, {'; '.join(stale)}; "
               "run `python -m portattn tune` again")
         return None
-    return _Table(created[:10], ranked, settings)
+    return _Table(created[:10], ranked, times, measured_rows, settings)
 
 
 def _times(row: dict[str, Any]) -> dict[str, float]:
@@ -229,6 +240,12 @@ def _times(row: dict[str, Any]) -> dict[str, float]:
             msg = f"time of {name!r} is {seconds!r}, not a number of seconds"
             raise ValueError(msg)
     return times
+
+
+def _rows(row: dict[str, Any]) -> int | None:
+    """Batch x head rows of a measured call (``shape`` is ``(batch, heads, L, D)``)."""
+    shape = row.get("shape")
+    return int(shape[0]) * int(shape[1]) if shape else None
 
 
 def _warn(message: str) -> None:
@@ -288,8 +305,10 @@ install_settings_reader(_settings_in_use)
 
 
 def measured_choice(inputs: AttentionInputs, runnable: Sequence[str]) -> tuple[str, str] | None:
-    """The kernel among ``runnable`` measured fastest for calls like ``inputs``, and a
-    note for ``explain()``; None without a usable tune entry (priorities stand then).
+    """The kernel among ``runnable`` (in priority order) measured fastest for calls like
+    ``inputs``, and a note for ``explain()``; None without a usable tune entry, when the
+    call has far more or fewer rows than the measured one (:data:`SPREAD`), or when the
+    fastest beat the first runnable by less than :data:`MARGIN` (priorities stand).
 
     Calls that need gradients are left to the priorities: tune times forward passes.
     """
@@ -298,10 +317,16 @@ def measured_choice(inputs: AttentionInputs, runnable: Sequence[str]) -> tuple[s
     table = _table()
     if table is None:
         return None
-    ranked = table.ranked.get(call_key(inputs))
-    if not ranked:
+    key = call_key(inputs)
+    ranked = table.ranked.get(key)
+    fastest = next((name for name in ranked or () if name in runnable), None)
+    if fastest is None:
         return None
-    for name in ranked:
-        if name in runnable:
-            return name, f"measured fastest (tune of {table.date})"
-    return None
+    measured = table.rows[key]
+    rows = math.prod(inputs.batch_shape) * inputs.num_heads
+    if measured is not None and not measured / SPREAD <= rows <= measured * SPREAD:
+        return None  # far from the measured shape
+    times, default = table.times[key], runnable[0]
+    if fastest != default and default in times and times[fastest] > (1 - MARGIN) * times[default]:
+        return None  # within the noise of the kernel the priorities pick
+    return fastest, f"measured fastest (tune of {table.date})"

@@ -43,9 +43,11 @@ def _versions():
             **{e.distribution: e.version for e in portattn.kernels()}}
 
 
-def _row(times, *, library="numpy", dtype="float32", head_dim=64, mask="none", band="medium"):
+def _row(times, *, library="numpy", dtype="float32", head_dim=64, mask="none", band="medium",
+         heads=8):
     return {"library": library, "device": "cpu", "dtype": dtype, "head_dim": head_dim,
-            "mask": mask, "band": band, "times": times}
+            "mask": mask, "band": band, "times": times,
+            "shape": [1, heads, _tune.BAND_SIZES[band], head_dim]}
 
 
 def _inputs(lq=1024, lk=None, d=64, dtype=np.float32, **kwargs):
@@ -62,6 +64,22 @@ def test_the_measured_fastest_among_the_runnable(tune_file):
     name, note = _tune.measured_choice(_inputs(), RUNNABLE)
     assert name == "tiled"
     assert note == "measured fastest (tune of 2026-12-01)"
+
+
+def test_a_win_within_the_noise_leaves_the_priorities(tune_file):
+    # numpy_fast comes first by priority: 7% is no reason to leave it
+    _write(tune_file, [_row({"numpy_fast": 0.0100, "tiled": 0.0093})])
+    assert _tune.measured_choice(_inputs(), RUNNABLE) is None
+    _write(tune_file, [_row({"numpy_fast": 0.0100, "tiled": 0.0080})])
+    assert _tune.measured_choice(_inputs(), RUNNABLE)[0] == "tiled"
+
+
+def test_calls_far_from_the_measured_shape_are_not_steered(tune_file):
+    _write(tune_file, [_row({"numpy_fast": 0.02, "tiled": 0.01}, heads=8)])
+    wide = _inputs()._replace(batch_shape=(16,), num_heads=16)  # 256 rows, 32x the measured
+    assert _tune.measured_choice(wide, RUNNABLE) is None
+    near = _inputs()._replace(batch_shape=(4,), num_heads=8)  # 32 rows: 4x
+    assert _tune.measured_choice(near, RUNNABLE)[0] == "tiled"
 
 
 def test_a_kernel_that_cannot_run_is_passed_over(tune_file):
