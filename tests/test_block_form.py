@@ -284,3 +284,11 @@ def test_the_nonfinite_helpers_find_the_rows_that_see_a_bad_key(name, backend):
     np.testing.assert_array_equal(backend.to_numpy(rows), want)
     out = nonfinite.poison(xp, xp.ones((*BATCH, HEADS, lq, 2)), rows)
     np.testing.assert_array_equal(np.isnan(backend.to_numpy(out)).all(axis=-1), want)
+
+
+def test_a_block_form_without_rows_visits_nothing():
+    form = masks.block_mask(masks.key_lengths(np.zeros(0, int)).bind(np, (0,), 2, 8, 8),
+                            8, 8, 4, 4)
+    assert form.merged.shape == (2, 2)
+    assert (form.merged == HIDDEN).all()
+    assert form.kv_blocks(0) == []

@@ -562,10 +562,9 @@ class Union(_Combination):
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         allowed = None
         for p in self.members:
-            if p.hides(q0, q1, k0, k1, lq, lk):
-                continue
-            if p.covers(q0, q1, k0, k1, lq, lk):
-                return all_allowed(xp, q0, q1, k0, k1, device)
+            band = p.band(lq, lk) if p.kind in POSITIONAL else None
+            if band is not None and band.hides(q0, q1, k0, k1):
+                continue  # cheap for a band; other kinds' tiles cost less than asking
             t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
             allowed = t if allowed is None else xp.logical_or(allowed, t)
         return xp.logical_not(all_allowed(xp, q0, q1, k0, k1, device)) if allowed is None \

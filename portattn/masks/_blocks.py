@@ -100,6 +100,8 @@ class BlockMask:
 
         if self.states.ndim == 2:
             return self.states
+        if not self.states.size:  # no batch element or head: nothing to visit
+            return np.full(self.states.shape[-2:], HIDDEN, dtype=np.int8)
         axes = tuple(range(self.states.ndim - 2))
         high, low = self.states.max(axis=axes), self.states.min(axis=axes)
         return np.where(high == HIDDEN, HIDDEN, np.where(low == FULL, FULL, PARTIAL)).astype(

@@ -95,9 +95,13 @@ class Config:
     max_block_k: int = 1024
     """Keys per block at most (longer blocks measured no faster)."""
     mask_step: int = 128
-    """Query rows per step of a positional mask's staircase; also the diagonal's squares."""
-    mask_chunk: int = 64
-    """Keys per step when looking for the parts of a block a mask leaves whole."""
+    """Query rows per tile of the grid a mask's block form is read on (the steps of a
+    staircase); also the diagonal's squares."""
+    mask_chunk: int = 16
+    """Keys per tile of the grid a mask's block form is read on. Narrow tiles keep a
+    document's edge or a global token's column narrow: with 16 keys instead of 64,
+    ``sliding_window(512) | global_tokens`` at L = 16384 computed 5.4% of the pairs
+    instead of 6.1% and evaluated the mask's tiles over 23M pairs instead of 36M."""
     min_units_per_thread: int = 4
     min_squares: int = 4
     """Fewest diagonal squares in a unit: fewer and its fixed calls outweigh its work."""

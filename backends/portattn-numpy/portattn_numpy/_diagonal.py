@@ -15,9 +15,11 @@ of the GIL, so the count matters. Compared with a block per square, the shared b
 are the ``tiles`` strategy's shape: alone, BLAS ran their products 10-15% faster than
 those of 128 rows, and it packs the keys once for all their rows.
 
-:func:`find` decides from the mask alone whether a call has this shape; what it finds
-and the plan of each unit are kept across calls of that shape (``_memo``). Applies to
-calls without a bias, dense part or lengths whose heads are not stacked.
+:func:`find` decides from the mask's block form and the tiles of its diagonal squares
+whether a call has this shape; what it finds and the plan of each unit are kept across
+calls of that shape (``_memo``). Applies to calls without a bias whose mask holds no
+arrays and is the same for every batch element and head, and whose heads are not
+stacked.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _blocks
+from portattn.masks import FULL, HIDDEN, block_mask
+
+from ._blocks import unit_blocks
 from ._memo import Store
 from ._scores import ScoreTile, accumulate_compiled, finish_fast, scores
 from ._scratch import take
@@ -73,9 +77,8 @@ class UnitPlan:
     squares: int
     """Diagonal squares from row 0: rows ``0:squares*size``."""
     blocks: list[Block]
-    """The keys before each square, and the rows after the last full square."""
-    rows_with_keys: int
-    """Rows from 0 that attend any key; the others keep output 0 and lse ``-inf``."""
+    """The keys before each square (the rows after the last full square follow the
+    mask in tiles: ``_blocks``)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class Along:
     def heads(self, p: Problem, h: int) -> range:
         return range(h, h + 1)
 
+    def prepare(self, p: Problem, units: list[Unit]) -> None:
+        pass  # nothing a unit plans costs more than a lookup after the first call
+
     def scratch(self, p: Problem) -> Scratch:
         return Scratch(p, self.shape)
 
@@ -101,9 +107,9 @@ class Along:
 
 def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Along | None:
     """The strategy for ``p`` when its mask is causal-shaped, else None."""
-    if p.bias is not None or p.dense or p.key_len is not None or p.query_len is not None:
+    if p.bias is not None or p.mask is None or p.mask.arrays:
         return None
-    shape = find(p.positional, p.q_len, p.kv_len, p.query.dtype, p.tile_elements,
+    shape = find(p.mask, p.q_len, p.kv_len, p.query.dtype, p.tile_elements,
                  p.config.mask_step, group_rows(p.tile_elements, p.config))
     if shape is None:
         return None
@@ -133,8 +139,9 @@ _shapes: Store[Diagonal | None] = Store("diagonal shapes")
 
 def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any, tile_elements: int,
          size: int, rows_per_group: int = 0) -> Diagonal | None:
-    """The diagonal shape of ``mask`` in squares of ``size``, or None when some full
-    square does not have it. Squares are grouped by ``rows_per_group`` rows (at least one)."""
+    """The diagonal shape of ``mask`` (bound to the call) in squares of ``size``, or None
+    when some full square does not have it. Squares are grouped by ``rows_per_group``
+    rows (at least one)."""
     if mask is None or q_len < size:
         return None
     key = (mask, q_len, kv_len, np.dtype(dtype), tile_elements, size, rows_per_group)
@@ -152,21 +159,47 @@ def group_rows(tile_elements: int, config: Config) -> int:
 
 def _find(mask: Mask, q_len: int, kv_len: int, dtype: Any, tile_elements: int,
           size: int, rows_per_group: int) -> Diagonal | None:
-    shift, keep = None, None
-    for a in (0, q_len // size * size - size):  # first and last square; the mask
-        lo, hi = mask.key_range(a, a + size, q_len, kv_len)  # depends on key - query only
-        if lo != 0 or hi - size < 0 or not mask.covers(a, a + size, 0, hi - size, q_len, kv_len):
-            return None
-        allowed = np.broadcast_to(mask.tile(np, a, a + size, hi - size, hi, q_len, kv_len),
-                                  (size, size))
-        if shift is None:
-            shift, keep = hi - a - size, allowed
-        elif hi - a - size != shift or not np.array_equal(allowed, keep):
+    squares = q_len // size
+    first = _same_for_all(mask.tile(np, 0, size, 0, kv_len, q_len, kv_len), size, kv_len)
+    if first is None:
+        return None
+    seen = np.flatnonzero(first.any(axis=0))
+    if not seen.size:
+        return None
+    shift = int(seen[-1]) + 1 - size  # the first square's diagonal square starts here
+    if shift < 0 or shift + squares * size > kv_len:
+        return None
+    # Every square sees every key before its diagonal square and none after it: read on
+    # a grid whose key blocks start where each diagonal square does.
+    step = math.gcd(size, shift)
+    states = block_mask(mask, q_len, kv_len, size, step).states
+    if states.ndim != 2:  # the mask differs between batch elements or heads
+        return None
+    starts = (np.arange(squares)[:, None] * size + shift) // step
+    columns = np.arange(states.shape[1])[None, :]
+    rows = states[:squares]
+    before, after = columns < starts, columns >= starts + size // step
+    if not ((rows == FULL) | ~before).all() or not ((rows == HIDDEN) | ~after).all():
+        return None
+    keep = first[:, shift:shift + size]
+    for a in range(size, squares * size, size):  # and the same triangle in each
+        square = mask.tile(np, a, a + size, a + shift, a + shift + size, q_len, kv_len)
+        square = _same_for_all(square, size, size)
+        if square is None or not np.array_equal(square, keep):
             return None
     group = max(1, rows_per_group // size)
     return Diagonal(size, max(1, tile_elements // size**2), max(1, tile_elements // size),
                     group, max(1, tile_elements // (group * size)), shift,
                     np.ascontiguousarray(keep.T, dtype=dtype))
+
+
+def _same_for_all(tile: Any, rows: int, keys: int) -> Any:
+    """``tile`` as ``(rows, keys)``, or None where it differs between batch elements or
+    heads."""
+    tile = np.asarray(tile)
+    if any(size > 1 for size in tile.shape[:-2]):
+        return None
+    return np.broadcast_to(tile.reshape(tile.shape[-2:]), (rows, keys))
 
 
 #: Plans of units, by shape: shared by heads, threads and later calls.
@@ -175,7 +208,7 @@ _plans: Store[UnitPlan] = Store("plans of units along the diagonal")
 
 def unit_plan(p: Problem, d: Diagonal, q0: int, q1: int) -> UnitPlan:
     """The squares and blocks of rows ``q0:q1`` (``q0`` a multiple of the square size)."""
-    key = (p.config, p.positional, p.q_len, p.kv_len, p.block_k, d, q0, q1)
+    key = (p.config, p.mask, p.q_len, p.kv_len, p.block_k, d, q0, q1)
     return _plans.get(key, lambda: _unit_plan(p, d, q0, q1))
 
 
@@ -192,15 +225,7 @@ def _unit_plan(p: Problem, d: Diagonal, q0: int, q1: int) -> UnitPlan:
             end = q0 + r0 + shift  # the square's own keys start here
             blocks += [(k0, min(end, k0 + d.block_k), r0, r0 + size, [])
                        for k0 in range(shared, end, d.block_k)]
-    tail, rows_with_keys = q0 + squares * size, squares * size
-    if tail < q1:  # rows past the last full square: tiles that follow the mask
-        lo, hi = p.positional.key_range(tail, q1, p.q_len, p.kv_len)
-        if hi > lo:
-            offset = tail - q0
-            blocks += [(k0, k1, r0 + offset, r1 + offset, tiles)
-                       for k0, k1, r0, r1, tiles in _blocks.blocks(p, (), 0, tail, q1, lo, hi)]
-            rows_with_keys = q1 - q0
-    return UnitPlan(squares, blocks, rows_with_keys)
+    return UnitPlan(squares, blocks)
 
 
 class Scratch:
@@ -243,12 +268,17 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
               out=acc[:along, :-1].reshape(count, d.size, -1))
     np.matmul(s.ones[:d.size], stacked, out=acc[:along, -1].reshape(count, d.size))
     acc[along:] = 0  # rows past the last square start from nothing
-    blocks = unit.blocks
-    compiled = [] if p.compiled is None else [block for block in blocks if not block[4]]
-    if compiled:
-        accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], compiled,
+    blocks, rows_with_keys = unit.blocks, along  # the others keep out 0, lse -inf
+    if q0 + along < q1:  # rows past the last full square follow the mask in tiles
+        tail = unit_blocks(p, b, h, q0 + along, q1)
+        if tail.blocks:
+            blocks = blocks + [(k0, k1, r0 + along, r1 + along, masks)
+                               for k0, k1, r0, r1, masks in tail.blocks]
+            rows_with_keys = along + tail.end
+    if p.compiled is not None and blocks:  # all in one compiled call, masks included
+        accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], blocks,
                             first_writes=False, unit=(b, h, q0))
-        blocks = [block for block in blocks if block[4]]
+        blocks = []
     for k0, k1, r0, r1, masks in blocks:
         if p.config.on_tile is not None:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
@@ -258,7 +288,7 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
         tile = s.tile.weights(p, width, r1 - r0, masks, part[:, -1])
         np.matmul(tile.T, v[k0:k1], out=part[:, :-1])
         acc[r0:r1] += part
-    filled = acc[:unit.rows_with_keys]
-    rows = (*b, h, slice(q0, q0 + unit.rows_with_keys))  # the others keep out 0, lse -inf
+    filled = acc[:rows_with_keys]
+    rows = (*b, h, slice(q0, q0 + rows_with_keys))
     return finish_fast(p, filled, filled[:, -1], hi - lo, p.out[rows],
                        None if p.lse is None else p.lse[rows])

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from portattn.kernel import Kernel
-
-from ._mask_kinds import KINDS
+from portattn.masks import KINDS
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -28,7 +27,7 @@ class NumpyFastKernel(Kernel):
     namespaces = frozenset({"numpy"})
     devices = frozenset({"cpu"})
     dtypes = frozenset({"float32", "float64"})
-    masks = frozenset(KINDS)  # every kind the plugin knows how to treat (``_mask_kinds``)
+    masks = frozenset(KINDS)  # every kind: masks are read through their block form
     bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = True
     priority = 50
@@ -45,17 +44,13 @@ class NumpyFastKernel(Kernel):
             return f"{e.name} is not installed"
         return None
 
-    @classmethod
-    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
-        reasons = super().not_supported_reasons(inputs)
-        if not getattr(inputs.query.dtype, "isnative", True):
-            reasons.append(f"byte order {inputs.query.dtype.str} is not native")
-        return reasons
-
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         import numpy as np
 
-        if not _hides_any_pair(inputs):
+        from ._config import current
+        from ._plan import hides_any_pair
+
+        if not hides_any_pair(inputs, current()):
             # every row weighs every value: NaN or inf among them reaches exactly the
             # rows that see them, and no pass over the values (a decode step's whole
             # cost) is needed to know it; a mask that hides nothing (causal, one
@@ -81,14 +76,6 @@ class NumpyFastKernel(Kernel):
         return out, lse, None
 
 
-def _hides_any_pair(inputs: AttentionInputs) -> bool:
-    """Can the mask or bias hide a key from a row? (Known from the structure alone.)"""
-    if inputs.bias is not None:
-        return True
-    mask, lq, lk = inputs.mask, inputs.q_len, inputs.kv_len
-    return mask is not None and not mask.covers(0, lq, 0, lk, lq, lk)
-
-
 def _attend(inputs: AttentionInputs) -> tuple[Any, Any]:
     from ._plan import build, useful_threads
     from ._strategy import work
@@ -98,5 +85,6 @@ def _attend(inputs: AttentionInputs) -> tuple[Any, Any]:
     problem, units = build(inputs, threads)
     if units:
         run_parallel(lambda queue: work(problem, queue), units,
-                     useful_threads(problem, units, threads))
+                     useful_threads(problem, units, threads),
+                     first=lambda: problem.strategy.prepare(problem, units))
     return problem.out, problem.lse

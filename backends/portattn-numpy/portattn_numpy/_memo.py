@@ -1,9 +1,10 @@
 """What calls of the same shape share: bounded stores of plans, kept across calls.
 
 The blocks of a unit, the diagonal shape of a mask and the plan of a unit along the
-diagonal depend on positions and settings only; heads, batch elements, threads and
-later calls of that shape reuse them. Their keys hold the settings (``Config``), so a
-block with other settings never sees another's plans.
+diagonal depend on the mask's structure, the shapes and the settings only, where the
+mask holds no arrays; heads, batch elements, threads and later calls of that shape
+reuse them. Their keys hold the settings (``Config``), so a block with other settings
+never sees another's plans.
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ class Store(Generic[T]):
         found = self._found.get(key, _MISSING)
         if found is _MISSING:
             found = make()
-            if len(self._found) >= MAX_REMEMBERED:
-                self._found.clear()
-            self._found[key] = found  # a duplicate from another thread is harmless
+            self.put(key, found)
         return found  # type: ignore[return-value]
+
+    def find(self, key: tuple) -> T | None:
+        """The value stored for ``key``, or None."""
+        return self._found.get(key)
+
+    def put(self, key: tuple, value: T) -> None:
+        if len(self._found) >= MAX_REMEMBERED:
+            self._found.clear()
+        self._found[key] = value  # a duplicate from another thread is harmless
 
     def __len__(self) -> int:
         return len(self._found)

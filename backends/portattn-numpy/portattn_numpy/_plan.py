@@ -1,29 +1,45 @@
-"""Planning one call: NumPy views of the arrays, the mask's parts, tile sizes, the
-strategy (``_strategy``) and its units, costliest first."""
+"""Planning one call: NumPy views of the arrays, the mask's block form, tile sizes,
+the strategy (``_strategy``) and its units, costliest first."""
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from portattn.masks import FULL
+
 from . import _jit
 from ._config import current
 from ._exponential import BASE_2, in_place, in_rows
-from ._mask_kinds import split
 from ._problem import Problem, Unit
 from ._strategy import choose
 from ._units import work
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
+    from portattn.masks import BlockMask
 
     from ._config import Config
 
-__all__ = ["block_sizes", "build", "useful_threads"]
+__all__ = ["block_sizes", "build", "hides_any_pair", "mask_blocks", "useful_threads"]
+
+
+def mask_blocks(inputs: AttentionInputs, config: Config) -> BlockMask | None:
+    """The call's mask as blocks of ``Config.mask_step`` rows by ``Config.mask_chunk``
+    keys (built once per call, kept on the mask); None without a mask."""
+    if inputs.mask is None:
+        return None
+    return inputs.blocks(config.mask_step, config.mask_chunk)
+
+
+def hides_any_pair(inputs: AttentionInputs, config: Config) -> bool:
+    """Can the mask or bias hide a key from a row? (Known from the block form alone.)"""
+    if inputs.bias is not None:
+        return True
+    blocks = mask_blocks(inputs, config)
+    return blocks is not None and bool((blocks.states != FULL).any())
 
 
 def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads: int = 1,
@@ -87,14 +103,16 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     query = np.asarray(inputs.query)  # only ever copied, tile by tile
     key, value = _blas_ready(inputs.key), _blas_ready(inputs.value)
     lq, lk, hq = inputs.q_len, inputs.kv_len, inputs.num_heads
-    parts = split(inputs.mask, lq, lk)
-    positional = functools.reduce(operator.and_, parts.positional) if parts.positional else None
     heads = math.prod(inputs.batch_shape) * hq
     # read once, here: worker threads see neither a tune run's trial nor a newer file
     tile_elements = config.score_tile_bytes() // query.itemsize
     block_q, block_k = block_sizes(lq, lk, tile_elements, config, heads=heads,
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
+    mask = inputs.mask
+    # a mask without arrays is the same for every call of its structure: so are its plans
+    shared = None if mask is not None and mask.arrays else (
+        config, None if mask is None else mask.key(), lq, lk, block_k)
     # a bias keeps the scores in base e: changing its base would cost a pass
     exponential = config.exponential_for(query.dtype, bias=inputs.bias is not None)
     base2 = exponential in BASE_2
@@ -110,15 +128,14 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         compiled=_compiled(config, exponential, query, value, inputs.softcap),
         query_ready=_rows_ready(query),
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
-        positional=positional, dense=parts.dense,
+        mask=mask, blocks=mask_blocks(inputs, config), shared=shared,
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
-        tile_elements=tile_elements, config=config, query_len=parts.query_len,
-        key_len=parts.key_len,
+        tile_elements=tile_elements, config=config,
     )
     strategy = choose(problem, inputs, threads)
     # set once, before any worker sees the problem (dataclasses.replace costs ~10 us)
     object.__setattr__(problem, "strategy", strategy)
     units = [u for b in np.ndindex(*inputs.batch_shape) for u in strategy.units(problem, b)]
-    if parts.skip_tiles:
+    if problem.blocks is not None:  # units of unequal cost: the costliest first
         units.sort(key=lambda u: (u[3] - u[2]) * (u[5] - u[4]), reverse=True)
     return problem, units

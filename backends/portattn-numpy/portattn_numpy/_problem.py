@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from portattn.masks import Mask
+    from portattn.masks import BlockMask, Mask
 
     from ._compiled_blocks import CompiledBlocks
     from ._config import Config
@@ -49,10 +50,15 @@ class Problem:
     query_ready: bool
     """Whether BLAS can read the query's rows in place (else they are copied)."""
     bias: Any
-    positional: Mask | None
-    """The causal and sliding-window parts of the mask, combined."""
-    dense: tuple[Any, ...]
-    """Full-rank boolean arrays (True = attend) of the dense parts of the mask."""
+    mask: Mask | None
+    """The call's mask, bound to it: its ``tile`` masks the partial tiles."""
+    blocks: BlockMask | None
+    """The mask's block form on the fine grid (``Config.mask_step`` rows by
+    ``Config.mask_chunk`` keys), what units and their blocks are planned from; None
+    without a mask."""
+    shared: tuple | None
+    """What plans are stored under for later calls (the mask's structure, the shapes and
+    the settings); None where the mask holds arrays: its plans last one call."""
     q_len: int
     kv_len: int
     group: int
@@ -62,10 +68,11 @@ class Problem:
     """Entries of one score tile (``Config.score_tile_bytes`` over the item size)."""
     config: Config
     """The settings this call was planned with (``_config``)."""
-    query_len: Any = None
-    """Per-batch query lengths (the smallest of the mask's), or None."""
-    key_len: Any = None
-    """Per-batch key lengths (the smallest of the mask's), or None."""
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    """This call's plans of units, where they are not ``shared``, and what it keeps of
+    its mask (``_blocks``, ``_mask_tiles``)."""
+    planning: Any = field(default_factory=threading.Lock, compare=False, repr=False)
+    """Held while a thread claims a plan to make (``_blocks``)."""
     strategy: Strategy | None = None
     """How the call is cut into units and each unit computed (``_strategy``)."""
 

@@ -114,23 +114,41 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
     return out
 
 
+def pack(blocks: list[Block]) -> tuple[Any, Any, Any]:
+    """``(spans, masks, hidden)``: ``blocks`` as the compiled loops read them. ``spans``
+    holds ``(k0, k1, r0, r1)`` rows; ``masks`` a row ``(block, key offset, row offset,
+    keys, rows, start)`` for each mask, in block order, whose entries (queries by keys)
+    start at ``hidden[start]``."""
+    spans = np.array([block[:4] for block in blocks], np.int64).reshape(-1, 4)
+    table, parts, start = [], [], 0
+    for i, (*_, masks) in enumerate(blocks):
+        for key, row, hidden in masks:
+            table.append((i, key, row, hidden.shape[1], hidden.shape[0], start))
+            parts.append(hidden.ravel())
+            start += hidden.size
+    return (spans, np.array(table, np.int64).reshape(-1, 6),
+            np.concatenate(parts) if parts else np.zeros(0, bool))
+
+
 def accumulate_compiled(p: Problem, tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any,
                         acc: Any, sums: Any, blocks: list[Block], *,
-                        first_writes: bool, unit: tuple[tuple[int, ...], int, int]) -> None:
-    """Unmasked ``blocks`` (``(k0, k1, r0, r1, [])``) the fast way, in one compiled call
-    (``p.compiled``): the weights of keys ``k0:k1`` for rows ``r0:r1`` of ``alpha * q``
+                        first_writes: bool, unit: tuple[tuple[int, ...], int, int],
+                        packed: tuple[Any, Any, Any] | None = None) -> None:
+    """``blocks`` the fast way, in one compiled call (``p.compiled``): the weights of keys
+    ``k0:k1`` for rows ``r0:r1`` of ``alpha * q`` (0 where the block's masks hide them)
     times the values, added to those rows of ``acc``, and their sums to ``sums``
     (``first_writes``: the first block covers every row and writes them). ``tile``: the
     memory of the scores, here queries by keys; ``unit``: ``(batch index, head, first
-    row)``, for the ``on_tile`` hook, called first for every block."""
+    row)``, for the ``on_tile`` hook, called first for every block; ``packed``: the
+    blocks already packed (:func:`pack`)."""
     if p.config.on_tile is not None:
         b, h, q0 = unit
         for k0, k1, r0, r1, _ in blocks:
             p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
     keys = max(k1 - k0 for k0, k1, *_ in blocks)
     span, stride = tile.span(max(r1 - r0 for _, _, r0, r1, _ in blocks), keys)
-    spans = np.array([block[:4] for block in blocks], np.int64)
-    p.compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans,
+    spans, masks, hidden = pack(blocks) if packed is None else packed
+    p.compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, masks, hidden,
                           first_writes=first_writes)
 
 
@@ -161,14 +179,11 @@ def add_bias(tile: Any, bias: Any) -> None:
 
 
 def hide(tile: Any, masks: list[Any], value: float) -> None:
-    """Set the masked entries of a (keys by queries) tile to ``value``."""
-    for mask in masks:
-        if isinstance(mask, tuple):  # positional: (key offset, row offset, hidden)
-            k0, r0, hidden = mask
-            k1, r1 = k0 + hidden.shape[0], r0 + hidden.shape[1]
-            np.copyto(tile[k0:k1, r0:r1], value, where=hidden)
-        else:  # dense: allowed, queries by keys
-            np.copyto(tile, value, where=np.logical_not(mask.T))
+    """Set the masked entries of a (keys by queries) tile to ``value``: ``masks`` holds
+    ``(key offset, row offset, hidden)``, ``hidden`` queries by keys (``_blocks``)."""
+    for k0, r0, hidden in masks:
+        rows, keys = hidden.shape
+        np.copyto(tile[k0:k0 + keys, r0:r0 + rows], value, where=hidden.T)
 
 
 def trustworthy(sums: Any, acc: Any, keys: int, where: Any = True) -> bool:

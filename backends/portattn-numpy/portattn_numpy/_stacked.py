@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from portattn.masks import FULL, HIDDEN
+
 from ._scores import scores, trustworthy
 from ._scratch import take
 from ._units import work
@@ -30,9 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["SHARE", "Stacked", "heads_per_unit", "plan"]
 
 #: A head is stacked when its scores fill at most ``1 / SHARE[tiles_compiled,
-#: tiles_skip]`` of a tile: less where tiles skip work under a mask's structure (causal,
-#: sliding window, lengths; stacking computes every pair), and less where tiles run
-#: their unmasked blocks in one compiled call a unit (``_compiled_blocks``). At
+#: tiles_skip]`` of a tile: less where tiles skip work the mask's block form hides
+#: (causal, sliding window, lengths, documents; stacking computes every pair), and less
+#: where tiles run their unmasked blocks in one compiled call a unit
+#: (``_compiled_blocks``; a mask with no full tile, random dense ones, leaves them none). At
 #: (B, 8, L, 64) float32 with 2 MiB tiles (20 calls a round, in turns, B = 1 and 4,
 #: OpenBLAS's AVX2 and AVX-512 kernels), tiles with compiled blocks took 0.93-1.00x the
 #: time of stacking at L = 256 and 362, 1.02-1.04x at 181 and 1.06-1.29x at 128 and 64;
@@ -73,6 +76,9 @@ class Stacked:
     def heads(self, p: Problem, h: int) -> range:
         return range(h, min(p.query.shape[-3], h + self.kv_heads * p.group))
 
+    def prepare(self, p: Problem, units: list[Unit]) -> None:
+        pass  # nothing a unit plans costs more than a lookup after the first call
+
     def scratch(self, p: Problem) -> None:
         return None  # each unit takes its arrays, shaped for its heads (``_scratch.take``)
 
@@ -85,9 +91,12 @@ def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Stacked | None:
     hq = inputs.num_heads
     if not hq:  # no query heads at all: nothing to stack, and the group size is 0
         return None
-    skips = p.positional is not None or p.key_len is not None or p.query_len is not None
+    # tiles skip the tiles the mask hides, and run its full ones compiled where they can
+    states = None if p.blocks is None else p.blocks.states
+    skips = states is not None and bool((states == HIDDEN).any())
+    compiled = p.compiled is not None and (states is None or bool((states == FULL).any()))
     kv = heads_per_unit(p.q_len, p.kv_len, p.group, hq // p.group, p.tile_elements,
-                        tiles_skip=skips, tiles_compiled=p.compiled is not None and not p.dense)
+                        tiles_skip=skips, tiles_compiled=compiled)
     if not kv:
         return None
     # fewer heads to a unit where that gives work to threads that would idle

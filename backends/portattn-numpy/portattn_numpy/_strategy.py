@@ -42,6 +42,10 @@ class Strategy(Protocol):
     def heads(self, p: Problem, h: int) -> range:
         """The query heads of the unit whose first head is ``h``."""
 
+    def prepare(self, p: Problem, units: list[Unit]) -> None:
+        """Plan ahead of the workers what ``units`` will need (the calling thread does
+        this while the others compute the units already planned)."""
+
     def scratch(self, p: Problem) -> Any:
         """One worker's buffers, reused for every unit it takes."""
 

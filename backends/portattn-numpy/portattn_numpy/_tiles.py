@@ -15,9 +15,10 @@ exponential (``_exponential``). Two ways through a unit:
 
 Exponentials, masks and row sums come from ``ScoreTile.weights`` (one compiled pass
 where Numba is installed); the careful way sets masked entries to ``-inf`` before its
-max. Where Numba and NumPy's BLAS allow, the fast way's blocks without a mask run in
-one compiled call, and its last step in another (``_compiled_blocks``). Which blocks
-a unit computes, and which entries are masked, is decided in ``_blocks``.
+max. Where Numba and NumPy's BLAS allow, the fast way's blocks, their masks included,
+run in one compiled call, and its last step in another (``_compiled_blocks``). Which blocks
+a unit computes, and which entries are masked, is decided in ``_blocks`` from the
+mask's block form.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import numpy as np
 
 from portattn.masks import slice_tile
 
-from ._blocks import blocks as unit_blocks
-from ._blocks import head_view
+from ._blocks import unit_blocks
+from ._mask_tiles import head_view
 from ._scores import ScoreTile, accumulate_compiled, add_bias, finish_fast, hide, scores
 from ._scratch import take
 from ._units import row_ranges, units_for
@@ -53,6 +54,10 @@ class Tiles:
 
     def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
         return units_for(p, b, range(p.query.shape[-3]), self.rows)
+
+    def prepare(self, p: Problem, units: list[Unit]) -> None:
+        for unit in units:  # in the order the workers take them
+            unit_blocks(p, *unit[:4])
 
     def heads(self, p: Problem, h: int) -> range:
         return range(h, h + 1)
@@ -99,41 +104,47 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
             lo: int, hi: int, *, careful: bool) -> bool:
     """One tile; the fast way returns False, writing nothing, when it is not trusted."""
     n = q1 - q0
-    blocks = unit_blocks(p, b, h, q0, q1, lo, hi)
+    plan = unit_blocks(p, b, h, q0, q1)
+    blocks = plan.blocks
     if not blocks:
         return True  # out is already 0 and lse -inf
-    rows = (*b, h, slice(q0, q1))
-    query = p.query[rows]
+    query = p.query[(*b, h, slice(q0, q1))]
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    if (not careful and p.compiled is not None and p.query_ready
-            and not any(block[4] for block in blocks)):
-        # compiled throughout: the product reads the queries in place and scales them
-        _accumulate(p, s, query, p.factor, k, v, b, h, q0, q1, blocks, careful=False)
+    if not careful and p.compiled is not None:
+        # every block in one compiled call, masks included; where BLAS can read the
+        # queries in place, the product scales them
+        q, alpha = ((query, p.factor) if p.query_ready
+                    else (np.multiply(query, p.factor, out=s.q[:n]), 1.0))
+        acc, sums = s.acc[:n], s.rows[0, :n]
+        first_writes = blocks[0][2:4] == (0, n)  # else acc and sums start from zeros
+        if not first_writes:
+            acc[:] = 0
+            sums[:] = 0
+        accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, blocks,
+                            first_writes=first_writes, unit=(b, h, q0), packed=plan.packed)
     else:
         q = np.multiply(query, p.factor, out=s.q[:n])
-        _accumulate(p, s, q, 1.0, k, v, b, h, q0, q1, blocks, careful=careful)
+        _accumulate(p, s, q, k, v, b, h, q0, q1, blocks, careful=careful)
+    first, end = plan.first, plan.end  # the other rows keep out 0 and lse -inf
     if not careful:
-        return finish_fast(p, s.acc[:n], s.rows[0, :n], hi - lo, p.out[rows],
+        rows = (*b, h, slice(q0 + first, q0 + end))
+        return finish_fast(p, s.acc[first:end], s.rows[0, first:end], hi - lo, p.out[rows],
                            None if p.lse is None else p.lse[rows])
-    shift = s.rows[2, :n]
+    shift = s.rows[2, first:end]
     if p.base2:
         shift *= np.log(2.0)
-    _finish(p, s, b, h, q0, q1, shift)
+    _finish(p, s, b, h, q0, first, end, shift)
     return True
 
 
-def _accumulate(p: Problem, s: _Scratch, q: Any, alpha: float, k: Any, v: Any,
-                b: tuple[int, ...], h: int, q0: int, q1: int, blocks: list[Block], *,
-                careful: bool) -> None:
-    """The blocks' weights times values into ``s.acc``, their sums into ``s.rows[0]``;
-    ``alpha * q`` are the scaled queries (``alpha`` is 1 where NumPy computes a block)."""
+def _accumulate(p: Problem, s: _Scratch, q: Any, k: Any, v: Any, b: tuple[int, ...],
+                h: int, q0: int, q1: int, blocks: list[Block], *, careful: bool) -> None:
+    """The blocks' weights times values into ``s.acc``, their sums into ``s.rows[0]``,
+    by NumPy's calls; ``q`` are the scaled queries."""
     n = q1 - q0
     acc, part = s.acc[:n], s.acc_part[:n]
     sums, part_sums, m, m_new, scale = (row[:n] for row in s.rows)
-    compiled = [] if careful or p.compiled is None else [bl for bl in blocks if not bl[4]]
-    if compiled:  # those first, in one call; then the masked ones
-        blocks = compiled + [block for block in blocks if block[4]]
     # A first block that covers every row (the usual case) writes acc and sums instead
     # of adding to zeros; the careful way's rescaling of them before it is overwritten.
     first_covers_all = blocks[0][2:4] == (0, n)
@@ -141,10 +152,6 @@ def _accumulate(p: Problem, s: _Scratch, q: Any, alpha: float, k: Any, v: Any,
         acc[:] = 0
         sums[:] = 0
     m[:] = -np.inf
-    if compiled:
-        accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, compiled,
-                            first_writes=first_covers_all, unit=(b, h, q0))
-        blocks, first_covers_all = blocks[len(compiled):], False
     bias = None if p.bias is None else head_view(p.bias, b, h)
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
         if p.config.on_tile is not None:
@@ -190,13 +197,14 @@ def _finite(m: Any) -> Any:
     return np.where(np.isneginf(m), 0, m)
 
 
-def _finish(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
-            shift: Any) -> None:
-    """The careful way's last step (``shift``: each row's max, in base e)."""
-    n = q1 - q0
-    sums, acc = s.rows[0, :n], s.acc[:n]
-    out = p.out[(*b, h, slice(q0, q1))]
-    lse = None if p.lse is None else p.lse[(*b, h, slice(q0, q1))]
+def _finish(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, first: int,
+            end: int, shift: Any) -> None:
+    """The careful way's last step for the unit's rows ``first:end`` (``shift``: each
+    row's max, in base e)."""
+    sums, acc = s.rows[0, first:end], s.acc[first:end]
+    rows = (*b, h, slice(q0 + first, q0 + end))
+    out = p.out[rows]
+    lse = None if p.lse is None else p.lse[rows]
     # Rows with no allowed key (sum 0) keep out 0 and lse -inf; a NaN sum (a NaN query,
     # scores that overflowed) gives NaN, never a finite answer.
     has_mass = np.logical_not(sums <= 0)

@@ -1,21 +1,26 @@
 """Units: ``(batch index, head, q0, q1, lo, hi)``, with the keys their rows reach.
 
-The structured mask decides that range before any arithmetic: causal and
-sliding-window masks through ``key_range``, key and query lengths by reading the
-(small) length arrays. Units with nothing to attend are never created; their rows keep
-output 0 and lse ``-inf``.
+The mask's block form (``Problem.blocks``: which tiles of a fine grid are hidden, full
+or partial, per batch element and head where the mask varies) decides that range
+before any arithmetic: a unit keeps the rows of its query tile that see some tile, and
+``lo:hi`` bounds the keys those rows see. Units with nothing to attend are never
+created; their rows keep output 0 and lse ``-inf``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from portattn.masks import HIDDEN
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from ._problem import Problem, Unit
 
-__all__ = ["KEY_ROW_SCORES", "row_ranges", "units_for", "work"]
+__all__ = ["KEY_ROW_SCORES", "lead_index", "row_ranges", "units_for", "unit_states", "work"]
 
 #: Reading one key's and value's rows costs about as much as this many scores: a
 #: decode step has few scores but a whole cache to read. (Decode steps over 4096 keys:
@@ -42,21 +47,59 @@ def row_ranges(rows: int, step: int, square: int = 1) -> list[tuple[int, int]]:
     return ranges
 
 
+def lead_index(states: Any, b: tuple[int, ...], h: int) -> tuple[int, ...]:
+    """Where batch element ``b`` and head ``h`` read the block form's ``states``, whose
+    leading axes broadcast against ``(*batch, H)`` (an axis of size 1 is shared)."""
+    lead = states.shape[:-2]
+    if not lead:
+        return ()
+    at = (*b, h)[-len(lead):]
+    return tuple(0 if size == 1 else i for i, size in zip(at, lead, strict=True))
+
+
+def unit_states(p: Problem, lead: tuple[int, ...], q0: int, q1: int) -> tuple[Any, Any]:
+    """``(states, edges)``: the fine tiles of rows ``q0:q1`` (``(rows, key blocks)``, read
+    at ``lead``), and where each row of tiles starts and ends, counted from ``q0``."""
+    step = p.blocks.block_q
+    a0, a1 = q0 // step, -(-q1 // step)
+    edges = np.clip(np.arange(a0, a1 + 1) * step, q0, q1) - q0
+    return p.blocks.states[lead][a0:a1], edges
+
+
+def _reach(p: Problem, lead: tuple[int, ...], q0: int,
+           q1: int) -> tuple[int, int, int, int] | None:
+    """``(q0, q1, lo, hi)``: the rows of ``q0:q1`` that see some tile, and the keys they
+    see; None when they see none."""
+    states, edges = unit_states(p, lead, q0, q1)
+    visible = states != HIDDEN
+    rows, keys = np.flatnonzero(visible.any(axis=1)), np.flatnonzero(visible.any(axis=0))
+    if not rows.size:
+        return None
+    step = p.blocks.block_k
+    return (q0 + int(edges[rows[0]]), q0 + int(edges[rows[-1] + 1]), int(keys[0]) * step,
+            min(p.kv_len, (int(keys[-1]) + 1) * step))
+
+
 def units_for(p: Problem, b: tuple[int, ...], heads: Iterable[int],
               ranges: Iterable[tuple[int, int]]) -> list[Unit]:
-    """Units of ``heads`` of batch element ``b`` over the row ``ranges``, each with the
-    keys its rows can reach; rows past the query length and keys past the key length
-    are left out, and so are units with nothing to attend."""
-    rows = p.q_len if p.query_len is None else int(p.query_len[b])
-    keys = p.kv_len if p.key_len is None else int(p.key_len[b])
+    """Units of ``heads`` of batch element ``b`` over the row ``ranges``, each narrowed to
+    the rows that see some key and to the keys they see; units with nothing to attend
+    are left out."""
     heads = list(heads)
     units: list[Unit] = []
+    if p.blocks is None:
+        for q0, q1 in ranges:
+            if q1 > q0 and p.kv_len:
+                units += [(b, h, q0, q1, 0, p.kv_len) for h in heads]
+        return units
+    by_lead: dict[tuple[int, ...], list[int]] = {}
+    for h in heads:  # heads that read the same states share their reach
+        by_lead.setdefault(lead_index(p.blocks.states, b, h), []).append(h)
     for q0, q1 in ranges:
-        q1 = min(q1, rows)
         if q1 <= q0:
             continue
-        lo, hi = (0, p.kv_len) if p.positional is None else p.positional.key_range(
-            q0, q1, p.q_len, p.kv_len)
-        if min(hi, keys) > lo:
-            units += [(b, h, q0, q1, lo, min(hi, keys)) for h in heads]
+        for lead, shared in by_lead.items():
+            reach = _reach(p, lead, q0, q1)
+            if reach is not None:
+                units += [(b, h, *reach) for h in shared]
     return units

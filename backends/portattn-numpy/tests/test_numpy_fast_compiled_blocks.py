@@ -62,7 +62,8 @@ def _weights(k, q, alpha):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("first_writes", [True, False])
-def test_blocks_add_weights_times_values_and_their_sums(dtype, first_writes):
+@pytest.mark.parametrize("masked", [False, True])
+def test_blocks_add_weights_times_values_and_their_sums(dtype, first_writes, masked):
     loops = _loops(dtype)
     rng = np.random.default_rng(0)
     rows, d, dv, keys = 37, 24, 8, 300
@@ -72,15 +73,24 @@ def test_blocks_add_weights_times_values_and_their_sums(dtype, first_writes):
     v = rng.standard_normal((keys, dv)).astype(dtype)
     table = rng.standard_normal((rows, dv + 1)).astype(dtype)  # values, then the sums
     before = table.copy()
-    # a first block of every row, then one of some rows, a third of one row
-    blocks = [(0, 130, 0, rows), (130, 290, 5, 30), (290, 300, 36, 37)]
+    # a first block of every row, then one of some rows, a third of one row; masked:
+    # two runs of the first block's keys (one with a row that sees none of them), and
+    # the whole second block, each hiding about half its entries
+    blocks = [(0, 130, 0, rows, []), (130, 290, 5, 30, []), (290, 300, 36, 37, [])]
+    if masked:
+        blocks[0][4].extend([(10, 3, rng.random((20, 40)) < 0.5),
+                             (100, 0, rng.random((rows, 30)) < 0.5)])
+        blocks[0][4][0][2][7] = True
+        blocks[1][4].append((0, 0, rng.random((25, 160)) < 0.5))
     tile = _scores.ScoreTile("test.scores", 160, rows, dtype)
     span, stride = tile.span(rows, 160)  # queries by keys
     loops.accumulate(alpha, q, k, v, table[:, :-1], table[:, -1], span, stride,
-                     np.array(blocks, np.int64), first_writes=first_writes)
+                     *_scores.pack(blocks), first_writes=first_writes)
     want = np.zeros((rows, dv + 1)) if first_writes else before.astype(np.float64)
-    for k0, k1, r0, r1 in blocks:
-        w = _weights(k[k0:k1], q[r0:r1], alpha)
+    for k0, k1, r0, r1, hides in blocks:
+        w = _weights(k[k0:k1], q[r0:r1], alpha)  # keys by rows
+        for key, row, hidden in hides:
+            w[key:key + hidden.shape[1], row:row + len(hidden)][hidden.T] = 0
         want[r0:r1, :-1] += w.T @ v[k0:k1]
         want[r0:r1, -1] += w.sum(axis=0)
     np.testing.assert_allclose(table, want, rtol=50 * np.finfo(dtype).eps,

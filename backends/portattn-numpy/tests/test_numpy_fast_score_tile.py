@@ -65,19 +65,19 @@ def test_a_larger_tile_grows_the_buffer(problem):
 def test_weights_are_exp_of_the_view_with_hidden_entries_zero_and_their_sums(problem):
     rng = np.random.default_rng(0)
     tile = ScoreTile("test", 64, 512, np.float32)
-    hidden = rng.random((10, 6)) < 0.5  # keys 3:13 by rows 100:106: a positional run
-    allowed = rng.random((512, 64)) < 0.9  # a dense tile, queries by keys
+    hidden = rng.random((6, 10)) < 0.5  # rows 100:106 by keys 3:13
+    wide = rng.random((512, 40)) < 0.1  # every row by keys 20:60
     for _ in range(8):  # in place, tile after tile, over what the last one left
         span, view = tile.scores(64, 512)
         padding = span.reshape(64, -1)[:, 512:].copy()
         scores = rng.standard_normal((64, 512)).astype(np.float32)
         view[...] = scores
         sums = np.empty(512, np.float32)
-        weights = tile.weights(problem, 64, 512, [(3, 100, hidden), allowed], sums)
+        weights = tile.weights(problem, 64, 512, [(3, 100, hidden), (20, 0, wide)], sums)
         assert np.shares_memory(weights, view)
         expected = np.exp2(scores)
-        expected[3:13, 100:106][hidden] = 0
-        expected[~allowed.T] = 0
+        expected[3:13, 100:106][hidden.T] = 0  # the tile is keys by rows
+        expected[20:60][wide.T] = 0
         np.testing.assert_allclose(weights, expected, rtol=1e-6)
         np.testing.assert_allclose(sums, expected.sum(axis=0), rtol=1e-5)
         after = span.reshape(64, -1)[:, 512:]

@@ -137,9 +137,9 @@ def _units_and_threads(monkeypatch, q_shape, kv_len):
     units, asked = [], []
     real = _threads.run_parallel
 
-    def run_parallel(worker, work, count):
+    def run_parallel(worker, work, count, first=None):
         asked.append(min(count, len(work)))
-        real(worker, work, count)
+        real(worker, work, count, first)
 
     with monkeypatch.context() as patch, configured(
             on_unit=lambda *_: units.append(threading.get_ident())):
