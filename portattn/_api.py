@@ -10,6 +10,7 @@ from ._call_cache import described_and_chosen
 from ._dispatch import Plan, check_result, select
 from ._finite import distrust
 from ._inputs import describe, dtype_name
+from ._layout import from_kernel_layout, to_kernel_layout
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -22,7 +23,7 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               bias: Any = None, scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False, return_weights: bool = False,
               dropout_p: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-              kernel: str | None = None) -> Any:
+              layout: str = "bhld", kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
     Shapes: ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``,
@@ -50,6 +51,11 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
             denominator gains ``exp(sinks[h])``, a logit that attends no value (gpt-oss).
             The lse includes it (so a fully masked row gives 0 and an lse of ``sinks``);
             gradients flow to it.
+        layout: ``"bhld"`` for the shapes above, ``"blhd"`` for arrays held as
+            ``(..., length, heads, head_dim)`` (flash-attn's and JAX's layout): the
+            output is then ``(..., Lq, Hq, Dv)``, a transposed view of the kernel's
+            (no copy of the inputs or the output where the library has strides); the
+            lse stays ``(..., Hq, Lq)`` and the weights ``(..., Hq, Lq, Lk)``.
         kernel: run this kernel by name instead of choosing one.
 
     Returns:
@@ -57,7 +63,9 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     """
     options = {"mask": mask, "bias": bias, "scale": scale, "softcap": softcap,
                "return_lse": return_lse, "return_weights": return_weights,
-               "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks}
+               "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks,
+               "layout": layout}
+    query, key, value = to_kernel_layout(layout, query, key, value)
     inputs, entry = described_and_chosen(query, key, value, options, kernel)
     try:
         out, lse, weights = entry.kernel.run(inputs)
@@ -67,6 +75,7 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     check_result(entry, inputs, out, lse, weights)
     if entry.kernel.finite_inputs_only and (why := distrust(inputs, out)) is not None:
         out, lse, weights = _exactly(inputs, kernel, why)
+    out = from_kernel_layout(inputs.xp, layout, out)
     if not (return_lse or return_weights):
         return out
     extras = ((lse,) if return_lse else ()) + ((weights,) if return_weights else ())
@@ -77,6 +86,7 @@ def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
     """The kernel :func:`attention` would run with these arguments, and why the others
     would not; computes nothing."""
     kernel = kwargs.pop("kernel", None)
+    query, key, value = to_kernel_layout(kwargs.get("layout", "bhld"), query, key, value)
     return select(describe(query, key, value, **kwargs), kernel)
 
 

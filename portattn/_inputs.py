@@ -15,6 +15,7 @@ from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
 from . import masks as _masks
+from ._layout import check_layout, shown
 from .masks import values_readable
 
 if TYPE_CHECKING:
@@ -180,8 +181,9 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              scale: float | None = None, softcap: float | None = None,
              return_lse: bool = False, return_weights: bool = False,
              dropout_p: float = 0.0, alibi_slopes: Any = None,
-             sinks: Any = None) -> AttentionInputs:
-    """Validate one call's arguments and describe it."""
+             sinks: Any = None, layout: str = "bhld") -> AttentionInputs:
+    """Validate one call's arguments and describe it. The arrays are in the kernels'
+    layout already; ``layout`` is the caller's, for error messages."""
     arrays = {"query": query, "key": key, "value": value}
     xp = _common_namespace(arrays)
     dev = _common_device(arrays)
@@ -189,7 +191,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         arrays = {n: _in_native_order(xp, a) for n, a in arrays.items()}
         query, key, value = arrays.values()
     _check_dtypes(xp, arrays)
-    batch, hq, hkv, lq, lk, d, dv = _check_shapes(query, key, value)
+    batch, hq, hkv, lq, lk, d, dv = _check_shapes(query, key, value, check_layout(layout))
     full_shape = (*batch, hq, lq, lk)
 
     if mask is not None:
@@ -365,38 +367,47 @@ def _check_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
         raise TypeError(msg)
 
 
-def _check_shapes(query: Any, key: Any, value: Any) -> tuple:
+def _check_shapes(query: Any, key: Any, value: Any, layout: str = "bhld") -> tuple:
+    """The call's sizes from ``(..., heads, length, dim)`` shapes; errors speak of the
+    shapes and axes as the caller laid them out."""
     q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
-    if (len(q) >= 3 and len(q) == len(k) == len(v) and q[:-3] == k[:-3] == v[:-3]
-            and q[-1] == k[-1] and k[-3:-1] == v[-3:-1] and k[-3] and not q[-3] % k[-3]):
+    if _shapes_fit(q, k, v):
         return q[:-3], q[-3], k[-3], q[-2], k[-2], q[-1], v[-1]
     # Something is off: find it and say what.
-    for name, shape in (("query", q), ("key", k), ("value", v)):
+    heads = -3 if layout == "bhld" else -2
+    axes = "(..., heads, length, head_dim)" if layout == "bhld" else (
+        "(..., length, heads, head_dim)")
+    q_, k_, v_ = (shown(s, layout) for s in (q, k, v))
+    for name, shape in (("query", q_), ("key", k_), ("value", v_)):
         if len(shape) < 3:
-            msg = (f"{name} must have shape (..., heads, length, head_dim) with at least 3 "
-                   f"dims; got {name}.shape={shape}")
+            msg = f"{name} must have shape {axes} with at least 3 dims; got {name}.shape={shape}"
             raise ValueError(msg)
     if not len(q) == len(k) == len(v):
-        msg = f"query, key and value must have the same rank; got shapes {q}, {k}, {v}"
+        msg = f"query, key and value must have the same rank; got shapes {q_}, {k_}, {v_}"
         raise ValueError(msg)
     if not q[:-3] == k[:-3] == v[:-3]:
         msg = (f"query, key and value must share the leading batch dims; got "
-               f"query.shape={q}, key.shape={k}, value.shape={v}")
+               f"query.shape={q_}, key.shape={k_}, value.shape={v_}")
         raise ValueError(msg)
     if q[-1] != k[-1]:
         msg = (f"query and key must have the same head dimension; got "
                f"query.shape[-1]={q[-1]}, key.shape[-1]={k[-1]}")
         raise ValueError(msg)
+    # Arrays laid out the other way often fail only here: say so.
+    hint = ("; for (..., length, heads, head_dim) arrays pass layout='blhd'"
+            if layout == "bhld" and _shapes_fit(*(shown(s, "blhd") for s in (q, k, v))) else "")
     if k[-3:-1] != v[-3:-1]:
         msg = (f"key and value must have the same heads and length; got "
-               f"key.shape={k}, value.shape={v}")
+               f"key.shape={k_}, value.shape={v_}{hint}")
         raise ValueError(msg)
-    hq, hkv = q[-3], k[-3]
-    if hkv == 0 or hq % hkv:
-        msg = (f"query heads must be a multiple of key/value heads (grouped-query); got "
-               f"query.shape[-3]={hq}, key.shape[-3]={hkv}")
-        raise ValueError(msg)
-    return q[:-3], hq, hkv, q[-2], k[-2], q[-1], v[-1]
+    msg = (f"query heads must be a multiple of key/value heads (grouped-query); got "
+           f"query.shape[{heads}]={q[-3]}, key.shape[{heads}]={k[-3]}{hint}")
+    raise ValueError(msg)
+
+
+def _shapes_fit(q: tuple, k: tuple, v: tuple) -> bool:
+    return (len(q) >= 3 and len(q) == len(k) == len(v) and q[:-3] == k[:-3] == v[:-3]
+            and q[-1] == k[-1] and k[-3:-1] == v[-3:-1] and k[-3] > 0 and not q[-3] % k[-3])
 
 
 def _check_scale(value: Any, default: float) -> float:
