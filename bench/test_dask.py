@@ -1,4 +1,6 @@
-"""Attention over a large batch: a 2-worker Dask LocalCluster against one NumPy process.
+"""Dask: attention over a large batch on a cluster, and the blocks a mask hides.
+
+**A large batch**: a 2-worker Dask LocalCluster against one NumPy process.
 
 Inputs ``(64, 8, 2048, 64)`` float32 in chunks of 8 batch elements (so 8 blocks), made
 on the workers and kept there; the cluster time is building the graph and computing
@@ -13,6 +15,17 @@ reset before the run) and above its idle level, and the number of tasks in the g
 
 ``PORTATTN_DASK_BENCH_BATCH`` shrinks the batch (a multiple of 8) for a quick look;
 ``PORTATTN_DASK_BENCH_THREADS`` sets threads per worker (default: half the cores each).
+
+**Packed documents**: ``causal() & documents(ids)`` (8 documents of random lengths in
+one row) against ``causal()`` alone, ``(1, 8, 8192, 64)`` float32 in chunks of 1024
+along both sequence axes, on the threaded scheduler, timed in turns (building the
+graph, which reads the ids, and computing it). Recorded: the attention blocks each
+graph schedules, and the time ratio (best, and median of the rounds).
+
+    python -m pytest -c pyproject.toml bench/test_dask.py -k packed --benchmark-only -s
+    python bench/test_dask.py packed     # the same, as a table of best and median times
+
+``PORTATTN_DASK_BENCH_ROUNDS`` sets the rounds (default 5).
 """
 
 from __future__ import annotations
@@ -33,6 +46,10 @@ WORKERS = 2
 THREADS = int(os.environ.get("PORTATTN_DASK_BENCH_THREADS", "0")) or max(
     1, (os.cpu_count() or 2) // WORKERS)
 GROUP = f"dask {SHAPE} float32, chunks of {CHUNKS[0]}"
+PACKED_SHAPE = (1, 8, 8192, 64)
+PACKED_CHUNK = 1024
+DOCUMENTS = 8
+ROUNDS = int(os.environ.get("PORTATTN_DASK_BENCH_ROUNDS", "5"))
 
 
 # --- memory: the resident high-water mark, reset before a run (Linux) -------------
@@ -141,6 +158,54 @@ def numpy_memory(q: Any, k: Any, v: Any) -> dict[str, Any]:
             "kernel": portattn.explain(q, k, v).kernel.name}
 
 
+# --- packed documents --------------------------------------------------------------
+def packed_call() -> tuple[tuple[Any, Any, Any], dict[str, Any]]:
+    """q, k, v as Dask arrays and the two masks, ``{"documents": ..., "causal": ...}``."""
+    import dask.array as da
+    import numpy as np
+
+    from portattn import masks
+
+    rng = np.random.default_rng(0)
+    length = PACKED_SHAPE[-2]
+    cuts = np.sort(rng.choice(np.arange(1, length), DOCUMENTS - 1, replace=False))
+    ids = np.repeat(np.arange(DOCUMENTS), np.diff(np.concatenate([[0], cuts, [length]])))
+    chunks = (1, 8, PACKED_CHUNK, 64)
+    arrays = tuple(da.from_array(rng.standard_normal(PACKED_SHAPE, dtype=np.float32),
+                                 chunks=chunks) for _ in range(3))
+    lazy_ids = da.from_array(ids[None], chunks=(1, PACKED_CHUNK))
+    return arrays, {"documents": masks.causal() & masks.documents(lazy_ids),
+                    "causal": masks.causal()}
+
+
+def scheduled_blocks(arrays: tuple[Any, Any, Any], mask: Any) -> int:
+    import portattn
+
+    out = portattn.attention(*arrays, mask=mask)
+    return sum(str(key[0]).startswith("attention-block-") for key in dict(out.__dask_graph__()))
+
+
+def run_packed(arrays: tuple[Any, Any, Any], mask: Any) -> Any:
+    """Build the graph and compute it on threads."""
+    import portattn
+
+    return portattn.attention(*arrays, mask=mask).compute(scheduler="threads")
+
+
+def packed_turns(rounds: int) -> dict[str, list[float]]:
+    """Seconds per run of each mask, the two run in turns (causal first each round),
+    after one untimed run of each."""
+    arrays, packed = packed_call()
+    times: dict[str, list[float]] = {name: [] for name in ("causal", "documents")}
+    for round_ in range(rounds + 1):
+        for name in times:
+            start = time.perf_counter()
+            run_packed(arrays, packed[name])
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 # --- pytest-benchmark -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def client():
@@ -181,6 +246,24 @@ def test_numpy_one_process(benchmark: Any, numpy_inputs: Any) -> None:
     benchmark.extra_info.update(numpy_memory(*numpy_inputs))
 
 
+@pytest.mark.benchmark(group=f"dask packed documents {PACKED_SHAPE} float32")
+def test_packed_documents_in_turns(in_turns: Any, benchmark: Any) -> None:
+    import portattn
+
+    arrays, packed = packed_call()
+    blocks = {name: scheduled_blocks(arrays, mask) for name, mask in packed.items()}
+    best, median = in_turns(lambda: run_packed(arrays, packed["documents"]),
+                            lambda: run_packed(arrays, packed["causal"]), rounds=ROUNDS)
+    benchmark.extra_info.update(
+        chunk=PACKED_CHUNK, documents=DOCUMENTS, blocks_documents=blocks["documents"],
+        blocks_causal=blocks["causal"], time_ratio_best=best, time_ratio_median=median,
+        chunk_kernel=portattn.explain(*(a[..., :PACKED_CHUNK, :].compute() for a in arrays),
+                                      mask=portattn.masks.causal()).kernel.name)
+    print(f"\npacked documents {PACKED_SHAPE}, chunks of {PACKED_CHUNK}: blocks "
+          f"{blocks['documents']} (documents) vs {blocks['causal']} (causal); time "
+          f"documents / causal {best:.3g} (best), {median:.3g} (median of rounds)")
+
+
 # --- as a script: one run of each, as a table ---------------------------------------
 def main() -> None:
     import portattn
@@ -213,5 +296,24 @@ def main() -> None:
           f"(+{local['process_peak_above_idle_bytes'] / mib:.0f} over idle)")
 
 
+def main_packed() -> None:
+    import statistics
+
+    arrays, packed = packed_call()
+    blocks = {name: scheduled_blocks(arrays, mask) for name, mask in packed.items()}
+    times = packed_turns(ROUNDS)
+    print(f"packed documents {PACKED_SHAPE} float32, chunks of {PACKED_CHUNK}, threads, "
+          f"{ROUNDS} rounds in turns")
+    for name, runs in times.items():
+        print(f"  {name:<9}: {blocks[name]:>3} blocks, best {min(runs):.2f} s, median "
+              f"{statistics.median(runs):.2f} s")
+    ratios = [d / c for d, c in zip(times["documents"], times["causal"], strict=True)]
+    print(f"  documents / causal: best {min(times['documents']) / min(times['causal']):.3f},"
+          f" median of rounds {statistics.median(ratios):.3f}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["packed"]:
+        main_packed()
+    else:
+        main()

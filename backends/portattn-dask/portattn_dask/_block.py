@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import reduce
-from operator import and_
 from typing import TYPE_CHECKING, Any
 
 from array_api_compat import array_namespace
@@ -19,10 +17,14 @@ import portattn
 from portattn import masks
 from portattn.overrides import KernelOverrides, kernel_overrides
 
+from ._alibi import BlockAlibi, block_alibi
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["ChunkCall", "attend", "empty", "local_mask", "merge_blocks"]
+    from ._recipe import Recipe
+
+__all__ = ["BlockCall", "ChunkCall", "Part", "attend", "empty", "merge_blocks"]
 
 #: This kernel's name (forcing it must not reach the chunks).
 NAME = "dask_blockwise"
@@ -37,51 +39,95 @@ class ChunkCall:
     q_len: int
     kv_len: int
     value_head_dim: int
-    mask: tuple[masks.Mask | str, ...]
-    """As in :class:`portattn_dask._layout.Layout`."""
     overrides: KernelOverrides = field(default_factory=kernel_overrides)
     """``use_kernel`` / ``disable_kernels`` / ``PORTATTN_KERNEL`` where the graph was
     built (the client): the chunks run under them, wherever and whenever they run."""
 
 
-def local_mask(call: ChunkCall, xp: Any, q0: int, q1: int, k0: int, k1: int,
-               arrays: Sequence[Any]) -> masks.Mask | None:
-    """The mask of the block ``query[q0:q1] x key[k0:k1]`` in the block's coordinates.
+@dataclass(frozen=True)
+class Part:
+    """Queries ``[q0, q1)`` against keys ``[k0, k1)`` of the call, with their mask (None
+    where the block form says every pair is allowed)."""
 
-    ``arrays`` are the block's pieces of the mask arrays: lengths for the block's batch
-    rows, dense masks already sliced to the block by Dask.
-    """
-    lq, lk = call.q_len, call.kv_len
-    parts = []
-    pieces = iter(arrays)
-    for entry in call.mask:
-        if isinstance(entry, str):
-            piece = next(pieces)
-            if entry == "dense":
-                parts.append(masks.dense(piece))
-            else:
-                # Lengths are first readable here, when the graph runs: out of range
-                # fails as on eager arrays (before restrict() would clip them).
-                masks.check_range(xp, piece, lk if entry == "key_lengths" else lq, entry)
-                part = getattr(masks, entry)(piece)
-                parts.append(part.restrict(xp, q0, q1, k0, k1, lq, lk))
-        elif not entry.covers(q0, q1, k0, k1, lq, lk):
-            parts.append(entry.restrict(xp, q0, q1, k0, k1, lq, lk))
-    return reduce(and_, parts) if parts else None
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Recipe | None
 
 
-def attend(call: ChunkCall, q0: int, q1: int, k0: int, k1: int, need_lse: bool,
-           query: Any, key: Any, value: Any, bias: Any, mask_arrays: Sequence[Any]
-           ) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class BlockCall:
+    """One block: a query chunk against a key chunk, run as one chunk call per part
+    (more than one only to keep ALiBi exact, see :mod:`portattn_dask._alibi`), whose
+    results are merged (``joined="keys"``) or stacked (``"rows"``)."""
+
+    q0: int
+    k0: int
+    need_lse: bool
+    parts: tuple[Part, ...]
+    joined: str = "keys"
+
+
+def attend(call: ChunkCall, block: BlockCall, query: Any, key: Any, value: Any, bias: Any,
+           slopes: Any, dense: Sequence[Any]) -> tuple[Any, Any]:
     """``(out, lse)`` of one block, by the best kernel for the chunks' library;
     ``lse`` is None when not needed (so kernels without one can be chosen)."""
     xp = array_namespace(query, key, value)
-    kwargs = {"mask": local_mask(call, xp, q0, q1, k0, k1, mask_arrays), "bias": bias,
-              "scale": call.scale, "softcap": call.softcap, "return_lse": need_lse}
+    merged = block.joined == "keys" and len(block.parts) > 1
+    results = [_attend_part(call, block, part, block.need_lse or merged, query, key, value,
+                            bias, slopes, dense) for part in block.parts]
+    if len(results) == 1:
+        return results[0]
+    outs, lses = zip(*results, strict=True)
+    if merged:
+        out, lse = portattn.merge(outs, lses)
+    else:
+        out = xp.concat(outs, axis=-2)
+        lse = xp.concat(lses, axis=-1) if block.need_lse else None
+    return out, lse if block.need_lse else None
+
+
+def _attend_part(call: ChunkCall, block: BlockCall, part: Part, need_lse: bool, query: Any,
+                 key: Any, value: Any, bias: Any, slopes: Any, dense: Sequence[Any]
+                 ) -> tuple[Any, Any]:
+    xp = array_namespace(query, key, value)
+    rows = (part.q0 - block.q0, part.q1 - block.q0)  # the part within the block's chunks
+    cols = (part.k0 - block.k0, part.k1 - block.k0)
+    if rows != (0, query.shape[-2]) or cols != (0, key.shape[-2]):
+        query, key, value = (query[..., slice(*rows), :], key[..., slice(*cols), :],
+                             value[..., slice(*cols), :])
+        bias = None if bias is None else masks.slice_tile(bias, *rows, *cols)
+        dense = [masks.slice_tile(d, *rows, *cols) for d in dense]
+    alibi = BlockAlibi()
+    if slopes is not None:
+        alibi = block_alibi(xp, slopes, (part.q0, part.q1, part.k0, part.k1), call.q_len,
+                            call.kv_len, _compute_dtype(xp, query), device_of(query))
+    if alibi.bias is not None:
+        bias = alibi.bias if bias is None else bias + alibi.bias
+    kwargs = {"mask": None if part.mask is None else part.mask.build(dense, query),
+              "bias": bias, "scale": call.scale, "softcap": call.softcap,
+              "return_lse": need_lse,
+              "alibi_slopes": None if alibi.slopes is None else _per_head(xp, alibi.slopes,
+                                                                          query)}
     with portattn.disable_kernels(*call.overrides.disabled):
         kernel = _chunk_kernel(call.overrides.forced, query, key, value, kwargs)
         result = portattn.attention(query, key, value, **kwargs, kernel=kernel)
-    return result if need_lse else (result, None)
+    if not need_lse:
+        return result, None
+    out, lse = result
+    # a constant of each row's softmax: it changes the lse, not the output
+    return out, lse if alibi.row is None else lse + alibi.row
+
+
+def _compute_dtype(xp: Any, query: Any) -> Any:
+    half = str(query.dtype).rsplit(".", 1)[-1] in ("float16", "bfloat16")
+    return xp.float32 if half else query.dtype
+
+
+def _per_head(xp: Any, values: Any, query: Any) -> Any:
+    """A ``(*b | 1, H)`` chunk as a call takes it: ``(*b, H)`` (or ``(H,)``)."""
+    return xp.broadcast_to(values, tuple(query.shape[:-2]))
 
 
 def _chunk_kernel(forced: str | None, query: Any, key: Any, value: Any,
@@ -99,18 +145,42 @@ def _chunk_kernel(forced: str | None, query: Any, key: Any, value: Any,
     return next((e.name for e, why in plan.candidates if not why and e.name != NAME), None)
 
 
-def empty(call: ChunkCall, query: Any) -> tuple[Any, Any]:
-    """Zeros and an lse of ``-inf`` for a block no key can reach."""
+def empty(call: ChunkCall, query: Any, sinks: Any = None) -> tuple[Any, Any]:
+    """Zeros and an lse of ``-inf`` (each head's sink, with sinks) for a block no key
+    can reach."""
     xp = array_namespace(query)
     dev = device_of(query)
     lead = tuple(query.shape[:-1])
-    half = str(query.dtype).rsplit(".", 1)[-1] in ("float16", "bfloat16")
+    dtype = _compute_dtype(xp, query)
     out = xp.zeros((*lead, call.value_head_dim), dtype=query.dtype, device=dev)
-    lse = xp.full(lead, -math.inf, dtype=xp.float32 if half else query.dtype, device=dev)
-    return out, lse
+    if sinks is None:
+        return out, xp.full(lead, -math.inf, dtype=dtype, device=dev)
+    return out, xp.broadcast_to(xp.astype(sinks, dtype)[..., None], lead)
 
 
-def merge_blocks(results: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
-    """Exact ``(out, lse)`` over the union of a query block's key blocks."""
+def merge_blocks(results: Sequence[tuple[Any, Any]], sinks: Any = None) -> tuple[Any, Any]:
+    """Exact ``(out, lse)`` over the union of a query block's key blocks, and each
+    head's sink in the denominator (counted here once, in no block)."""
     outs, lses = zip(*results, strict=True)
-    return portattn.merge(outs, lses)
+    out, lse = portattn.merge(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+    return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+
+
+def _with_sinks(out: Any, lse: Any, sinks: Any) -> tuple[Any, Any]:
+    """A sink logit (attending no value) joined to each row's softmax. Quiet on the rows
+    the rule for non-finite inputs makes NaN (an lse of NaN or ``+inf``: they stay
+    non-finite), and a row with neither keys nor a sink keeps 0 and ``-inf``."""
+    xp = array_namespace(out, lse)
+    sink = xp.astype(sinks, lse.dtype)[..., None]
+    top = xp.maximum(lse, sink)
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+    own = xp.exp(lse - top)
+    mass = own + xp.exp(sink - top)
+    some = mass != 0  # NaN included
+    safe = xp.where(some, mass, xp.ones_like(mass))
+    total = xp.where(some, top + xp.log(safe), xp.full_like(mass, -math.inf))
+    overflow = own == math.inf
+    weight = xp.where(overflow, xp.zeros_like(own), own) / safe
+    weight = xp.where(overflow, xp.full_like(own, math.nan), weight)
+    scaled = xp.astype(out, lse.dtype) * weight[..., None]
+    return xp.astype(scaled, out.dtype), total

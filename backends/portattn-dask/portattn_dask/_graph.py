@@ -1,10 +1,12 @@
 """The lazy graph of one attention call.
 
-For every query block ``(*batch, heads, query rows)`` the structured mask tells which
-key blocks it can reach at all; each reachable pair is one task, a query block split
-over several key blocks gets one merge task (split-KV), and a block that reaches no
-key gets one task making zeros. Unreachable pairs are never scheduled, so the graph
-holds at most ``query blocks x (key blocks + 3)`` tasks of its own.
+For every query block ``(*batch, heads, query rows)`` the mask's block form on the
+chunk grid tells which key blocks it sees at all (:mod:`portattn_dask._chunk_masks`);
+each such pair is one task, a query block split over several key blocks gets one merge
+task (split-KV; with sinks, every query block that sees a key gets it: the sinks join
+there), and a block that sees no key gets one task making zeros. Hidden pairs are
+never scheduled, so the graph holds at most ``query blocks x (key blocks + 3)`` tasks of
+its own.
 """
 
 from __future__ import annotations
@@ -13,23 +15,15 @@ from itertools import product
 from operator import getitem
 from typing import TYPE_CHECKING, Any
 
-from ._block import ChunkCall, attend, empty, merge_blocks
+from ._alibi import aligned_parts
+from ._block import BlockCall, ChunkCall, Part, attend, empty, merge_blocks
+from ._chunk_masks import ChunkMasks, chunk_masks
 from ._layout import Layout, align, block_index, bounds
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
-    from portattn.masks import Mask
 
-__all__ = ["blockwise_attention", "reachable"]
-
-
-def reachable(mask: Mask | None, q0: int, q1: int, k_bounds: list[tuple[int, int]],
-              lq: int, lk: int) -> list[int]:
-    """Indices of the key blocks that some query in ``[q0, q1)`` may attend."""
-    if q1 <= q0:
-        return []
-    lo, hi = (0, lk) if mask is None else mask.key_range(q0, q1, lq, lk)
-    return [j for j, (k0, k1) in enumerate(k_bounds) if max(k0, lo) < min(k1, hi)]
+__all__ = ["blockwise_attention"]
 
 
 def blockwise_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
@@ -37,16 +31,17 @@ def blockwise_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
     from dask.base import tokenize
 
     layout = align(inputs)
+    plan = chunk_masks(inputs, layout)
     call = ChunkCall(inputs.scale, inputs.softcap, inputs.q_len, inputs.kv_len,
-                     inputs.value_head_dim, layout.mask)
-    token = tokenize(layout.query, layout.key, layout.value, layout.bias, layout.mask_arrays,
-                     [repr(m) for m in layout.mask], inputs.scale, inputs.softcap,
-                     inputs.return_lse, tuple(call.overrides))
+                     inputs.value_head_dim)
+    arrays = (layout.query, layout.key, layout.value, layout.bias, *layout.dense,
+              layout.alibi_slopes, layout.sinks)
+    token = tokenize(*arrays, plan.read, None if plan.mask is None else plan.mask.structure(),
+                     inputs.scale, inputs.softcap, inputs.return_lse, tuple(call.overrides))
     names = {part: f"attention-{part}-{token}"
              for part in ("block", "merge", "zeros", "out", "lse")}
-    blocks, outs, lses = _tasks(inputs, layout, call, names)
-    deps = [a for a in (layout.query, layout.key, layout.value, layout.bias,
-                        *layout.mask_arrays) if a is not None]
+    blocks, outs, lses = _tasks(inputs, layout, plan, call, names)
+    deps = [a for a in arrays if a is not None]
     chunks = (*layout.batch_chunks, layout.head_chunks, layout.q_chunks)
     out = _array(blocks, deps, names, "out", outs, (*chunks, (inputs.value_head_dim,)),
                  layout.query, inputs.query.dtype)
@@ -57,8 +52,8 @@ def blockwise_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
     return out, lse
 
 
-def _tasks(inputs: AttentionInputs, layout: Layout, call: ChunkCall, names: dict[str, str]
-           ) -> tuple[dict, dict, dict]:
+def _tasks(inputs: AttentionInputs, layout: Layout, plan: ChunkMasks, call: ChunkCall,
+           names: dict[str, str]) -> tuple[dict, dict, dict]:
     """The block layer (attention, merge and zeros tasks) and the two output layers."""
     from dask.task_spec import Task
 
@@ -70,11 +65,10 @@ def _tasks(inputs: AttentionInputs, layout: Layout, call: ChunkCall, names: dict
         has_rows = all(layout.batch_chunks[axis][i] for axis, i in enumerate(b))
         for h, heads in enumerate(layout.head_chunks):
             for i, (q0, q1) in enumerate(q_bounds):
-                reach = reachable(inputs.mask, q0, q1, k_bounds, inputs.q_len,
-                                  inputs.kv_len) if has_rows and heads else []
+                seen = plan.key_blocks(b, h, i) if has_rows and heads else []
                 index = (*b, h, i)
                 source = _query_block(inputs, layout, call, names, blocks, index, (q0, q1),
-                                      [(j, *k_bounds[j]) for j in reach])
+                                      [(j, *k_bounds[j], full) for j, full in seen], plan)
                 out_key, lse_key = (names["out"], *index, 0), (names["lse"], *index)
                 outs[out_key] = Task(out_key, getitem, source, 0)
                 if inputs.return_lse:
@@ -84,39 +78,44 @@ def _tasks(inputs: AttentionInputs, layout: Layout, call: ChunkCall, names: dict
 
 def _query_block(inputs: AttentionInputs, layout: Layout, call: ChunkCall,
                  names: dict[str, str], blocks: dict, index: tuple[int, ...],
-                 rows: tuple[int, int], key_blocks: list[tuple[int, int, int]]) -> Any:
+                 rows: tuple[int, int], key_blocks: list[tuple[int, int, int, bool]],
+                 plan: ChunkMasks) -> Any:
     """Add the tasks of query block ``index`` (``(*batch, head, query)`` chunk indices,
-    query ``rows`` ``(q0, q1)``) over ``key_blocks`` ``[(j, k0, k1), ...]``; return a
-    reference to its ``(out, lse)``."""
+    query ``rows`` ``(q0, q1)``) over ``key_blocks`` ``[(j, k0, k1, full), ...]``; return
+    a reference to its ``(out, lse)``."""
     from dask.task_spec import List, Task, TaskRef
 
     def ref(array: Any, at: tuple[int, ...]) -> Any:
-        return TaskRef((array.name, *block_index(array, at)))
+        return None if array is None else TaskRef((array.name, *block_index(array, at)))
 
     *b, h, _ = index
     q0, q1 = rows
     query = ref(layout.query, (*index, 0))
-    need_lse = inputs.return_lse or len(key_blocks) > 1
-    parts = []
-    for j, k0, k1 in key_blocks:
+    sinks = ref(layout.sinks, (*b, h))
+    slopes = ref(layout.alibi_slopes, (*b, h))
+    need_lse = inputs.return_lse or len(key_blocks) > 1 or sinks is not None
+    results = []
+    for j, k0, k1, full in key_blocks:
         pair = (*index, j)  # block of a full-rank (*batch, H, Lq, Lk) array
         kv = (*b, h, j, 0)
-        bias = None if layout.bias is None else ref(layout.bias, pair)
-        # lengths have the batch shape, dense masks are full rank
-        pieces = List(*(ref(a, tuple(b) if a.ndim == len(b) else pair)
-                        for a in layout.mask_arrays))
+        joined, cuts = ("keys", ((q0, q1, k0, k1),)) if slopes is None else aligned_parts(
+            q0, q1, k0, k1, inputs.q_len, inputs.kv_len)
+        parts = tuple(Part(*cut, None if full else plan.recipe(tuple(b), h, *cut))
+                      for cut in cuts)
+        dense = [] if full else List(*(ref(a, pair) for a in layout.dense))
         key = (names["block"], *pair)
-        blocks[key] = Task(key, attend, call, q0, q1, k0, k1, need_lse, query,
-                           ref(layout.key, kv), ref(layout.value, kv), bias, pieces)
-        parts.append(TaskRef(key))
-    if len(parts) == 1:
-        return parts[0]
-    if parts:
+        blocks[key] = Task(key, attend, call, BlockCall(q0, k0, need_lse, parts, joined),
+                           query, ref(layout.key, kv), ref(layout.value, kv),
+                           ref(layout.bias, pair), slopes, dense)
+        results.append(TaskRef(key))
+    if len(results) == 1 and sinks is None:
+        return results[0]
+    if results:
         key = (names["merge"], *index)
-        blocks[key] = Task(key, merge_blocks, List(*parts))
+        blocks[key] = Task(key, merge_blocks, List(*results), sinks)
     else:
         key = (names["zeros"], *index)
-        blocks[key] = Task(key, empty, call, query)
+        blocks[key] = Task(key, empty, call, query, sinks)
     return TaskRef(key)
 
 

@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import ANY, Kernel
+from portattn.masks import KINDS
 
 from ._block import NAME
 
@@ -23,15 +24,17 @@ class DaskBlockwiseKernel(Kernel):
     and key-length chunks are computed separately and merged exactly (split-KV), so no
     task holds all keys. Each block runs through ``portattn.attention`` on the chunks
     themselves, so the registry picks the best kernel for their library and device.
-    Key blocks that the structured mask hides completely are never scheduled.
+    Every mask kind is read through its block form on the chunk grid: blocks it hides
+    completely are never scheduled, and each other block gets its own restricted mask
+    (none where it sees every pair).
     """
 
     name = NAME
     namespaces = frozenset({"dask"})
     devices = ANY  # the chunks' own kernels decide where they run
     dtypes = frozenset({"float16", "float32", "float64"})  # as the chunk libraries offer
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense"})
-    bias = softcap = gqa = value_head_dim = empty = True
+    masks = frozenset(KINDS)
+    bias = softcap = alibi = sinks = gqa = value_head_dim = empty = True
     returns_lse = True
     priority = 100
 

@@ -8,8 +8,10 @@ where a block could not be computed otherwise.
   drive the key-length axis. Key and value follow them.
 - Grouped-query attention: query-head chunk boundaries move down to multiples of the
   group size, so every chunk holds whole groups, and K/V heads are chunked by group.
-- Bias, dense masks and lengths are rechunked to the same blocks (their size-1
-  broadcast axes stay one chunk).
+- Bias and dense masks are rechunked to the same blocks, ALiBi slopes and sinks to
+  the batch and head chunks (their size-1 broadcast axes stay one chunk). The mask's
+  other arrays are small: :mod:`portattn_dask._chunk_masks` reads them when the graph
+  is built.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING, Any
 
+from ._parts import places
+
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
-    from portattn.masks import Mask
 
 __all__ = ["Layout", "align", "block_index", "bounds", "group_aligned"]
 
@@ -34,10 +37,11 @@ class Layout:
     key: Any
     value: Any
     bias: Any
-    mask: tuple[Mask | str, ...]
-    """One entry per mask part: array-free parts as they are, the others by kind."""
-    mask_arrays: tuple[Any, ...]
-    """The arrays of the array parts, in order, rechunked to the blocks."""
+    dense: tuple[Any, ...]
+    """The mask's dense arrays, in the order of ``mask.arrays``, rechunked to the blocks."""
+    alibi_slopes: Any
+    sinks: Any
+    """``(*batch | 1, Hq)``, rechunked to the batch and head chunks (or None)."""
 
     @property
     def batch_chunks(self) -> tuple[tuple[int, ...], ...]:
@@ -95,17 +99,13 @@ def align(inputs: AttentionInputs) -> Layout:
     scores = (*batch, heads, q_len, k_len)  # the chunks of a full-rank score array
 
     bias = None if inputs.bias is None else _match(inputs.bias, scores)
-    entries: list[Mask | str] = []
-    arrays = []
-    for part in () if inputs.mask is None else inputs.mask.parts:
-        if not part.arrays:
-            entries.append(part)
-            continue
-        (array,) = part.arrays
-        entries.append(part.kind)
-        # lengths have the batch shape; dense masks are full rank, like the bias
-        arrays.append(_match(array, batch if part.kind != "dense" else scores))
-    return Layout(query, key, value, bias, tuple(entries), tuple(arrays))
+    arrays = () if inputs.mask is None else inputs.mask.arrays
+    # dense masks are full rank, like the bias
+    dense = tuple(_match(a, scores) for a, place in zip(arrays, places(inputs.mask),
+                                                         strict=True) if place.pairs)
+    per_head = [None if a is None else _match(a, (*batch, heads))
+                for a in (inputs.alibi_slopes, inputs.sinks)]
+    return Layout(query, key, value, bias, dense, *per_head)
 
 
 def _match(array: Any, chunks: tuple[tuple[int, ...], ...]) -> Any:

@@ -46,23 +46,61 @@ def tasks(array, part):
     return [k for k in dict(array.__dask_graph__()) if k[0].startswith(prefix)]
 
 
-def test_building_computes_nothing():
+def test_building_computes_nothing_without_mask_values():
     (q, k, v), (dq, dk, dv) = arrays((4, 4, 24, 8), (4, 2, 30, 8), (2, 2, 6, 4), (1, 1, 7, 8))
-    lengths = da.from_array(np.array([30, 11, 0, 25]), chunks=1)
     allowed = da.from_array(np.random.default_rng(1).random((24, 30)) < 0.8, chunks=5)
     bias = da.from_array(np.random.default_rng(2).standard_normal((4, 24, 30)), chunks=9)
-    mask = masks.causal("top_left") & masks.key_lengths(lengths) & masks.dense(allowed)
+    sinks = da.from_array(np.linspace(-1, 1, 4), chunks=2)
+    mask = masks.causal("top_left") & masks.dense(allowed)  # dense masks are never read
     with dask.config.set(scheduler=refuse):
-        out, lse = portattn.attention(dq, dk, dv, mask=mask, bias=bias, return_lse=True,
-                                      kernel="dask_blockwise")
+        out, lse = portattn.attention(dq, dk, dv, mask=mask, bias=bias, sinks=sinks,
+                                      return_lse=True, kernel="dask_blockwise")
         assert isinstance(out, da.Array)
         assert isinstance(lse, da.Array)
         with pytest.raises(ComputeCalled):
             out.compute()  # the refusing scheduler really is the one in use
-    want = oracle(q, k, v, mask=masks.causal("top_left") & masks.key_lengths(
-        np.array([30, 11, 0, 25])) & masks.dense(allowed.compute()), bias=bias.compute())
+    want = oracle(q, k, v, mask=masks.causal("top_left") & masks.dense(allowed.compute()),
+                  bias=bias.compute(), sinks=sinks.compute())
     assert_close(out, want[0], "float64", "out")
     assert_close(lse, want[1], "float64", "lse")
+
+
+def test_building_reads_the_small_mask_arrays_once(monkeypatch):
+    (q, k, v), (dq, dk, dv) = arrays((4, 4, 24, 8), (4, 2, 30, 8), (2, 2, 6, 4), (1, 1, 7, 8))
+    lengths = da.from_array(np.array([30, 11, 0, 25]), chunks=1)
+    ids = da.from_array(np.repeat([0, 1, 2], 10), chunks=7)
+    allowed = da.from_array(np.random.default_rng(1).random((24, 30)) < 0.8, chunks=5)
+    mask = (masks.key_lengths(lengths) & masks.dense(allowed)
+            & masks.documents(ids[:24], ids))
+    computed = []
+    compute = dask.compute
+
+    def recording(*collections, **kwargs):
+        computed.append(collections)
+        return compute(*collections, scheduler="sync")
+
+    monkeypatch.setattr(dask, "compute", recording)
+    with dask.config.set(scheduler=refuse):
+        out = portattn.attention(dq, dk, dv, mask=mask, kernel="dask_blockwise")
+    # one compute, of the lengths and the segment ids: not of q, k, v or the dense mask
+    assert len(computed) == 1
+    assert len(computed[0]) == 3
+    names = {a.name for a in (dq, dk, dv, allowed)}
+    read = {key[0] for c in computed[0] for key in dict(c.__dask_graph__())}
+    assert not read & names
+    monkeypatch.undo()
+    want = oracle(q, k, v, mask=masks.key_lengths(np.array([30, 11, 0, 25]))
+                  & masks.dense(allowed.compute())
+                  & masks.documents(np.repeat([0, 1, 2], 10)[:24], np.repeat([0, 1, 2], 10)))
+    assert_close(out, want[0], "float64", "out")
+
+
+def test_lengths_out_of_range_fail_when_the_graph_is_built():
+    _, (dq, dk, dv) = arrays((2, 2, 6, 8), (2, 2, 9, 8), 1, 1)
+    lengths = da.from_array(np.array([9, 10]), chunks=1)
+    with pytest.raises(ValueError, match=r"key_lengths lengths must lie in \[0, Lk=9\]"):
+        portattn.attention(dq, dk, dv, mask=masks.key_lengths(lengths),
+                           kernel="dask_blockwise")
 
 
 @pytest.mark.parametrize("batches", [2, 4, 8])
