@@ -79,9 +79,12 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     lse = finite_or_zero(xp, cast(xp, lse, ct))
     # Written block by block in place (functionally where arrays are immutable), so
     # no list of blocks and its concatenation are ever alive at once.
-    dq = _zeros(inputs, inputs.query)
-    dk = _zeros(inputs, inputs.key)
-    dv = _zeros(inputs, inputs.value)
+    # Under torch.func.vmap (batched gradients) dout is batched: the accumulators take
+    # their zeros from it so they are batched too (adding into plain ones in place fails).
+    batched = xp.zeros_like(dout[..., :1, :1, :1])
+    dq = _zeros(inputs, inputs.query) + batched
+    dk = _zeros(inputs, inputs.key) + batched
+    dv = _zeros(inputs, inputs.value) + batched
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
     dsinks = None
     blocks = inputs.blocks(block_q, block_k)

@@ -29,8 +29,9 @@ class PortableKernel(Kernel):
 
 
 def cast(xp: Any, x: Any, dtype: Any) -> Any:
-    """``x`` in ``dtype``, without a copy when it already is (``astype`` copies)."""
-    return xp.astype(x, dtype, copy=False)
+    """``x`` in ``dtype``, itself when it already is (``astype`` copies; with
+    ``copy=False`` torch makes an alias, which torch.func.vmap cannot batch)."""
+    return x if x.dtype == dtype else xp.astype(x, dtype)
 
 
 def group_queries(xp: Any, x: Any, num_kv_heads: int) -> Any:
