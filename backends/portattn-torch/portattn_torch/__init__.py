@@ -1,6 +1,9 @@
 """PyTorch's ``scaled_dot_product_attention`` as portattn kernels.
 
 - ``torch_sdpa``: torch tensors on any device, with autograd and dropout.
+- ``torch_flex``: torch tensors through compiled FlexAttention, reading portattn's block
+  form: every mask kind, skipping the tiles it hides; softcap and bias; CPU (forward)
+  and CUDA (with lse and gradients).
 - ``torch_sdpa_dlpack``: NumPy (CPU), CuPy and JAX arrays borrowed into torch through
   DLPack without copies; the result comes back in the caller's library.
 - :func:`from_torch_state_dict` / :func:`to_torch_state_dict`: a
@@ -12,8 +15,9 @@ Importing this package does not import torch; the kernels do when they run.
 from __future__ import annotations
 
 from ._dlpack_kernel import TorchSDPADLPackKernel
+from ._flex_kernel import TorchFlexKernel
 from ._sdpa_kernel import TorchSDPAKernel
 from ._state_dict import from_torch_state_dict, to_torch_state_dict
 
-__all__ = ["TorchSDPADLPackKernel", "TorchSDPAKernel", "from_torch_state_dict",
-           "to_torch_state_dict"]
+__all__ = ["TorchFlexKernel", "TorchSDPADLPackKernel", "TorchSDPAKernel",
+           "from_torch_state_dict", "to_torch_state_dict"]

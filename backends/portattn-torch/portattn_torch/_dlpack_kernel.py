@@ -45,6 +45,10 @@ class TorchSDPADLPackKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
+        torch = sys.modules.get("torch")
+        if torch is not None and not hasattr(torch, "from_dlpack"):
+            # another thread is importing it: its module exists, its functions not yet
+            reasons.append("torch is still being imported (by another thread)")
         tracer = masks.jax_tracer_type()
         if tracer is not None and isinstance(inputs.query, tracer):
             reasons.append("traced jax arrays (jit, grad, vmap) cannot be borrowed")
@@ -98,9 +102,18 @@ def borrow_mask(mask: Mask | None) -> Mask | None:
 def borrow_inputs(inputs: AttentionInputs) -> AttentionInputs:
     """The same call described on torch tensors that view the caller's arrays."""
     query = borrow(inputs.query)
+    mask = inputs.mask
+    if mask is not None and "function" in inputs.mask_kinds and inputs.q_len and inputs.kv_len:
+        # a mask function is written in the caller's library: evaluated there, once
+        lq, lk = inputs.q_len, inputs.kv_len
+        allowed = borrow(mask.tile(inputs.xp, 0, lq, 0, lk, lq, lk, inputs.device_obj))
+        mask = masks.dense(allowed).bind(_torch_namespace(), inputs.batch_shape,
+                                         inputs.num_heads, lq, lk, query.device)
+    else:
+        mask = borrow_mask(mask)
     return inputs._replace(
         query=query, key=borrow(inputs.key), value=borrow(inputs.value),
-        mask=borrow_mask(inputs.mask),
+        mask=mask, mask_kinds=frozenset() if mask is None else mask.kinds,
         bias=None if inputs.bias is None else borrow(inputs.bias),
         xp=_torch_namespace(), namespace="torch", device_obj=query.device)
 

@@ -4,9 +4,9 @@ SDPA picks torch's best kernel for the device (flash, memory-efficient, cuDNN, t
 flash kernel or the math fallback) and brings autograd and dropout. What SDPA cannot
 give exactly is declared unsupported, so dispatch runs the portable kernels instead:
 
-- ``softcap`` and ``return_lse``: SDPA has neither. FlexAttention has both, but in
-  eager mode it materialises the whole score matrix (with a warning) and has no
-  backward pass on CPU, so the tiled kernel does better.
+- ``softcap``, ``alibi_slopes``, ``sinks`` and ``return_lse``: SDPA has none of them.
+  ``torch_flex`` (compiled FlexAttention) takes long calls with all but sinks;
+  the tiled kernel the rest.
 - ``return_weights``: SDPA never forms the softmax matrix.
 - non-finite inputs (``finite_inputs_only``): SDPA lets a NaN the mask hides reach the
   output through ``0 * NaN``; on the CPU dispatch checks the output and runs another
@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import ANY, Kernel
+from portattn.masks import KINDS
 
 from ._availability import torch_unavailable
 from ._nonfinite import clear_nonfinite, poison, rows_seeing
@@ -46,9 +47,6 @@ from ._translate import (
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
 
-_MASKS = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense",
-                    "key_ranges", "query_ranges", "sequence_window", "documents"})
-
 #: Above this many scores per head (2048 x 2048), a dense mask built for a backward
 #: pass is slower than the tiled flash backward (measured with causal & key_lengths);
 #: with a bounded window, already above 512 x 512.
@@ -63,7 +61,9 @@ class TorchSDPAKernel(Kernel):
     namespaces = frozenset({"torch"})
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
-    masks = _MASKS
+    # every kind: what SDPA cannot take as is_causal or torch's causal bias becomes one
+    # boolean mask built from the mask's tile (see _translate)
+    masks = frozenset(KINDS)
     bias = gqa = value_head_dim = empty = True
     dropout = grad = True
     # The CUDA backward passes accumulate with atomics; dropout draws from torch's RNG.
