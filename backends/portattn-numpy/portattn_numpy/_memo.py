@@ -9,26 +9,32 @@ never sees another's plans.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Generic, TypeVar
+import sys
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["MAX_REMEMBERED", "Store", "clear_all"]
+__all__ = ["MAX_BYTES", "MAX_REMEMBERED", "Store", "clear_all", "size_of"]
 
 T = TypeVar("T")
 MAX_REMEMBERED = 4096
+MAX_BYTES = 64 << 20
+"""What one store may hold (plans hold index arrays that grow with the shapes)."""
 _MISSING = object()
 _stores: list[Store] = []
 
 
 class Store(Generic[T]):
     """A dict that makes missing values on demand; past :data:`MAX_REMEMBERED` entries
-    (shapes that change every call) it starts over."""
+    or :data:`MAX_BYTES` (shapes that change every call) it starts over."""
 
     def __init__(self, what: str) -> None:
         self.what = what
         self._found: dict[tuple, T] = {}
+        self.nbytes = 0
         _stores.append(self)
 
     def get(self, key: tuple, make: Callable[[], T]) -> T:
@@ -43,15 +49,41 @@ class Store(Generic[T]):
         return self._found.get(key)
 
     def put(self, key: tuple, value: T) -> None:
-        if len(self._found) >= MAX_REMEMBERED:
-            self._found.clear()
-        self._found[key] = value  # a duplicate from another thread is harmless
+        added = size_of(key) + size_of(value)
+        if len(self._found) >= MAX_REMEMBERED or self.nbytes + added > MAX_BYTES:
+            self.clear()
+        if added <= MAX_BYTES:
+            self._found[key] = value  # a duplicate from another thread is harmless
+            self.nbytes += added
 
     def __len__(self) -> int:
         return len(self._found)
 
     def clear(self) -> None:
         self._found.clear()
+        self.nbytes = 0
+
+
+def size_of(value: Any, _seen: set[int] | None = None) -> int:
+    """Bytes ``value`` holds: NumPy arrays, and the containers and this package's
+    objects around them (each object once; other objects by their own size only)."""
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    if isinstance(value, np.ndarray):  # NumPy's sizeof counts the data it owns
+        return max(value.nbytes, sys.getsizeof(value))
+    size = sys.getsizeof(value)
+    if isinstance(value, dict):
+        parts: Any = [*value.keys(), *value.values()]
+    elif isinstance(value, (tuple, list, set, frozenset)):
+        parts = value
+    elif type(value).__module__.startswith(__package__):
+        parts = [*getattr(value, "__dict__", {}).values(),
+                 *(getattr(value, n, None) for n in getattr(type(value), "__slots__", ()))]
+    else:
+        return size
+    return size + sum(size_of(p, seen) for p in parts)
 
 
 def clear_all() -> None:

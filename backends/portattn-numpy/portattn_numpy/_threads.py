@@ -67,16 +67,17 @@ def _executor(size: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size != size:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+            # The old pool is not shut down: a call in another thread may be about to
+            # submit to it. Its threads end once nothing refers to it.
             _pool = ThreadPoolExecutor(size, thread_name_prefix="portattn-numpy")
             _pool_size = size
         return _pool
 
 
 def _forget_pool() -> None:
-    global _pool, _pool_size
-    _pool, _pool_size = None, 0  # a forked child has none of the parent's threads
+    global _pool, _pool_size, _lock, _holders
+    # A forked child has none of the parent's threads, nor their calls or their lock.
+    _pool, _pool_size, _lock, _holders = None, 0, threading.Lock(), 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -98,21 +99,47 @@ def blas_library_paths() -> list[str]:
     return [library.filepath for library in _blas_libraries()]
 
 
+_holders = 0
+"""Calls inside :func:`_blas_single_threaded` now, in any thread."""
+_blas_before: list[int] = []
+
+
 @contextlib.contextmanager
 def _blas_single_threaded() -> Iterator[None]:
     """BLAS on one thread within the block (threadpoolctl's own ``limit`` took 7.5 us a
-    call here, setting the loaded libraries directly 2.5 us)."""
+    call here, setting the loaded libraries directly 2.5 us).
+
+    The setting is the process's, so concurrent calls share one hold: the first sets
+    it, the last restores it. (Each call restoring its own would let another call's
+    products run on several BLAS threads, whose sums round differently.)
+    """
+    global _holders, _blas_before
     libraries = _blas_libraries()
-    before = [library.num_threads for library in libraries]
-    for library, count in zip(libraries, before, strict=True):
-        if count != 1:
-            library.set_num_threads(1)
+    with _lock:
+        if _holders == 0:
+            _blas_before = [library.num_threads for library in libraries]
+            for library, count in zip(libraries, _blas_before, strict=True):
+                if count != 1:
+                    _set_blas_threads(library, 1)
+        _holders += 1
     try:
         yield
     finally:
-        for library, count in zip(libraries, before, strict=True):
-            if count != 1:
-                library.set_num_threads(count)
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                for library, count in zip(libraries, _blas_before, strict=True):
+                    if count != 1:
+                        _set_blas_threads(library, count)
+
+
+def _set_blas_threads(library: Any, count: int) -> None:
+    # threadpoolctl 3.8+ lets one thread set OpenBLAS's (process-wide) count and
+    # ignores the others: calls from other threads would run BLAS on every core.
+    clear = getattr(library, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+    library.set_num_threads(count)
 
 
 def run_parallel(worker: Callable[[Iterator[Any]], None], units: list[Any],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -99,9 +100,108 @@ def test_blas_is_held_to_one_thread_inside(threads):
     assert blas_threads() == before  # and given back afterwards
 
 
+def test_concurrent_calls_keep_blas_on_one_thread_until_the_last_leaves(threads):
+    def blas_threads() -> set[int]:  # asked of the libraries themselves, each time
+        return {library.num_threads for library in _threads._blas_libraries()}
+
+    before = blas_threads()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[set[int]] = []
+
+    def first() -> None:
+        with _threads._blas_single_threaded():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(10)
+        with _threads._blas_single_threaded():
+            second_in.set()
+            first_out.wait(10)
+            seen.append(blas_threads())  # the first call has left, this one has not
+
+    workers = [threading.Thread(target=f) for f in (first, second)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(20)
+    assert seen == [{1}]
+    assert blas_threads() == before
+
+
+def test_blas_is_held_to_one_thread_in_calls_from_other_threads(threads):
+    q = np.ones((1, 4, 64, 8), np.float32)
+    attention(q, q, q, kernel="numpy_fast")  # this thread has set BLAS's count before
+    seen: list[int] = []
+    threads(2)
+
+    def call() -> None:
+        with configured(on_tile=lambda *_: seen.extend(
+                library.num_threads for library in _threads._blas_libraries())):
+            attention(q, q, q, kernel="numpy_fast")
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join(60)
+    assert seen
+    assert set(seen) == {1}
+
+
+def test_same_results_from_any_thread_while_others_call(threads):
+    threads(2)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, 300, 64)).astype(np.float32) for _ in range(3))
+    alone = attention(q, k, v, kernel="numpy_fast")
+    results: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            for _ in range(3):
+                results.append(attention(q, k, v, kernel="numpy_fast"))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=call) for _ in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not errors
+    assert len(results) == 24
+    assert all(np.array_equal(r, alone) for r in results)
+
+
+def test_changing_the_thread_count_during_calls(threads):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 4, 512, 8)).astype(np.float32)  # work for the pool
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def call() -> None:
+        try:
+            while not stop.is_set():
+                attention(q, q, q, kernel="numpy_fast")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=call) for _ in range(4)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not errors:
+        for count in (2, 3):
+            set_num_threads(count)
+            time.sleep(0.001)
+    stop.set()
+    for w in workers:
+        w.join(60)
+    assert not errors, errors
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_gets_its_own_pool(threads):
-    import time
     import warnings
 
     threads(2)
