@@ -5,13 +5,18 @@ value there reaches the row; kernels that add the mask to the scores let a hidde
 key through too. On the CPU dispatch sums the output and runs a call that fails
 elsewhere (``finite_inputs_only``). Where the values cannot be read on the host (an
 accelerator, where it would be a sync per call, or ``torch.compile``), the call is made
-safe on the device instead, without reading anything:
+safe on the device instead, without reading anything, with :mod:`portattn.nonfinite`:
 
 - every key whose key or value row is not finite becomes 0 in both, so a hidden one
-  changes nothing;
-- the rows the mask lets see such a key are multiplied by NaN afterwards: their
-  output is NaN, as the rule says, and so are their gradients, as the chain rule
-  through a NaN makes them.
+  changes nothing (``clear_keys``);
+- the rows the mask lets see such a key are multiplied by NaN afterwards (``poison``):
+  their output is NaN, as the rule says, and so are their gradients, as the chain
+  rule through a NaN makes them.
+
+Which rows those are is read here from the mask arguments SDPA is given
+(:func:`rows_seeing`), not from the structured mask as ``portattn.nonfinite`` does: a
+bias's ``-inf`` hides keys too, and ``is_causal`` or torch's causal bias come with no
+mask tensor.
 
 It costs a pass to find such rows and a copy of the keys and values per call,
 O((Lq + Lk) * D) next to the attention's O(Lq * Lk * D), plus, with a mask tensor, a
@@ -21,20 +26,6 @@ product of the mask with one column per head.
 from __future__ import annotations
 
 from typing import Any
-
-
-def clear_nonfinite(key: Any, value: Any) -> tuple[Any, Any, Any]:
-    """``(key, value, bad)``: keys and values ``(B, Hkv, Lk, D)`` with the key rows that
-    hold a NaN or inf (in the key or its value) set to 0, and ``bad`` ``(B, Hkv, Lk)``
-    marking those rows."""
-    import torch
-
-    def finite_rows(x: Any) -> Any:
-        # max |x| per row, one reduction without a temporary; NaN propagates
-        return torch.linalg.vector_norm(x, ord=float("inf"), dim=-1) < float("inf")
-
-    bad = ~(finite_rows(key) & finite_rows(value))
-    return key.masked_fill(bad[..., None], 0), value.masked_fill(bad[..., None], 0), bad
 
 
 def rows_seeing(bad: Any, attn_mask: Any, is_causal: bool, q_len: int, group: int,
@@ -60,12 +51,3 @@ def rows_seeing(bad: Any, attn_mask: Any, is_causal: bool, q_len: int, group: in
     # of zeros and ones is 0 exactly when every term is, in any float dtype.
     seen = torch.matmul(allowed.to(dtype), bad.to(dtype)[..., None])
     return seen[..., 0] > 0
-
-
-def poison(out: Any, rows: Any) -> Any:
-    """``out`` with the ``rows`` (``(B, Hq, Lq|1)``) multiplied by NaN."""
-    import torch
-
-    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
-    one = torch.ones((), dtype=out.dtype, device=out.device)
-    return out * torch.where(rows, nan, one)[..., None]

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import ANY, Kernel
 from portattn.masks import KINDS
+from portattn.nonfinite import clear_keys, poison
 
 from ._availability import torch_unavailable
-from ._nonfinite import clear_nonfinite, poison, rows_seeing
+from ._nonfinite import rows_seeing
 from ._translate import (
     as_4d,
     band_of,
@@ -145,11 +146,11 @@ def sdpa_attention(inputs: AttentionInputs) -> Any:
     # call whose mask can hide anything.
     guard = not inputs.values_readable and (attn_mask is not None or spec.is_causal)
     if guard:
-        k, v, bad = clear_nonfinite(k, v)
+        k, v, bad = clear_keys(inputs.xp, k, v)
     out = sdpa(q, k, v, attn_mask=attn_mask, dropout_p=inputs.dropout_p,
                is_causal=spec.is_causal, scale=inputs.scale, enable_gqa=gqa)
     if guard:
-        out = poison(out, rows_seeing(bad, attn_mask, spec.is_causal, inputs.q_len,
+        out = poison(inputs.xp, out, rows_seeing(bad, attn_mask, spec.is_causal, inputs.q_len,
                                       inputs.group_size, q.dtype))
     if len(batch) != 1:
         out = out.reshape(*batch, *out.shape[1:])

@@ -187,7 +187,7 @@ def test_a_mask_that_hides_nothing_costs_no_pass_over_the_keys(monkeypatch):
     # A causal decode step sees every key: the KV cache is not read twice.
     import portattn_torch._sdpa_kernel as kernel
 
-    monkeypatch.setattr(kernel, "clear_nonfinite", lambda *_: pytest.fail("guarded"))
+    monkeypatch.setattr(kernel, "clear_keys", lambda *_: pytest.fail("guarded"))
     q, k, v = _qkv(1, 30)
     k[..., 3, :] = NAN
     assert _as_on_a_gpu(q, k, v, mask=masks.causal()).isnan().all()
