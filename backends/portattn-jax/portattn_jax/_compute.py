@@ -61,6 +61,7 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
            plan: Plan) -> Any:
     """Attention output ``(..., Hq, Lq, Dv)`` for portattn-layout inputs."""
     lq, lk = query.shape[-2], key.shape[-2]
+    rank = query.ndim  # (*batch, H, Lq, Lk): every mask array is kept at this rank
     kl = _combined(jnp.minimum, key_lengths)
     ql = _combined(jnp.minimum, query_lengths)
     allowed = _combined(jnp.logical_and, dense)
@@ -79,7 +80,7 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
         if allowed is None and finite is None:
             seen = jnp.repeat(_seen_in_band(bad, plan.band, lq, kl), group, axis=-2)
         else:
-            pairs = _pairs(plan.band, lq, lk, kl, allowed, finite)
+            pairs = _pairs(plan.band, rank, lq, lk, kl, allowed, finite)
             seen = jnp.any(pairs & jnp.repeat(bad, group, axis=-2)[..., None, :], axis=-1)
     if plan.implementation == "xla":  # float32 there; GPUs would default to TF32
         with jax.default_matmul_precision("highest"):
@@ -94,6 +95,7 @@ def attend(query: Any, key: Any, value: Any, bias: Any, dense: tuple[Any, ...],
         has_keys = _rows_from_band(plan.band, lq, lk, kl, ql)
     else:  # a dense mask or a bias: the pairs were built above
         has_keys = _rows_from_pairs(pairs, lq, ql)
+    has_keys = jnp.reshape(has_keys, (1,) * (rank - 1 - has_keys.ndim) + has_keys.shape)
     return jnp.where(has_keys[..., None], out, jnp.zeros((), out.dtype))
 
 
@@ -184,12 +186,12 @@ def _seen_in_band(bad: Any, band: Band | None, lq: int, kl: Any) -> Any:
 
     lk = bad.shape[-1]
     band = band or Band(None, None)
-    i = jnp.arange(lq)
-    stop = jnp.full((lq,), lk) if band.right is None else jnp.minimum(i + band.right + 1, lk)
+    i = jnp.reshape(jnp.arange(lq), (1,) * (bad.ndim - 1) + (lq,))  # (1, ..., 1, Lq)
+    stop = jnp.full(i.shape, lk) if band.right is None else jnp.minimum(i + band.right + 1, lk)
     if kl is not None:
         stop = jnp.minimum(stop, kl[..., None, None])  # (*batch, 1, Lq)
     stop = jnp.clip(stop, 0, lk)
-    start = jnp.zeros((lq,), stop.dtype) if band.left is None else i - band.left
+    start = jnp.zeros(i.shape, stop.dtype) if band.left is None else i - band.left
     start = jnp.clip(jnp.broadcast_to(start, stop.shape), 0, stop)
     before = jnp.pad(jnp.cumsum(bad, axis=-1), [(0, 0)] * (bad.ndim - 1) + [(1, 0)])
     shape = (*bad.shape[:-1], lq)
@@ -208,7 +210,8 @@ def _rows_from_band(band: Band | None, lq: int, lk: int, kl: Any, ql: Any) -> An
 
     band = band or Band(None, None)
     start, stop = band.rows_with_keys(lq, lk)
-    i = jnp.arange(lq)
+    lengths = kl if kl is not None else ql
+    i = jnp.reshape(jnp.arange(lq), (1,) * (0 if lengths is None else lengths.ndim) + (lq,))
     ok = (i >= start) & (i < stop)
     if kl is not None:
         n = kl[..., None]
@@ -225,19 +228,25 @@ def _rows_from_pairs(pairs, lq, ql):
     below the query lengths?"""
     # A size-1 key axis stands for every key (Lk >= 1 here), so any() over it is right.
     rows = jnp.any(pairs, axis=-1)
-    return rows if ql is None else rows & (jnp.arange(lq) < ql[..., None, None])
+    if ql is None:
+        return rows
+    i = jnp.reshape(jnp.arange(lq), (1,) * (rows.ndim - 1) + (lq,))
+    return rows & (i < ql[..., None, None])
 
 
-def _pairs(band, lq, lk, kl, allowed, finite):
-    """The pairs the mask allows, ``(*batch|1, H|1, Lq|1, Lk|1)``, bias ``-inf`` hiding;
-    query lengths aside."""
-    full = jnp.ones((1, 1), dtype=bool)
+def _pairs(band, rank, lq, lk, kl, allowed, finite):
+    """The pairs the mask allows, ``(*batch|1, H|1, Lq|1, Lk|1)`` (``rank`` dims), bias
+    ``-inf`` hiding; query lengths aside."""
+    lead = (1,) * (rank - 2)
+    full = jnp.ones((*lead, 1, 1), dtype=bool)
     if band is not None:
         left, right = band.window(lq, lk)
-        i, j = jnp.arange(lq)[:, None], jnp.arange(lk)[None, :]
+        i = jnp.reshape(jnp.arange(lq), (*lead, lq, 1))
+        j = jnp.reshape(jnp.arange(lk), (*lead, 1, lk))
         full = (j >= i - left) & (j <= i + right)
     if kl is not None:
-        full = full & (jnp.arange(lk) < kl[..., None, None, None])
+        j = jnp.reshape(jnp.arange(lk), (*lead, 1, lk))
+        full = full & (j < kl[..., None, None, None])
     if allowed is not None:
         full = full & allowed
     if finite is not None:

@@ -1,4 +1,4 @@
-"""Block layouts, tile masks and loop bounds for the ``jax_flash`` loops.
+"""Block layouts and tile masks for the ``jax_flash`` loops.
 
 Queries are grouped per key/value head, ``(B, Hkv, G, L, D)``, so one ``einsum`` with
 keys ``(B, Hkv, L, D)`` serves the G query heads of each K/V head (K/V are never
@@ -6,22 +6,22 @@ repeated). Sequences are padded to whole blocks and stacked block-first,
 ``(n, B, Hkv, G, block, D)``, so every tile has one static shape and loops index
 blocks with a traced counter. Padded keys are masked; padded queries are dropped.
 
-Bias and dense masks stay in their broadcast shape (size-1 axes kept) and their
-tiles are cut with ``lax.dynamic_slice`` at traced offsets.
+A partial tile's mask is the mask's ``allows`` at the tile's traced indices; a bias
+stays in its broadcast shape (size-1 axes kept) and its tiles are cut with
+``lax.dynamic_slice`` at traced offsets.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import lax, tree_util
 
-if TYPE_CHECKING:
-    from ._translate import Band
-
-__all__ = ["FlashPlan", "block_sizes", "key_block_range", "query_block_range"]
+__all__ = ["FlashPlan", "block_sizes", "key_padding", "tile_allowed"]
 
 MIN_BLOCK_Q = 16
 
@@ -45,10 +45,16 @@ class FlashPlan:
     lk: int
     block_q: int
     block_k: int
+    num_heads: int
     num_kv_heads: int
     scale: float
     softcap: float | None
-    band: Band | None
+    batch_shape: tuple[int, ...]
+    """The call's batch dims (flattened to one here): masks read flat batch indices."""
+    mask_tree: Any
+    """The mask's pytree structure (its arrays are the loops' arguments)."""
+    per_batch: bool = False
+    """Batch elements run one at a time, each with its own block tables."""
 
     @property
     def num_q_blocks(self) -> int:
@@ -57,6 +63,10 @@ class FlashPlan:
     @property
     def num_k_blocks(self) -> int:
         return -(-self.lk // self.block_k)
+
+    def mask(self, leaves: tuple[Any, ...]) -> Any:
+        """The mask holding ``leaves`` (None without a mask)."""
+        return tree_util.tree_unflatten(self.mask_tree, leaves)
 
 
 def _pad_axis(x: Any, axis: int, size: int, value: Any = 0) -> Any:
@@ -126,64 +136,35 @@ def tile_of(full: Any, plan: FlashPlan, q0: Any, k0: Any) -> Any:
     return lax.dynamic_slice(full, start, (*full.shape[:3], rows, cols))
 
 
-def tile_allowed(plan: FlashPlan, q0: Any, k0: Any, kl: Any, ql: Any, dense: Any) -> Any:
-    """Boolean ``(B|1, 1|Hkv, 1|G, block_q, block_k)``: True = attend."""
-    i = q0 + jnp.arange(plan.block_q, dtype=jnp.int32)[:, None]
-    j = k0 + jnp.arange(plan.block_k, dtype=jnp.int32)[None, :]
-    allowed = j < plan.lk  # padded keys
-    band = plan.band
-    if band is not None and band.left is not None:
-        allowed = allowed & (j - i >= -band.left)
-    if band is not None and band.right is not None:
-        allowed = allowed & (j - i <= band.right)
-    allowed = allowed[None, None, None]
-    if kl is not None:
-        allowed = allowed & (j < kl[:, None, None, None, None])
-    if ql is not None:
-        allowed = allowed & (i < ql[:, None, None, None, None])
-    if dense is not None:
-        allowed = allowed & tile_of(dense, plan, q0, k0)
-    return allowed
+def key_padding(plan: FlashPlan, k0: Any) -> Any:
+    """``(1, 1, 1, 1, block_k)``: the keys of the block at ``k0`` that exist (None when
+    every block is whole)."""
+    if plan.lk % plan.block_k == 0:
+        return None
+    j = k0 + jnp.arange(plan.block_k, dtype=jnp.int32)
+    return jnp.reshape(j < plan.lk, (1, 1, 1, 1, plan.block_k))
 
 
-def _ceil_div(a: Any, b: int) -> Any:
-    return -(-a // b)
-
-
-def key_block_range(plan: FlashPlan, iq: Any, kl: Any, ql: Any) -> tuple[Any, Any]:
-    """Half-open range of key blocks that query block ``iq`` can reach (traced ints)."""
-    q0 = iq * plan.block_q
-    q1 = jnp.minimum(q0 + plan.block_q, plan.lq)
-    lo, hi = jnp.zeros_like(q0), jnp.full_like(q0, plan.lk)
-    band = plan.band
-    if band is not None and band.left is not None:
-        lo = jnp.maximum(lo, q0 - band.left)
-    if band is not None and band.right is not None:
-        hi = jnp.minimum(hi, q1 + band.right)
-    if kl is not None:
-        hi = jnp.minimum(hi, jnp.max(kl).astype(q0.dtype))
-    if ql is not None:  # a block past every query length has no row to compute
-        hi = jnp.where(q0 < jnp.max(ql).astype(q0.dtype), hi, lo)
-    lo_block = jnp.clip(lo // plan.block_k, 0, plan.num_k_blocks)
-    hi_block = jnp.clip(_ceil_div(hi, plan.block_k), lo_block, plan.num_k_blocks)
-    return lo_block, hi_block
-
-
-def query_block_range(plan: FlashPlan, ik: Any, kl: Any, ql: Any) -> tuple[Any, Any]:
-    """Half-open range of query blocks that can see key block ``ik`` (traced ints)."""
-    k0 = ik * plan.block_k
-    k1 = jnp.minimum(k0 + plan.block_k, plan.lk)
-    lo, hi = jnp.zeros_like(k0), jnp.full_like(k0, plan.lq)
-    band = plan.band
-    if band is not None and band.right is not None:  # j <= i + right
-        lo = jnp.maximum(lo, k0 - band.right)
-    if band is not None and band.left is not None:  # j >= i - left
-        hi = jnp.minimum(hi, k1 + band.left)
-    if ql is not None:
-        hi = jnp.minimum(hi, jnp.max(ql).astype(k0.dtype))
-    if kl is not None:
-        hi = jnp.where(k0 < jnp.max(kl).astype(k0.dtype), hi, lo)
-    lo_block = jnp.clip(lo // plan.block_q, 0, plan.num_q_blocks)
-    hi_block = jnp.clip(_ceil_div(hi, plan.block_q), lo_block, plan.num_q_blocks)
-    return lo_block, hi_block
-
+def tile_allowed(plan: FlashPlan, mask: Any, q0: Any, k0: Any, batch_index: Any = None) -> Any:
+    """``(B|1, Hkv|1, G|1, block_q, block_k)`` booleans of the tile at traced ``(q0, k0)``:
+    ``mask.allows`` at its indices (True = attend), padded keys hidden. ``batch_index``:
+    the flat index of the one batch element computed (every one when None)."""
+    if mask is None:  # no partial tile: the loop that would mask one never runs
+        return key_padding(plan, k0)
+    bq, bk, hkv = plan.block_q, plan.block_k, plan.num_kv_heads
+    flat = math.prod(plan.batch_shape)
+    # Padded rows and keys read the last real one (masks index arrays with them).
+    i = jnp.minimum(q0 + jnp.arange(bq, dtype=jnp.int32), plan.lq - 1)
+    j = jnp.minimum(k0 + jnp.arange(bk, dtype=jnp.int32), plan.lk - 1)
+    b = jnp.arange(flat, dtype=jnp.int32) if batch_index is None else batch_index
+    b = jnp.reshape(b, (-1, 1, 1, 1, 1))
+    heads = jnp.arange(plan.num_heads, dtype=jnp.int32)
+    h = jnp.reshape(heads, (1, hkv, plan.num_heads // hkv, 1, 1))
+    # Masks broadcast by the array API's rules (several ranks at once).
+    with jax.numpy_rank_promotion("allow"):
+        allowed = mask.allows(jnp, b, h, jnp.reshape(i, (1, 1, 1, bq, 1)),
+                              jnp.reshape(j, (1, 1, 1, 1, bk)), plan.lq, plan.lk)
+    allowed = jnp.asarray(allowed, dtype=bool)
+    allowed = jnp.reshape(allowed, (1,) * (5 - allowed.ndim) + allowed.shape)
+    padding = key_padding(plan, k0)
+    return allowed if padding is None else allowed & padding

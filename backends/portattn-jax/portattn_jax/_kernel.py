@@ -21,9 +21,10 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from portattn.kernel import ANY, Kernel
+from portattn.masks import KINDS
 
 from ._pytree import register_mask_pytrees
-from ._translate import COMPUTED, fold_mask
+from ._translate import fold_mask
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -46,8 +47,7 @@ class JaxDpaKernel(Kernel):
     namespaces = frozenset({"jax"})
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32"})
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths", "dense",
-                       *COMPUTED})
+    masks = frozenset(KINDS)
     bias = gqa = value_head_dim = empty = grad = True
     # cuDNN's backward pass may accumulate with atomics on GPUs.
     deterministic = False
@@ -149,7 +149,7 @@ def _attend(inputs: AttentionInputs, spec: MaskSpec, implementation: str) -> Any
         fix_rows = "band"
     plan = Plan(batch_shape=inputs.batch_shape, scale=inputs.scale,
                 implementation=implementation, band=spec.band, fix_rows=fix_rows)
-    dense = spec.dense_arrays(inputs.q_len, inputs.kv_len)
+    dense = spec.dense_arrays(len(inputs.batch_shape) + 3, inputs.q_len, inputs.kv_len)
     return attend(inputs.query, inputs.key, inputs.value, inputs.bias, dense,
                   spec.key_lengths, spec.query_lengths, plan=plan)
 

@@ -1,9 +1,12 @@
 """portattn masks as JAX pytrees, so a mask can be an argument of a jitted function.
 
-The arrays a mask holds (``Mask.arrays``: lengths, dense booleans) are the pytree's
-leaves; everything else (kinds, alignment, window sizes, shifts) is static structure.
-Rebuilding goes through ``Mask.with_arrays``, which checks nothing: JAX rebuilds with
-placeholder leaves that are not arrays.
+The arrays a mask holds (``Mask.arrays``: lengths, ids, positions, dense booleans,
+layouts) are the pytree's leaves; everything else (kinds, alignment, window sizes,
+shifts, a mask function's callable) is static structure, compared by
+``Mask.structure``. The host copies a bound mask keeps of its arrays are dropped from
+the structure (``with_arrays`` drops them), so they are never leaves and never keep an
+old call's values. Rebuilding goes through ``Mask.with_arrays``, which checks nothing:
+JAX rebuilds with placeholder leaves that are not arrays.
 """
 
 from __future__ import annotations

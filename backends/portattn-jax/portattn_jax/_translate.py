@@ -5,14 +5,14 @@ one band: query ``i`` sees keys ``i - left <= j <= i + right`` (``local_window_s
 ``is_causal`` is the band with ``right = 0``). portattn folds every causal and
 sliding-window part of a mask into one such band (``Mask.band``), which is only
 re-signed here.
-Lengths and dense masks map to their JAX arguments one to one. Kinds JAX has no
-argument for (key/query ranges, per-sequence windows, documents) are kept as mask
-parts and become boolean arrays in the call (:meth:`MaskSpec.dense_arrays`): JAX's XLA
-path materialises the score matrix anyway.
+Key and query lengths map to their JAX arguments one to one. Every other part (dense
+masks, ranges, documents, the sparse patterns, mask functions, unions) is kept as a
+mask part and becomes one boolean array in the call, built with the part's ``tile``
+(:meth:`MaskSpec.dense_arrays`): JAX's XLA path materialises the score matrix anyway.
 
-Everything here is static (Python ints) or a plain pass-through of the mask's arrays
-(several of one kind are combined later, inside the compiled call): folding a mask
-allocates nothing, so ``not_supported_reasons`` may call it.
+Everything here is static (Python ints) or a plain pass-through of the mask's parts
+(several lengths of one kind are combined later, inside the compiled call): folding a
+mask allocates nothing, so ``not_supported_reasons`` may call it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
+
+#: Kinds passed to JAX as arguments of their own (the rest become boolean arrays).
+_NATIVE = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths"})
 
 __all__ = ["Band", "MaskSpec", "fold_mask"]
 
@@ -69,21 +72,26 @@ class MaskSpec:
     key_lengths: tuple[Any, ...] = ()
     """``(*batch)`` integer arrays; a key must lie below each."""
     query_lengths: tuple[Any, ...] = ()
-    dense: tuple[Any, ...] = ()
-    """Full rank ``(*batch|1, H|1, Lq|1, Lk|1)`` boolean arrays; a pair must be in all."""
     computed: tuple[Mask, ...] = ()
     """Parts whose boolean arrays are built only when the call runs."""
 
     @property
     def has_dense(self) -> bool:
         """Whether the call takes a boolean mask array."""
-        return bool(self.dense or self.computed)
+        return bool(self.computed)
 
-    def dense_arrays(self, lq: int, lk: int) -> tuple[Any, ...]:
-        """:attr:`dense` and the boolean arrays of :attr:`computed` (allocates)."""
+    def dense_arrays(self, rank: int, lq: int, lk: int) -> tuple[Any, ...]:
+        """The boolean arrays of :attr:`computed` at full rank ``(*batch|1, H|1, Lq|1,
+        Lk|1)`` (allocates); a pair must be in all."""
+        import jax
         import jax.numpy as jnp
 
-        return self.dense + tuple(p.tile(jnp, 0, lq, 0, lk, lq, lk) for p in self.computed)
+        arrays = []
+        for part in self.computed:
+            with jax.numpy_rank_promotion("allow"):  # tiles broadcast by the array API
+                tile = jnp.asarray(part.tile(jnp, 0, lq, 0, lk, lq, lk), dtype=bool)
+            arrays.append(jnp.reshape(tile, (1,) * (rank - tile.ndim) + tile.shape))
+        return tuple(arrays)
 
     def all_rows_have_keys(self, lq: int, lk: int) -> bool:
         """True when no query row can be left without keys, known without reading data."""
@@ -107,9 +115,4 @@ def fold_mask(inputs: AttentionInputs) -> MaskSpec:
     return MaskSpec(band,
                     tuple(p.lengths for p in mask.parts_of("key_lengths")),
                     tuple(p.lengths for p in mask.parts_of("query_lengths")),
-                    tuple(p.allowed for p in mask.parts_of("dense")),
-                    tuple(p for kind in COMPUTED for p in mask.parts_of(kind)))
-
-
-COMPUTED = ("key_ranges", "query_ranges", "sequence_window", "documents")
-"""Mask kinds passed to JAX as boolean arrays built from their tiles."""
+                    tuple(p for p in mask.parts if p.kind not in _NATIVE))

@@ -70,3 +70,54 @@ def _mask(name: str, s: Shapes, seed: int, convert: Any) -> Any:
 
 MASK_NAMES = ("none", "causal", "causal_top_left", "window", "key_lengths",
               "causal_and_key_lengths", "query_lengths", "dense")
+
+
+def catalogue(convert: Any, batch: tuple[int, ...] = (2,), heads: int = 4, lq: int = 40,
+              lk: int = 40, seed: int = 3) -> dict[str, Any]:
+    """One mask of every kind (and the usual combinations) for a call of ``lq x lk``,
+    arrays made by ``convert`` (the same draws for every ``convert``)."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(limit: int) -> Any:
+        return convert(rng.integers(0, limit + 1, batch))
+
+    starts = rng.integers(0, lk // 2, batch)
+    # packed documents: increasing runs with padding at the end of the row
+    ids = np.repeat(np.arange(6), 9)[: max(lq, lk)]
+    ids = np.stack([ids, np.roll(ids, 4)])[: int(np.prod(batch))].reshape(*batch, -1)
+    ids[..., -3:] = -1
+    kinds = {
+        "causal": masks.causal(),
+        "window": masks.sliding_window(5, 1),
+        "key_lengths": masks.causal() & masks.key_lengths(lengths(lk)),
+        "query_lengths": masks.query_lengths(lengths(lq)),
+        "dense": masks.dense(convert(rng.random((*batch, heads, lq, lk)) < 0.5)),
+        "key_ranges": masks.key_ranges(convert(starts), convert(starts + lk // 2)),
+        "query_ranges": masks.query_ranges(convert(starts), lengths(lq)),
+        "sequence_window": masks.sequence_window(6, 0, query_lengths=lengths(lq),
+                                                 key_lengths=lengths(lk)),
+        "documents": masks.causal() & masks.documents(convert(ids[..., :lq]),
+                                                      convert(ids[..., :lk])),
+        "shared_documents": masks.documents(convert(ids[0, :lq]), convert(ids[0, :lk])),
+        "prefix_lm": masks.causal() | masks.prefix(lengths(lk)),
+        "sink_tokens": masks.causal() & (masks.sliding_window(4) | masks.sink_tokens(3)),
+        "window_or_global": masks.sliding_window(3) | masks.global_tokens(
+            convert(np.array([0, lk // 2, -1]))),
+        "global_per_batch": masks.global_tokens(convert(rng.integers(-1, lk, (*batch, 2)))),
+        "chunks": masks.causal() & masks.chunks(12),
+        "block_layout": masks.block_layout(
+            convert(rng.random((heads, -(-lk // 8), -(-lk // 8))) < 0.4), 8),
+        "function": masks.function(chunked_causal),
+        "function_per_head": masks.function(per_batch_and_head),
+        "documents_or_sinks": masks.documents(convert(ids[..., :lq]), convert(ids[..., :lk]))
+        | masks.sink_tokens(2),
+    }
+    return kinds
+
+
+def chunked_causal(b: Any, h: Any, q: Any, k: Any) -> Any:
+    return (q >= k) & (q // 12 == k // 12)
+
+
+def per_batch_and_head(b: Any, h: Any, q: Any, k: Any) -> Any:
+    return ((q - k) % (h + 2) == 0) | (k < 3 + 4 * b)

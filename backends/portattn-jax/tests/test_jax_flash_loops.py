@@ -17,8 +17,8 @@ from portattn.testing.plugin import require_library
 
 jax = require_library("jax")
 jnp = require_library("jax.numpy")
-from portattn_jax._flash import backward, forward  # noqa: E402
-from portattn_jax._flash_kernel import flash_plan, flat_arguments  # noqa: E402
+from portattn_jax._flash_call import backward_all, forward_all  # noqa: E402
+from portattn_jax._flash_kernel import flash_plan, flat_arguments, per_batch  # noqa: E402
 from textbook import allowed_of, textbook  # noqa: E402
 
 from portattn._inputs import describe  # noqa: E402
@@ -30,22 +30,40 @@ def _jax():
     register_mask_pytrees()
 
 
-def _tiles_visited(mask, np_mask, lq=64, lk=64, block=8):
-    """Tiles the forward and the backward visit, and the tiles holding an allowed pair."""
+def _tiles_visited(mask, np_mask, lq=64, lk=64, block=8, traced=False):
+    """Tiles the forward and the backward visit, and the tiles holding an allowed pair;
+    ``traced``: the mask is an argument of the jitted loops (its block form is built on
+    the device)."""
     backend = jax_backend()
     rng = np.random.default_rng(0)
     q, k, v = (backend.asarray(rng.standard_normal((2, 2, n, 4)), "float32")
                for n in (lq, lk, lk))
-    inputs = describe(q, k, v, mask=mask)
-    plan = replace(flash_plan(inputs), block_q=block, block_k=block)
-    args = flat_arguments(inputs)
-    out, lse, fwd_tiles = jax.jit(forward, static_argnums=0)(plan, *args)
-    dout = jnp.ones_like(out)
-    *_, bwd_tiles = jax.jit(backward, static_argnums=(0, 12))(
-        plan, *args, out, lse, dout, None, False)
-    allowed = allowed_of(np_mask, (2,), 2, lq, lk).any(axis=(0, 1))  # union over rows
-    nonempty = allowed.reshape(lq // block, block, lk // block, block).any(axis=(1, 3))
-    return int(fwd_tiles), int(bwd_tiles), int(nonempty.sum()), (lq // block) * (lk // block)
+
+    def loops(plan, *args):
+        out, lse, fwd_tiles = forward_all(plan, *args)
+        *_, bwd_tiles = backward_all(plan, *args, out, lse, jnp.ones_like(out), None, False)
+        return fwd_tiles, bwd_tiles
+
+    def run(q, k, v, mask):
+        inputs = describe(q, k, v, mask=mask)
+        plan = replace(flash_plan(inputs), block_q=block, block_k=block,
+                       per_batch=per_batch(inputs))
+        return jax.jit(loops, static_argnums=0)(plan, *flat_arguments(inputs, plan))
+
+    fwd_tiles, bwd_tiles = (jax.jit(run) if traced else run)(q, k, v, mask)
+    allowed = allowed_of(np_mask, (2,), 2, lq, lk).any(axis=1)  # union over heads
+    if not per_batch(describe(q, k, v, mask=mask)):
+        allowed = allowed.any(axis=0, keepdims=True)  # and over the batch
+    nonempty = allowed.reshape(-1, lq // block, block, lk // block, block).any(axis=(2, 4))
+    total = len(allowed) * (lq // block) * (lk // block)
+    return int(fwd_tiles), int(bwd_tiles), int(nonempty.sum()), total
+
+
+def _documents(conv):
+    # increasing runs (every block holds all the ids between its smallest and largest)
+    ids = np.repeat(np.arange(5), [13, 20, 4, 19, 8])[None].repeat(2, 0)
+    ids[1] = np.repeat(np.arange(3), [30, 30, 4])
+    return masks.causal() & masks.documents(conv(ids))
 
 
 SKIPPING = {
@@ -55,26 +73,37 @@ SKIPPING = {
     "causal_and_key_lengths": lambda conv: masks.causal() & masks.key_lengths(
         conv(np.array([20, 9]))),
     "query_lengths": lambda conv: masks.query_lengths(conv(np.array([17, 30]))),
+    "documents": _documents,
+    "window_or_global": lambda conv: masks.sliding_window(8) | masks.global_tokens(
+        conv(np.array([3, 40]))),
+    "chunks": lambda conv: masks.chunks(16),
+    "key_ranges": lambda conv: masks.key_ranges(conv(np.array([9, 30])),
+                                                conv(np.array([33, 50]))),
+    "function": lambda conv: masks.function(lambda b, h, q, k: (q >= k) & (q - k < 12)),
 }
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["host", "jit_argument"])
 @pytest.mark.parametrize("name", sorted(SKIPPING))
-def test_only_tiles_with_allowed_pairs_are_visited(name):
+def test_only_tiles_with_allowed_pairs_are_visited(name, traced):
     backend = jax_backend()
     make = SKIPPING[name]
-    fwd, bwd, nonempty, total = _tiles_visited(make(backend.asarray), make(np.asarray))
+    fwd, bwd, nonempty, total = _tiles_visited(make(backend.asarray), make(np.asarray),
+                                               traced=traced)
     assert fwd == bwd == nonempty < total
     if name == "causal":
         assert nonempty == 8 * 9 // 2  # the diagonal and below: about half of full
 
 
 def test_key_lengths_are_skipped_at_run_time():
-    # The lengths are traced arguments: the loop bounds follow their values.
+    # The lengths are traced arguments: the tiles visited follow their values, each
+    # batch element's own.
     backend = jax_backend()
-    for lengths, blocks in (([8, 3], 1), ([40, 17], 5), ([64, 64], 8)):
+    for lengths in ([8, 3], [40, 17], [64, 64], [0, 9]):
         mask = masks.key_lengths(backend.asarray(np.array(lengths)))
-        fwd, bwd, nonempty, _ = _tiles_visited(mask, masks.key_lengths(np.array(lengths)))
-        assert fwd == bwd == nonempty == 8 * blocks
+        fwd, bwd, nonempty, _ = _tiles_visited(mask, masks.key_lengths(np.array(lengths)),
+                                               traced=True)
+        assert fwd == bwd == nonempty == 8 * sum(-(-n // 8) for n in lengths)
 
 
 def _equations(jaxpr) -> int:
@@ -89,16 +118,28 @@ def _equations(jaxpr) -> int:
     return total
 
 
-def test_jitted_grad_of_a_long_causal_call_is_a_small_program():
-    def loss(q, k, v, lengths):
-        mask = masks.causal() & masks.key_lengths(lengths)
+PROGRAM_MASKS = {
+    "causal_and_key_lengths": lambda n, a: masks.causal() & masks.key_lengths(a["lengths"]),
+    "documents": lambda n, a: masks.causal() & masks.documents(a["ids"]),
+    "window_or_global": lambda n, a: masks.sliding_window(512) | masks.global_tokens(
+        a["positions"]),
+    "function": lambda n, a: masks.function(lambda b, h, q, k: (q >= k) & (q - k < 300)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAM_MASKS))
+def test_jitted_grad_of_a_long_masked_call_is_a_small_program(name):
+    def loss(q, k, v, arrays):
+        mask = PROGRAM_MASKS[name](q.shape[-2], arrays)
         return jnp.sum(portattn.attention(q, k, v, mask=mask, kernel="jax_flash") ** 2)
 
     sizes = {}
     for n in (512, 8192):  # traced only: nothing of this size is allocated
         shape = jax.ShapeDtypeStruct((1, 8, n, 64), jnp.float32)
-        lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-        jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(shape, shape, shape, lengths)
+        arrays = {"lengths": jax.ShapeDtypeStruct((1,), jnp.int32),
+                  "ids": jax.ShapeDtypeStruct((1, n), jnp.int32),
+                  "positions": jax.ShapeDtypeStruct((16,), jnp.int32)}
+        jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(shape, shape, shape, arrays)
         sizes[n] = _equations(jaxpr.jaxpr)
     assert sizes[512] == sizes[8192] < 1000, sizes
 

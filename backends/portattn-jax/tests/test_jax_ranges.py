@@ -1,6 +1,5 @@
-"""The masks of real batches on the JAX kernels: key ranges (left padding) on
-jax_flash, forward and gradients, and every array kind on jax_dpa; the kinds
-jax_flash leaves are refused with a reason."""
+"""The masks of real batches on the JAX kernels: key ranges (left padding), forward
+and gradients; large packed calls go to jax_flash."""
 
 from __future__ import annotations
 
@@ -53,7 +52,8 @@ def test_key_ranges_gradients_on_jax_flash():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
-def test_jax_flash_refuses_the_kinds_that_need_a_full_mask():
-    q = jnp.zeros((1, 1, 4, 8))
-    plan = portattn.explain(q, q, q, mask=masks.documents(jnp.zeros(4, dtype=jnp.int32)))
-    assert "jax_flash (portattn-jax 0.1.0): mask documents not supported" in str(plan)
+def test_large_packed_calls_go_to_jax_flash():
+    q = jnp.zeros((1, 8, 4096, 64), jnp.float32)
+    ids = jnp.repeat(jnp.arange(8), 512)[None]
+    plan = portattn.explain(q, q, q, mask=masks.causal() & masks.documents(ids))
+    assert plan.kernel.name == "jax_flash", str(plan)

@@ -97,7 +97,7 @@ def test_lengths_and_dense_pass_through():
     spec = fold_mask(_inputs(4, 5, mask, batch=(2,)))
     assert spec.band is None
     assert len(spec.key_lengths) == 2
-    assert len(spec.dense) == 1
+    assert [p.kind for p in spec.computed] == ["dense"]
     assert not spec.query_lengths
 
 
