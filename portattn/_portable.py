@@ -115,6 +115,7 @@ def alibi_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int,
                      device=dev)
     distance = xp.abs(rows[:, None] - xp.arange(k0, k1, device=dev)[None, :])
     slopes = cast(xp, inputs.alibi_slopes, dtype)[..., None, None]
+    distance = xp.reshape(distance, (1,) * (len(slopes.shape) - 2) + tuple(distance.shape))
     return group_tile(xp, -slopes * cast(xp, distance, dtype), inputs.num_kv_heads)
 
 

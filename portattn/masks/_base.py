@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["FULL", "HIDDEN", "PARTIAL", "POSITIONAL", "Band", "Grid", "Intersection", "Mask",
-           "Union", "band_states", "expand_to_rank", "interval_states", "linear_index",
-           "on_mask_created", "per_batch", "per_position", "slice_tile", "tile_states",
+           "Union", "along", "band_states", "expand_to_rank", "interval_states", "linear_index",
+           "on_mask_created", "per_batch", "per_position", "same_rank", "slice_tile",
+           "tile_states",
            "within"]
 
 POSITIONAL = frozenset({"causal", "sliding_window"})
@@ -527,7 +528,7 @@ class Intersection(_Combination):
             if p.covers(q0, q1, k0, k1, lq, lk):
                 continue
             t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
-            allowed = t if allowed is None else xp.logical_and(allowed, t)
+            allowed = t if allowed is None else xp.logical_and(*same_rank(xp, allowed, t))
         return all_allowed(xp, q0, q1, k0, k1, device) if allowed is None else allowed
 
     def __repr__(self) -> str:
@@ -566,7 +567,7 @@ class Union(_Combination):
             if band is not None and band.hides(q0, q1, k0, k1):
                 continue  # cheap for a band; other kinds' tiles cost less than asking
             t = p.tile(xp, q0, q1, k0, k1, lq, lk, device)
-            allowed = t if allowed is None else xp.logical_or(allowed, t)
+            allowed = t if allowed is None else xp.logical_or(*same_rank(xp, allowed, t))
         return xp.logical_not(all_allowed(xp, q0, q1, k0, k1, device)) if allowed is None \
             else allowed
 
@@ -607,6 +608,22 @@ def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
 def column(xp: Any, a: Any) -> Any:
     """``(*batch) -> (*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
     return xp.reshape(a, (*a.shape, 1, 1, 1))
+
+
+def same_rank(xp: Any, *arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` with leading size-1 axes up to the largest rank (see :func:`along`)."""
+    rank = max(len(a.shape) for a in arrays)
+    return tuple(a if len(a.shape) == rank else xp.reshape(a, (1,) * (rank - len(a.shape))
+                                                             + tuple(a.shape)) for a in arrays)
+
+
+def along(xp: Any, a: Any, rank: int, axis: int) -> Any:
+    """A 1-D ``a`` as an array of ``rank`` dims, laid along ``axis`` (-2 queries, -1
+    keys). Operands of one rank: JAX's ``numpy_rank_promotion("raise")`` refuses
+    to broadcast a shorter one."""
+    shape = [1] * max(rank, -axis)
+    shape[axis] = a.shape[0]
+    return xp.reshape(a, tuple(shape))
 
 
 class Aligned(Mask):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Aligned, Mask, column, per_batch, replaced, tile_states
+from ._base import Aligned, Mask, along, column, per_batch, replaced, tile_states
 from ._values import check_array, check_bounds, dtype_text, host_copy, signed
 
 __all__ = ["KeyLengths", "Prefix", "QueryLengths"]
@@ -90,7 +90,8 @@ class KeyLengths(_PaddingLengths):
     host: Any = field(default=None, compare=False)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        return xp.arange(k0, k1, device=device) < self.column(xp)
+        lengths = self.column(xp)
+        return along(xp, xp.arange(k0, k1, device=device), lengths.ndim, -1) < lengths
 
     def block_states(self, grid):
         return self._states(grid.k_first[None, :], grid.k_last[None, :])
@@ -108,7 +109,8 @@ class QueryLengths(_PaddingLengths):
     host: Any = field(default=None, compare=False)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        return xp.arange(q0, q1, device=device)[:, None] < self.column(xp)
+        lengths = self.column(xp)
+        return along(xp, xp.arange(q0, q1, device=device), lengths.ndim, -2) < lengths
 
     def block_states(self, grid):
         return self._states(grid.q_first[:, None], grid.q_last[:, None])
@@ -138,9 +140,10 @@ class Prefix(_Lengths, Aligned):
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
         offset = self.query_offset(lq, lk)
-        rows = xp.arange(q0 + offset, q1 + offset, device=device)[:, None]
-        cols = xp.arange(k0 + self.origin, k1 + self.origin, device=device)[None, :]
         lengths = self.column(xp)
+        rows = along(xp, xp.arange(q0 + offset, q1 + offset, device=device), lengths.ndim, -2)
+        cols = along(xp, xp.arange(k0 + self.origin, k1 + self.origin, device=device),
+                     lengths.ndim, -1)
         return xp.logical_and(xp.logical_and(rows >= 0, rows < lengths), cols < lengths)
 
     def allows(self, xp, b, h, q, k, lq, lk):

@@ -19,7 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Band, Mask, band_states, column, per_batch, replaced, tile_states, within
+from ._base import (
+    Band,
+    Mask,
+    along,
+    band_states,
+    column,
+    per_batch,
+    replaced,
+    tile_states,
+    within,
+)
 from ._values import check_array, check_bounds, check_integer_array, host_copy, signed
 
 __all__ = ["KeyRanges", "QueryRanges", "SequenceWindow"]
@@ -89,9 +99,9 @@ class _Ranges(Mask):
     def _holds(self, xp: Any, b: Any, index: Any) -> Any:
         return (per_batch(xp, self.start, b) <= index) & (index < per_batch(xp, self.stop, b))
 
-    def _inside(self, xp: Any, lo: int, hi: int, device: Any) -> Any:
-        index = xp.arange(lo, hi, device=device)
+    def _inside(self, xp: Any, lo: int, hi: int, device: Any, axis: int) -> Any:
         start, stop = column(xp, self.start), column(xp, self.stop)
+        index = along(xp, xp.arange(lo, hi, device=device), start.ndim, axis)
         return xp.logical_and(start <= index, index < stop)
 
     def _restricted(self, xp: Any, lo: int, hi: int) -> Mask:
@@ -136,7 +146,7 @@ class KeyRanges(_Ranges):
         return self._kept(k0, k1)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        return self._inside(xp, k0, k1, device)
+        return self._inside(xp, k0, k1, device, -1)
 
     def allows(self, xp, b, h, q, k, lq, lk):
         return self._holds(xp, b, k)
@@ -167,8 +177,7 @@ class QueryRanges(_Ranges):
         return self._kept(q0, q1)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        rows = self._inside(xp, q0, q1, device)
-        return xp.reshape(rows, (*rows.shape[:-2], q1 - q0, 1))
+        return self._inside(xp, q0, q1, device, -2)
 
     def allows(self, xp, b, h, q, k, lq, lk):
         return self._holds(xp, b, q)
@@ -263,10 +272,10 @@ class SequenceWindow(Mask):
         return inner.covers(q0, q1, k0, k1)
 
     def tile(self, xp, q0, q1, k0, k1, lq, lk, device=None):
-        rows = xp.arange(q0, q1, device=device)[:, None]
-        cols = xp.arange(k0, k1, device=device)[None, :]
-        diff = cols - rows
         offset = column(xp, self.key_lengths - self.query_lengths) + self.shift
+        rows = along(xp, xp.arange(q0, q1, device=device), offset.ndim, -2)
+        cols = along(xp, xp.arange(k0, k1, device=device), offset.ndim, -1)
+        diff = cols - rows
         allowed = None
         if self.left is not None:
             allowed = diff >= offset - self.left

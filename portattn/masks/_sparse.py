@@ -24,6 +24,7 @@ from array_api_compat import device as device_of
 
 from ._base import (
     Aligned,
+    along,
     expand_to_rank,
     interval_states,
     linear_index,
@@ -291,7 +292,7 @@ class BlockLayout(Aligned):
         cols = _positions(xp, k0 + self.origin, k1 + self.origin, device)
         cells = xp.take(self.layout, xp.where(rows < 0, 0, rows) // self.block_q, axis=-2)
         cells = xp.take(cells, cols // self.block_k, axis=-1)
-        return xp.logical_and(cells, (rows >= 0)[:, None])
+        return xp.logical_and(cells, along(xp, rows >= 0, len(cells.shape), -2))
 
     def block_states(self, grid):
         layout = host_copy(self.layout)
