@@ -135,7 +135,18 @@ class Plan:
             else:
                 verdict = "; ".join(why) or "can run"
             lines.append(f"    {entry}: {verdict}")
+        lines += [f"note: {note}" for note in self.kernel_notes]
         return "\n".join(lines)
+
+    @property
+    def kernel_notes(self) -> tuple[str, ...]:
+        """What the chosen kernel says a caller should know (:meth:`Kernel.notes`)."""
+        if self.kernel is None:
+            return ()
+        try:
+            return tuple(self.kernel.kernel.notes(self.inputs))
+        except Exception as e:  # a plugin's bug must not break explain()
+            return (f"{self.kernel.name}.notes raised {type(e).__name__}: {e}",)
 
     def error(self) -> Exception:
         """What :func:`portattn.attention` raises when no kernel was chosen."""

@@ -167,6 +167,13 @@ class Kernel:
             reasons.append("gradients required but not supported")
         return reasons
 
+    @classmethod
+    def notes(cls, inputs: AttentionInputs) -> list[str]:
+        """What a caller should know before this kernel runs ``inputs`` (it compiles,
+        it copies, ...), from the description alone; :func:`portattn.explain` shows it
+        for the chosen kernel. Never asked by :func:`portattn.attention`."""
+        return []
+
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         """Compute ``(out, lse, weights)``, with None for what was not asked."""
         raise NotImplementedError

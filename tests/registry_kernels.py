@@ -77,3 +77,26 @@ class RaisingRun(Good):
     def run(self, inputs):
         msg = "out of registers"
         raise RuntimeError(msg)
+
+
+class Compiling(Good):
+    """A plugin that warns before it compiles."""
+
+    name = "compiling"
+    priority = 800
+
+    @classmethod
+    def notes(cls, inputs):
+        return [f"compiles a kernel for Lq={inputs.q_len} on first use"]
+
+
+class RaisingNotes(Good):
+    """A plugin whose notes fail."""
+
+    name = "raising_notes"
+    priority = 800
+
+    @classmethod
+    def notes(cls, inputs):
+        msg = "no notes today"
+        raise RuntimeError(msg)

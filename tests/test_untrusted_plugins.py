@@ -94,3 +94,13 @@ def test_calls_run_while_torch_is_half_imported(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch", types.ModuleType("torch"))
     out = portattn.attention(*_qkv(), mask=portattn.masks.key_lengths(np.array([3])))
     assert out.shape == (1, 2, 5, 8)
+
+
+def test_explain_shows_what_the_chosen_kernel_notes(installed):
+    installed(rk.Compiling)
+    plan = portattn.explain(*_qkv())
+    assert plan.kernel_notes == ("compiles a kernel for Lq=5 on first use",)
+    assert str(plan).endswith("\nnote: compiles a kernel for Lq=5 on first use")
+    installed(rk.RaisingNotes)
+    plan = portattn.explain(*_qkv())
+    assert plan.kernel_notes == ("raising_notes.notes raised RuntimeError: no notes today",)

@@ -56,6 +56,9 @@ from ._translate import as_4d, structured_form
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
 
+#: Kinds holding arrays as long as the call: static tensors on the CPU (``_flex_mods``).
+_CALL_LENGTH_KINDS = frozenset({"documents", "dense", "block_layout", "global_tokens"})
+
 #: Below this many scores (batch x heads x Lq x Lk), SDPA with a mask tensor or
 #: ``tiled`` is as fast as compiled flex or faster, whose calls carry a fixed cost
 #: (the block form, its tables, guards). On a 2-core CPU at (1, 8, L, 64) float32,
@@ -114,6 +117,19 @@ class TorchFlexKernel(Kernel):
             if why is not None:
                 reasons.append(why)
         return reasons
+
+    @classmethod
+    def notes(cls, inputs: AttentionInputs) -> list[str]:
+        from ._flex_compile import entries
+
+        notes = [f"compiles flex_attention on the first call of each kind of call (mask "
+                 f"structure, dtype, heads, score changes): seconds; {entries()} kinds "
+                 "compiled in this process so far"]
+        per_length = sorted(inputs.mask_kinds & _CALL_LENGTH_KINDS)
+        if inputs.device == "cpu" and (per_length or inputs.bias is not None):
+            what = ", ".join([*per_length, *(["bias"] if inputs.bias is not None else [])])
+            notes.append(f"on the CPU, with {what}, it compiles again for each new length")
+        return notes
 
     @classmethod
     def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:

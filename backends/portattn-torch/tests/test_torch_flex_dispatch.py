@@ -56,6 +56,9 @@ def test_long_calls_with_sparse_masks_run_torch_flex(name):
     plan = portattn.explain(*_qkv(), **TAKEN[name]())
     assert plan.kernel.name == "torch_flex", str(plan)
     assert _flex_compile.compilations() == before  # choosing compiles nothing
+    assert "note: compiles flex_attention on the first call of each kind" in str(plan)
+    per_length = "on the CPU, with documents, it compiles again for each new length"
+    assert (per_length in plan.kernel_notes) == (name == "documents")
 
 
 LEFT = {
