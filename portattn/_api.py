@@ -23,7 +23,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               bias: Any = None, scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False, return_weights: bool = False,
               dropout_p: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-              layout: str = "bhld", kernel: str | None = None) -> Any:
+              layout: str = "bhld", assume_finite: bool = False,
+              kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
     Shapes: ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``,
@@ -56,6 +57,11 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
             output is then ``(..., Lq, Hq, Dv)``, a transposed view of the kernel's
             (no copy of the inputs or the output where the library has strides); the
             lse stays ``(..., Hq, Lq)`` and the weights ``(..., Hq, Lq, Lk)``.
+        assume_finite: the caller's word that ``query``, ``key``, ``value`` and ``bias``
+            hold no NaN or inf. Kernels then skip what keeps the rule for non-finite
+            inputs (a pass over the inputs or the output, and on an accelerator or
+            under ``torch.compile`` a copy of the keys and values); with a non-finite
+            input anyway, rows the mask would have kept finite may come out NaN.
         kernel: run this kernel by name instead of choosing one.
 
     Returns:
@@ -64,7 +70,7 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     options = {"mask": mask, "bias": bias, "scale": scale, "softcap": softcap,
                "return_lse": return_lse, "return_weights": return_weights,
                "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks,
-               "layout": layout}
+               "layout": layout, "assume_finite": assume_finite}
     query, key, value = to_kernel_layout(layout, query, key, value)
     inputs, entry = described_and_chosen(query, key, value, options, kernel)
     try:

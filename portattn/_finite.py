@@ -28,7 +28,7 @@ __all__ = ["distrust"]
 def distrust(inputs: AttentionInputs, out: Any) -> str | None:
     """Why ``out``, from a kernel exact only on finite inputs, may break the rule for
     non-finite inputs; None when it cannot (or the values cannot be read)."""
-    if inputs.mask is None and inputs.bias is None:
+    if inputs.assume_finite or (inputs.mask is None and inputs.bias is None):
         return None  # nothing is hidden: a NaN that reaches the output belongs there
     if not inputs.values_readable or math.prod(out.shape) == 0:
         return None

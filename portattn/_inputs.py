@@ -131,6 +131,9 @@ class AttentionInputs(NamedTuple):
     """``(*batch | 1, Hq)``: ``-slope * |i + Lk - Lq - j|`` joins the scores."""
     sinks: Any = None
     """``(*batch | 1, Hq)``: a logit per head in each row's softmax denominator."""
+    assume_finite: bool = False
+    """The caller's word that no input holds NaN or inf: kernels may skip what keeps
+    the rule for non-finite inputs."""
 
     @property
     def compute_dtype(self) -> Any:
@@ -181,7 +184,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              scale: float | None = None, softcap: float | None = None,
              return_lse: bool = False, return_weights: bool = False,
              dropout_p: float = 0.0, alibi_slopes: Any = None,
-             sinks: Any = None, layout: str = "bhld") -> AttentionInputs:
+             sinks: Any = None, layout: str = "bhld",
+             assume_finite: bool = False) -> AttentionInputs:
     """Validate one call's arguments and describe it. The arrays are in the kernels'
     layout already; ``layout`` is the caller's, for error messages."""
     arrays = {"query": query, "key": key, "value": value}
@@ -240,6 +244,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         requires_grad=needs_grad((query, key, value, bias, sinks)),
         mask_kinds=mask.kinds if mask is not None else frozenset(),
         alibi_slopes=alibi_slopes, sinks=sinks,
+        assume_finite=_check_flag("assume_finite", assume_finite),
     )
 
 

@@ -191,3 +191,17 @@ def test_a_kernel_exact_on_finite_inputs_only_is_refused_with_the_reason(backend
             with np.errstate(all="ignore"), pytest.raises(NoKernelError,
                                                           match=f"{entry.name}.*{declined}"):
                 portattn.attention(*poisoned, mask=mask)
+
+
+def test_the_callers_word_skips_the_output_check():
+    from portattn._finite import distrust
+    from portattn._inputs import describe
+
+    q = np.ones((1, 1, 3, 4), np.float32)
+    mask = masks.causal()
+    out = np.full((1, 1, 3, 4), np.nan, np.float32)
+    assert distrust(describe(q, q, q, mask=mask), out) is not None
+    assert distrust(describe(q, q, q, mask=mask, assume_finite=True), out) is None
+    with pytest.raises(ValueError, match="assume_finite must be True or False; got "
+                                         "assume_finite='yes'"):
+        portattn.attention(q, q, q, assume_finite="yes")

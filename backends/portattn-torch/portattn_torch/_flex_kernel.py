@@ -231,7 +231,8 @@ def flex_attention(inputs: AttentionInputs, block: int) -> tuple[Any, Any]:
         return out, lse if inputs.return_lse else None
     q, k, v = (as_4d(x, batch) for x in (q, k, v))
     bad_keys = None
-    if inputs.device != "cpu" and (inputs.mask is not None or inputs.bias is not None):
+    if inputs.device != "cpu" and not inputs.assume_finite and (
+            inputs.mask is not None or inputs.bias is not None):
         # nothing is read off the CPU: the rule for non-finite inputs on the device
         k, v, bad_keys = bad_key_scores(inputs, k, v)
     bias = None if inputs.bias is None else _flat_bias(inputs.bias, batch)

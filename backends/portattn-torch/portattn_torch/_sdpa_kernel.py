@@ -143,8 +143,9 @@ def sdpa_attention(inputs: AttentionInputs) -> Any:
         if isinstance(attn_mask, torch.Tensor):
             attn_mask = as_4d(attn_mask, batch)
     # Nothing checks the output where no value can be read: keep the rule here, for a
-    # call whose mask can hide anything.
-    guard = not inputs.values_readable and (attn_mask is not None or spec.is_causal)
+    # call whose mask can hide anything (unless the caller vouches for the inputs).
+    guard = not (inputs.values_readable or inputs.assume_finite) and (
+        attn_mask is not None or spec.is_causal)
     if guard:
         k, v, bad = clear_keys(inputs.xp, k, v)
     out = sdpa(q, k, v, attn_mask=attn_mask, dropout_p=inputs.dropout_p,

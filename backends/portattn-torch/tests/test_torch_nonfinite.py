@@ -191,3 +191,14 @@ def test_a_mask_that_hides_nothing_costs_no_pass_over_the_keys(monkeypatch):
     q, k, v = _qkv(1, 30)
     k[..., 3, :] = NAN
     assert _as_on_a_gpu(q, k, v, mask=masks.causal()).isnan().all()
+
+
+def test_with_the_callers_word_no_guard_runs(monkeypatch):
+    import portattn_torch._sdpa_kernel as kernel
+
+    q, k, v = _qkv(6, 9)
+    want = _as_on_a_gpu(q, k, v, mask=masks.key_lengths(torch.tensor([9, 4])))
+    monkeypatch.setattr(kernel, "clear_keys", lambda *_: pytest.fail("guarded"))
+    got = _as_on_a_gpu(q, k, v, mask=masks.key_lengths(torch.tensor([9, 4])),
+                       assume_finite=True)
+    assert torch.equal(got, want)  # on finite inputs the guard changed nothing anyway
