@@ -6,6 +6,9 @@ every mask kind through its block form):
 - packed documents: 8 documents of random lengths in one row, ``causal() &
   documents(ids)``, lengths drawn until 10% of the pairs (+-0.5%) are allowed; L =
   4096 and 16384. Target: masked / unmasked <= 0.25.
+- the same packed documents against torch's FlexAttention, compiled, on the same
+  CPU and the same data (its ``create_block_mask`` built beforehand), when torch is
+  installed. Target: <= 1.0.
 - ``sliding_window(512) | global_tokens(16 positions)`` at L = 16384. Target: masked /
   unmasked <= the share of pairs the mask allows + 0.10 (the block form's share of
   visible tiles on the kernel's grid is printed beside it).
@@ -35,7 +38,8 @@ FIGURES: dict[str, str] = {}
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    print("\nmasks on NumPy, over the same call without a mask, in turns:")
+    print("\nmasks on NumPy, over the same call without a mask (or the peer named), "
+          "in turns:")
     for name, line in FIGURES.items():
         print(f"    {name}: {line}")
 
@@ -112,3 +116,33 @@ def test_window_or_global_tokens_in_turns(in_turns: Any, benchmark: Any) -> None
     mask, allowed = _window_and_globals(n)
     _measure(in_turns, benchmark, "sliding_window(512) | global_tokens(16)", n, mask,
              allowed, allowed + 0.10)
+
+
+@pytest.mark.benchmark(group="masks on numpy")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports
+@pytest.mark.parametrize("n", [4096, 16384])
+def test_packed_documents_against_flex_attention(n: int, in_turns: Any,
+                                                 benchmark: Any) -> None:
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    ids, allowed = packed_ids(n)
+    q, k, v = _inputs(n)
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    doc = torch.from_numpy(ids[0])
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+
+    block_mask = flex.create_block_mask(mask_mod, 1, None, n, n, device="cpu")
+    compiled = torch.compile(flex.flex_attention)
+    want = compiled(tq, tk, tv, block_mask=block_mask)  # compiled once, here
+    mask = masks.causal() & masks.documents(ids)
+    np.testing.assert_allclose(portattn.attention(q, k, v, mask=mask), want.numpy(),
+                               rtol=1e-4, atol=1e-4)
+    kernel = portattn.explain(q, k, v, mask=mask).kernel.name
+    best, median = in_turns(lambda: portattn.attention(q, k, v, mask=mask),
+                            lambda: compiled(tq, tk, tv, block_mask=block_mask), ROUNDS[n])
+    benchmark.extra_info.update(n=n, kernel=kernel, allowed=allowed, by_minimum=best,
+                                median_per_round=median, target=1.0)
+    FIGURES[f"packed documents L={n} ({kernel}) over compiled FlexAttention"] = (
+        f"{best:.3f} by minimum, {median:.3f} median per round (target <= 1.0)")
