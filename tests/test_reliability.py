@@ -194,15 +194,43 @@ print(attend(q, masks.causal() & masks.key_lengths(jnp.array([2, 3]))).shape)
 """
 
 
-def test_masks_are_jit_arguments_when_kernels_were_discovered_before_jax():
+JIT_WITHOUT_DISCOVERY = """
+import jax
+import jax.numpy as jnp
+import portattn
+from portattn import masks
+q = jnp.ones((2, 2, 4, 8))
+attend = jax.jit(lambda q, mask: portattn.attention(q, q, q, mask=mask))
+print(attend(q, masks.causal() & masks.key_lengths(jnp.array([2, 3]))).shape)
+"""
+
+
+@pytest.mark.parametrize("script", [JIT_AFTER_DISCOVERY, JIT_WITHOUT_DISCOVERY],
+                         ids=["kernels_discovered_before_jax", "no_kernel_discovered"])
+def test_masks_are_jit_arguments_without_a_call_to_remember(script):
     import subprocess
     import sys
 
     pytest.importorskip("portattn_jax")
-    done = subprocess.run([sys.executable, "-c", JIT_AFTER_DISCOVERY], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("(2, 2, 4, 8)")
+
+
+def test_a_failing_library_hook_warns_and_masks_are_still_built(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from portattn.errors import PluginWarning
+    from portattn.masks import _base
+
+    broken = EntryPoint("numpy", "no_such_module_here:register", _base.LIBRARY_HOOKS)
+    monkeypatch.setattr(_base, "_pending", {"numpy": broken})
+    with pytest.warns(PluginWarning, match=r"hook 'no_such_module_here:register' for numpy "
+                                           r"failed: ModuleNotFoundError"):
+        mask = masks.causal()
+    assert mask.kind == "causal"
+    assert _base._pending == {}  # tried once
 
 
 # dynamo warns about array-api-compat's lru_caches and torch's own deprecations

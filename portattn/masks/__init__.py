@@ -49,7 +49,6 @@ from ._base import (
     Union,
     before_creating,
     expand_to_rank,
-    on_mask_created,
     slice_tile,
 )
 from ._blocks import BlockMask, BlockTables, block_mask
@@ -113,7 +112,6 @@ __all__ = [
     "jax_tracer_type",
     "key_lengths",
     "key_ranges",
-    "on_mask_created",
     "prefix",
     "query_lengths",
     "query_ranges",

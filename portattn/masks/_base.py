@@ -8,16 +8,17 @@ The kinds live in sibling modules that import this one and nothing back.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["FULL", "HIDDEN", "PARTIAL", "POSITIONAL", "Band", "Grid", "Intersection", "Mask",
            "Union", "along", "band_states", "expand_to_rank", "interval_states", "linear_index",
-           "on_mask_created", "per_batch", "per_position", "same_rank", "slice_tile",
+           "LIBRARY_HOOKS", "per_batch", "per_position", "same_rank", "slice_tile",
            "tile_states",
            "within"]
 
@@ -29,31 +30,44 @@ HIDDEN, PARTIAL, FULL = 0, 1, 2
 the smallest state of their parts and unions the largest."""
 
 
-_creation_hooks: list[Callable[[], bool]] = []
+LIBRARY_HOOKS = "portattn.masks"
+"""Entry-point group: a plugin names an array library's module (``jax``) and a function
+that makes masks that library's own (JAX: registers them as pytrees, so a mask can be
+an argument of a jitted function). It runs once, before the first mask built while
+that module is imported, whether or not the plugin's kernels were ever loaded."""
+
+_pending: dict[str, Any] | None = None
+"""Library module -> entry point of the hooks not run yet (None: not looked up yet)."""
 _hooks_lock = threading.Lock()
 
 
-def on_mask_created(hook: Callable[[], bool]) -> None:
-    """For plugins: call ``hook()`` whenever a mask is built, until it returns True.
-
-    JAX needs masks registered as pytrees before one is passed to a jitted function,
-    and a plugin may be loaded before JAX is imported: its hook registers them on the
-    first mask built once JAX is there. A hook never imports a library itself.
-    """
-    with _hooks_lock:
-        _creation_hooks.append(hook)
-
-
 def before_creating() -> None:
-    """Run the creation hooks (the public constructors call this first: a compiler
-    that stops tracing inside a hook then never holds a half-built mask)."""
-    if not _creation_hooks:
+    """Run the library hooks whose library is imported now (the public constructors
+    call this first: a compiler that stops tracing inside a hook then never holds a
+    half-built mask)."""
+    global _pending
+    if _pending is None:
+        from importlib.metadata import entry_points
+
+        with _hooks_lock:
+            if _pending is None:
+                _pending = {e.name: e for e in entry_points(group=LIBRARY_HOOKS)}
+    if not _pending:
         return
-    for hook in list(_creation_hooks):
-        if hook():
-            with _hooks_lock:  # masks built in several threads at once: remove it once
-                if hook in _creation_hooks:
-                    _creation_hooks.remove(hook)
+    ready = [name for name in list(_pending) if name in sys.modules]
+    for name in ready:
+        with _hooks_lock:  # masks built in several threads at once: one runs it
+            hook = _pending.pop(name, None)
+        if hook is not None:
+            try:
+                hook.load()()
+            except Exception as e:  # a broken plugin must not stop masks being built
+                import warnings
+
+                from ..errors import PluginWarning
+
+                warnings.warn(f"{LIBRARY_HOOKS} hook {hook.value!r} for {name} failed: "
+                              f"{type(e).__name__}: {e}", PluginWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)

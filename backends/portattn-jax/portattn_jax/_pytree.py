@@ -11,7 +11,6 @@ JAX rebuilds with placeholder leaves that are not arrays.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from portattn import masks
@@ -21,20 +20,10 @@ __all__ = ["register_mask_pytrees"]
 _registered: set[type] = set()
 
 
-def _register_once_jax_is_here() -> bool:
-    # Runs on every mask built until JAX is imported: loading the plugin (kernel
-    # discovery) may come first, and then masks passed to jax.jit would not be pytrees.
-    if "jax" not in sys.modules:
-        return False
-    register_mask_pytrees()
-    return True
-
-
-masks.on_mask_created(_register_once_jax_is_here)
-
-
 def register_mask_pytrees() -> None:
-    """Register every mask class with ``jax.tree_util`` (idempotent)."""
+    """Register every mask class with ``jax.tree_util`` (idempotent). Also the entry
+    point ``portattn.masks:jax``: the core runs it before the first mask built while
+    JAX is imported, whether or not kernels were ever discovered."""
     from jax import tree_util
 
     for cls in _mask_classes(masks.Mask):
