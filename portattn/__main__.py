@@ -1,15 +1,18 @@
-"""Command line: ``python -m portattn {info,demo,bench,tune}``."""
+"""portattn's command line: the installed kernels (info), a check on every array
+library (demo), the benchmark report (bench) and the dispatch measurements (tune)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from . import __version__
 
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
-          "causal": "causal", "sliding_window": "window", "key_lengths": "klen",
-          "query_lengths": "qlen", "dense": "dense"}
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+"""Dtypes in short; mask kinds keep the names of ``portattn.masks.KINDS``."""
+WIDTH = 100
+"""The narrow table fits this many columns; ``info --wide`` puts everything in one."""
 _FLAGS = ("bias", "softcap", "alibi", "sinks", "gqa", "value_head_dim", "empty",
           "returns_lse", "returns_weights", "dropout", "grad", "deterministic",
           "finite_inputs_only")
@@ -36,9 +39,10 @@ def _mask_kinds(declared: frozenset[str]) -> str:
     return _listed(declared, KINDS)
 
 
-def info() -> int:
-    """Print every installed kernel: provenance, priority, availability, and a table
-    of what each declares it supports."""
+def info(wide: bool = False) -> int:
+    """Print every installed kernel: provenance, priority, availability, and tables of
+    what each declares it supports (one table with ``wide``, else two of at most
+    :data:`WIDTH` columns)."""
     from ._registry import availability, kernels
 
     entries = kernels()
@@ -54,20 +58,29 @@ def info() -> int:
                      "available" if why is None else f"unavailable: {why}"))
     _table(rows)
     dtypes = ("float16", "bfloat16", "float32", "float64")
-    caps = [("kernel", "namespaces", "devices", "dtypes", "head_dim", "masks", *_FLAG_TITLES)]
+    where = [("kernel", "namespaces", "devices", "dtypes", "head_dim", "masks")]
+    options = [("kernel", *_FLAG_TITLES)]
     for entry in entries:
         k = entry.kernel
         if k is None:
             continue
         low, high = k.head_dim
-        caps.append((entry.name, _listed(k.namespaces), _listed(k.devices),
-                     _listed(k.dtypes, dtypes), f"{low}-{'' if high is None else high}",
-                     _mask_kinds(k.masks),
-                     *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
-    print("\ndeclared capabilities (masks: all = every kind of portattn.masks.KINDS; cap = "
-          "softcap, dv = value head dim != head dim, wts = weights, det = deterministic, "
-          "fin = finite inputs only):")
-    _table(caps)
+        where.append((entry.name, _listed(k.namespaces), _listed(k.devices),
+                      _listed(k.dtypes, dtypes), f"{low}-{'' if high is None else high}",
+                      _mask_kinds(k.masks)))
+        options.append((entry.name, *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
+    legend = ("masks: all = every kind of portattn.masks.KINDS; cap = softcap, dv = value "
+              "head dim != head dim, wts = weights, det = deterministic, fin = finite "
+              "inputs only")
+    if wide:
+        print(f"\ndeclared capabilities ({legend}):")
+        _table([w + o[1:] for w, o in zip(where, options, strict=True)])
+    else:
+        print("\nwhere each kernel runs, and the masks it takes (one table: info --wide):")
+        _table(where)
+        print("\nwhat else it takes and gives:")
+        _table(options)
+        print("\n" + textwrap.fill(legend, WIDTH))
     tuned = [(entry.name, name, ",".join(map(str, values)), str(entry.kernel.tuned(name)))
              for entry in entries if entry.kernel is not None
              for name, values in entry.kernel.tunables.items()]
@@ -112,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="portattn", description=__doc__)
     parser.add_argument("--version", action="version", version=f"portattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="list installed kernels and what they support")
+    info_parser = sub.add_parser("info", help="list installed kernels and what they support")
+    info_parser.add_argument("--wide", action="store_true",
+                             help="one table of every capability (wider than 100 columns)")
     sub.add_parser("demo", help="run attention on every installed array library")
     sub.add_parser("bench", help="benchmark the installed kernels", add_help=False)
     sub.add_parser("tune", help="time the kernels here; dispatch then prefers the fastest",
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return delegated("bench", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return info() if args.command == "info" else demo()
+    return info(args.wide) if args.command == "info" else demo()
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ def test_info_lists_kernels_and_capabilities(capsys):
     header = next(line for line in lines if line.startswith("kernel ") and "masks" in line)
     assert header.split()[:6] == ["kernel", "namespaces", "devices", "dtypes", "head_dim",
                                   "masks"]
-    reference = [line for line in lines if line.startswith("reference ")][-1]
-    assert reference.split()[5] == "all"  # every kind of portattn.masks.KINDS
+    reference = [line for line in lines if line.startswith("reference ")]
+    assert reference[1].split()[5] == "all"  # every kind of portattn.masks.KINDS
+    assert reference[2].split()[1:] == ["yes"] * 9 + ["-", "yes", "yes", "-"]
 
 
 def test_info_shows_a_broken_plugin_as_unavailable(monkeypatch, capsys):
@@ -51,3 +52,17 @@ def test_unknown_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["info", "--nope"])
     assert "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def test_info_fits_100_columns_and_wide_puts_it_in_one_table(capsys):
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("where each kernel"))
+    assert max(len(line) for line in lines[start:]) <= 100
+    example = next((line for line in lines[start:] if line.startswith("example_einsum ")), None)
+    if example is not None:  # mask kinds by their names in portattn.masks.KINDS
+        assert example.split()[-1] == "causal,sliding_window"
+    assert main(["info", "--wide"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    header = next(line for line in wide if line.startswith("kernel ") and "masks" in line)
+    assert header.split()[5:8] == ["masks", "bias", "cap"]
