@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report(config: _cases.SweepConfig, args: argparse.Namespace, argv: list[str],
             plan: _cases.Plan, rows: list[dict], started: datetime, interrupted: bool) -> int:
     from .machine import describe_machine, summary
-    from .report import add_ratios, table, write_json
+    from .report import add_ratios, busy_warning, table, write_json
     from .runners import all_runners
 
     add_ratios(rows)
@@ -190,6 +190,9 @@ def _report(config: _cases.SweepConfig, args: argparse.Namespace, argv: list[str
     stamp = started.strftime("%Y-%m-%d %H:%M UTC")
     print(f"\nportattn bench, {stamp}\n{summary(machine)}\n")
     print(table(rows, shape))
+    warning = busy_warning(rows)
+    if warning is not None:
+        print(warning)
     if interrupted:
         print("interrupted: the results cover the cases finished so far")
 

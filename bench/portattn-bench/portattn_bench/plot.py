@@ -1,4 +1,5 @@
-"""The picture: time and peak memory against sequence length, one line per kernel.
+"""The picture: time and peak memory against sequence length, one colour per kernel
+and one line style (and marker) per array library.
 
 Drawn with matplotlib's object API on a bare ``Figure`` (rendered by Agg when saved
 as PNG), so the user's pyplot backend and global state are left alone.
@@ -14,13 +15,11 @@ if TYPE_CHECKING:
 __all__ = ["MissingDependency", "plot"]
 
 
-#: One marker per array library, so neighbouring colours stay apart.
+#: One marker and one line style per array library: a kernel keeps its colour on each.
 _MARKERS = {"numpy": "o", "torch": "s", "jax": "^", "dask": "D", "cupy": "v",
             "array_api_strict": "x"}
-
-
-#: Baselines dashed, the sgemm reference dotted (and black), kernels solid.
-_LINES = {"baseline": "--", "reference": ":"}
+_LINES = {"numpy": "-", "torch": "--", "jax": "-.", "dask": ":", "cupy": (0, (5, 1)),
+          "array_api_strict": (0, (1, 1))}
 
 
 class MissingDependency(ImportError):
@@ -59,12 +58,15 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 
     fig = figure(figsize=(5.5 * len(masks) + 3, 8.5), layout="constrained")
     axes = fig.subplots(2, len(masks), squeeze=False, sharex=True)
-    colours = _colours(len(series))
-    for (key, by_mask), colour in zip(sorted(series.items()), colours, strict=True):
+    runners = sorted({key[0] for key in series})
+    colours = dict(zip(runners, _colours(len(runners)), strict=True))
+    for key, by_mask in sorted(series.items()):
         kind = by_mask[next(iter(by_mask))][0]["kind"]
-        style = {"color": "black" if kind == "reference" else colour,
-                 "marker": _MARKERS.get(key[1].removesuffix("_cuda"), "o"), "markersize": 4,
-                 "linestyle": _LINES.get(kind, "-"), "label": _label(key, dtypes)}
+        library = key[1].removesuffix("_cuda")
+        style = {"color": "black" if kind == "reference" else colours[key[0]],
+                 "marker": _MARKERS.get(library, "o"), "markersize": 4,
+                 "linestyle": ":" if kind == "reference" else _LINES.get(library, "-"),
+                 "label": _label(key, dtypes)}
         for col, mask in enumerate(masks):
             points = by_mask.get(mask, [])
             if not points:
@@ -73,7 +75,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
             axes[0][col].plot(lengths, [p["best_s"] for p in points], **style)
             mem = [(p["q_len"], p["memory_bytes"] / 2**20) for p in points
                    if p["memory_bytes"]]
-            if mem:
+            if mem and kind != "reference":  # a GEMM's memory says nothing of attention
                 axes[1][col].plot(*zip(*mem, strict=True), **style)
     methods = ", ".join(sorted({r["memory_method"] for r in ok if r["memory_method"]})) or "-"
     for col, mask in enumerate(masks):

@@ -121,6 +121,25 @@ def table(rows: list[dict[str, Any]], shape: dict[str, int]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+BUSY_SPREAD = 2.0
+"""Median over best beyond this: the machine was busy while it measured."""
+
+
+def busy_warning(rows: list[dict[str, Any]]) -> str | None:
+    """A warning when the spread of the timings says other work shared the machine
+    (their ratios are then unreliable), naming the worst row; else None."""
+    spread = [(r["median_s"] / r["best_s"], r) for r in rows
+              if r.get("best_s") and r.get("median_s")]
+    if not spread:
+        return None
+    worst, row = max(spread, key=lambda item: item[0])
+    if worst <= BUSY_SPREAD:
+        return None
+    return (f"warning: the machine looks busy: median/best up to {worst:.1f}x "
+            f"({row['runner']} [{row['backend']}] at L={row['q_len']}); timings and "
+            "their ratios are unreliable, run again on an idle machine")
+
+
 def _line(cells: list[str], widths: list[int]) -> str:
     numeric = {0, 3, 4, 5, 6, 7, 8}
     parts = []

@@ -257,3 +257,45 @@ def test_a_first_case_slow_twice_is_one_sample():
     assert len(calls) == 2  # retried once, not again
     assert len(m.times) == 1
     assert m.times[0] >= 0.03
+
+
+def _row(runner: str, backend: str, kind: str, length: int, best: float,
+         median: float) -> dict:
+    return {"status": "ok", "runner": runner, "backend": backend, "dtype": "float32",
+            "mask": "none", "kind": kind, "q_len": length, "best_s": best,
+            "median_s": median, "memory_bytes": 2**20 * length, "memory_method": "rss"}
+
+
+def test_plot_colours_kernels_and_styles_libraries(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    from portattn_bench import plot as _plot
+
+    figures: list = []
+    monkeypatch.setattr(_plot, "_figure_class", lambda: lambda **kw: figures.append(
+        Figure(**kw)) or figures[-1])
+    rows = [_row(r, b, k, n, 1e-3 * n, 1e-3 * n)
+            for r, b, k in [("tiled", "numpy", "kernel"), ("tiled", "torch", "kernel"),
+                            ("reference", "numpy", "kernel"),
+                            ("numpy_sgemm", "numpy", "reference")]
+            for n in (16, 32)]
+    _plot.plot(rows, tmp_path / "p.png", "t")
+    top, bottom = figures[0].axes[:2]
+    lines = {line.get_label(): line for line in top.get_lines()}
+    tiled_numpy, tiled_torch = lines["tiled [numpy]"], lines["tiled [torch]"]
+    assert tiled_numpy.get_color() == tiled_torch.get_color()
+    assert tiled_numpy.get_linestyle() != tiled_torch.get_linestyle()
+    assert lines["reference [numpy]"].get_color() != tiled_numpy.get_color()
+    memory = {line.get_label() for line in bottom.get_lines()}
+    assert "tiled [numpy]" in memory
+    assert not any("GEMM" in label for label in memory)  # no sgemm line in memory panels
+
+
+def test_a_busy_machine_is_named_in_a_warning() -> None:
+    from portattn_bench.report import busy_warning
+
+    quiet = [_row("tiled", "numpy", "kernel", 16, 1.0, 1.2)]
+    assert busy_warning(quiet) is None
+    busy = [*quiet, _row("reference", "numpy", "kernel", 32, 1.0, 86.0)]
+    assert busy_warning(busy).startswith(
+        "warning: the machine looks busy: median/best up to 86.0x (reference [numpy] at L=32)")
