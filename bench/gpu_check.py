@@ -3,6 +3,7 @@
     python bench/gpu/pack.py && bash bench/gpu/run.sh   # on a bare GPU machine, offline
     python bench/gpu_check.py --json out.json           # where portattn is installed
     python bench/gpu_check.py --device cpu --quick      # no GPU: the interpreter, torch CPU
+    bash bench/gpu/run.sh WHEELS OUT --quick            # correctness and the forward speeds
 
 0. Preflight: triton_flash is installed, available, and the kernel ``explain()``
    chooses for the calls it should win (the benchmark shape, decode).
@@ -10,10 +11,17 @@
    conformance kit (``portattn.testing``) on ``torch_cuda`` and ``cupy``.
 2. Gradients: triton_flash's backward against the float64 reference kernel.
 3. Accuracy at size (``bench/gpu/accuracy.py``): L up to 4096 and 32768-key decode,
-   every mask kind, GQA, softcap, lse, bfloat16/float16/float32 (TF32-aware), on
-   torch tensors and CuPy arrays, with poisoned outputs and a bitwise rerun.
+   band and length masks, packed documents, windows with global tokens or sinks, a
+   bias, GQA, softcap, lse, bfloat16/float16/float32 (TF32-aware), on torch tensors
+   and CuPy arrays, with poisoned outputs and a bitwise rerun.
 4. Speed (``bench/gpu/timing.py``): against SDPA's flash, cuDNN and efficient
-   backends; forward + backward against SDPA flash; memory growth with L.
+   backends; packed documents against FlexAttention and SDPA with a dense mask;
+   forward + backward against SDPA flash; memory growth with L.
+
+``--quick`` keeps the correctness checks (a sample of the conformance cases, every
+mask path among them; gradients; accuracy on torch tensors in bfloat16 and float32)
+and the forward speed table (no autotuning, fewer repeats), and leaves out packed
+documents' speed, forward + backward speed and memory.
 
 ``--device cpu`` runs the same code on CPU torch tensors through Triton's interpreter
 at shrunken sizes, faking nothing: only the GPU itself is left untried.
@@ -44,7 +52,10 @@ TF32_TOLERANCE = (5e-3, 5e-3)
 #: Sequence lengths are divided by this on CPU (the interpreter is slow).
 CPU_SCALE = 32
 QUICK_CASES = {"basic", "causal_bottom_right", "grouped_query", "key_lengths", "softcap",
-               "head_dim_256", "value_head_dim", "window_and_lengths"}
+               "head_dim_256", "value_head_dim", "window_and_lengths",
+               # masks read from tables and bit tiles, and a bias
+               "documents_causal", "global_tokens_and_window", "function_per_batch_and_head",
+               "union_of_documents_and_sinks", "bias_full", "bias_and_causal"}
 
 
 def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
@@ -143,6 +154,8 @@ def preflight(report: Report, device: str) -> bool:
         "forward_causal": ((b, h, n, d), (b, h, n, d), {"mask": masks.causal()}),
         "decode_gqa": ((4, 32, 1, 128), (4, 8, 32768 if device == "cuda" else 1024, 128),
                        {"mask": masks.causal()}),
+        "packed_documents": ((b, h, n, d), (b, h, n, d), {"mask": masks.causal() & masks.documents(
+            torch.arange(n, device=device) // 100)}),
     }
     ok = True
     for name, (qs, ks, kwargs) in calls.items():
@@ -263,13 +276,19 @@ def grad_cases(device: Any) -> list[tuple[str, tuple, dict]]:
              {"mask": window, "softcap": 20.0}),
             ("top_left_value_head_dim", (1, 2, 1, 200, 130, 80, 48),
              {"mask": masks.causal("top_left")}),
-            ("head_dim_256", (1, 2, 2, 160, 160, 256, 256), {"mask": masks.causal()})]
+            ("head_dim_256", (1, 2, 2, 160, 160, 256, 256), {"mask": masks.causal()}),
+            # bit tiles (chunks off the tile grid, sinks) and a bias, with its gradient
+            ("chunks_sinks_bias", (2, 4, 2, 300, 300, 64, 64),
+             {"mask": masks.causal() & (masks.chunks(48) | masks.sink_tokens(4)),
+              "bias": "heads"})]
 
 
 def grad_case(dims: tuple, kwargs: dict, dtype: str, device: Any = "cuda") -> tuple[str, str]:
     """``(status, detail)``: triton_flash's gradients of out and lse against the float64
     reference kernel's, max error relative to the largest reference entry (at least 1),
-    within the conformance kit's tolerance for ``dtype`` (float32: or TF32's)."""
+    within the conformance kit's tolerance for ``dtype`` (float32: or TF32's). With
+    ``bias="heads"`` in ``kwargs``, a float32 ``(Hq, Lq, Lk)`` bias and its gradient
+    too."""
     import torch
 
     from portattn import attention
@@ -282,16 +301,24 @@ def grad_case(dims: tuple, kwargs: dict, dtype: str, device: Any = "cuda") -> tu
     shapes = ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv), (hq, lq, dv), (hq, lq))
     q, k, v, dout, dlse = (torch.randn(b, *s, device=device, dtype=torch.float64,
                                        generator=gen) for s in shapes)
+    kwargs = dict(kwargs)
+    biases = []
+    if kwargs.pop("bias", None) == "heads":  # float32's values
+        biases.append(torch.randn(hq, lq, lk, device=device, dtype=torch.float32,
+                                  generator=gen).double())
 
     def grads(kernel: str, tensors: list) -> list:
         leaves = [t.detach().requires_grad_() for t in tensors]
-        out, lse = attention(*leaves, return_lse=True, kernel=kernel, **kwargs)
+        bias = leaves[3] if len(leaves) > 3 else None
+        out, lse = attention(*leaves[:3], bias=bias, return_lse=True, kernel=kernel,
+                             **kwargs)
         g_lse = torch.where(torch.isinf(lse), 0.0, dlse).to(lse.dtype)
         return list(torch.autograd.grad([out, lse], leaves, [dout.to(out.dtype), g_lse],
                                         allow_unused=True, materialize_grads=True))
 
-    want = grads("reference", [q, k, v])
-    got = grads("triton_flash", [t.to(getattr(torch, dtype)) for t in (q, k, v)])
+    want = grads("reference", [q, k, v, *biases])
+    got = grads("triton_flash", [*(t.to(getattr(torch, dtype)) for t in (q, k, v)),
+                                 *(t.float() for t in biases)])
     if any(torch.isnan(g).any() for g in got):
         return "FAIL", "NaN in a gradient"
     worst = max(((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
@@ -382,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true",
-                        help="sample of conformance cases, no autotuning, fewer repeats")
+                        help="correctness (sampled conformance, accuracy on torch in two "
+                        "dtypes) and the forward speeds only, no autotuning, fewer repeats")
     parser.add_argument("--sweep", action="store_true", help="time other block sizes too")
     parser.add_argument("--no-speed", action="store_true", help="correctness only")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
@@ -414,16 +442,21 @@ def main(argv: list[str] | None = None) -> int:
                     ("gradients", lambda: run_gradients(report, args.device)),
                     ("accuracy", lambda: accuracy.run(
                         report, args.device,
+                        ["torch"] if args.quick else
                         [b.name.replace("torch_cuda", "torch") for b in backends(args.device)],
-                        scale, ("bfloat16", "float16", "float32") if args.device == "cuda"
-                        else ("float16", "float32"),
-                        [c for c in accuracy.CASES if chosen is None or c.name in chosen]))]
+                        scale, ("bfloat16" if args.device == "cuda" else "float16", "float32")
+                        if args.quick else ("bfloat16", "float16", "float32")
+                        if args.device == "cuda" else ("float16", "float32"),
+                        [c for c in accuracy.CASES if chosen is None or c.name in chosen],
+                        tf32=not args.quick))]
         if not args.no_speed:
             sections.append(("speed", lambda: timing.run(
                 report, args.device, scale, autotune=not args.quick,
                 repeats=20 if args.device == "cuda" and not args.quick else 3,
-                shapes=[s for s in timing.SHAPES if chosen is None or s[0] in chosen])))
-            if args.device == "cuda":
+                shapes=[s for s in timing.SHAPES if chosen is None or s[0] in chosen],
+                documents=[s for s in timing.DOCUMENT_SHAPES
+                           if not args.quick and (chosen is None or s[0] in chosen)])))
+            if args.device == "cuda" and not args.quick:
                 sections += [("training", lambda: run_training_speed(report)),
                              ("memory", lambda: memory_scaling(report))]
                 if args.sweep:

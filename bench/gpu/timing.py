@@ -6,6 +6,11 @@ figure: median seconds (CUDA events on a GPU, the wall clock on CPU), TFLOP/s, a
 the ratio of each SDPA backend's time to triton_flash's (above 1: triton_flash is
 faster). SDPA backends that refuse a shape are recorded with their error. On CPU
 (``scale`` > 1) the shapes shrink and SDPA's math backend stands in.
+
+Packed documents under a causal mask, (1, 16, 8192, 128): triton_flash per call
+(binding the mask, its block form and bit tiles included) and with its plan built once
+(the kernels alone), against FlexAttention (``create_block_mask`` once, compiled on a
+GPU) and SDPA with the equivalent dense boolean mask.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ SHAPES = [
     ("gqa_32_8_causal", (4, 32, 8, 4096, 4096, 128), True),
     ("decode_1", (4, 32, 8, 1, 32768, 128), False),
     ("decode_16_causal", (4, 32, 8, 16, 32768, 128), True),
+]
+#: (name, (B, H, L, D), document lengths packed into L), under a causal mask
+DOCUMENT_SHAPES = [
+    ("documents_causal", (1, 16, 8192, 128), (1500, 300, 2500, 892, 1000, 2000)),
 ]
 #: Targets (ratio of the named SDPA figure's time to triton_flash's, at least).
 TARGETS = {"forward_full": ("sdpa_flash", 1.0), "forward_causal": ("sdpa_flash", 1.0),
@@ -148,10 +157,112 @@ def time_shape(name: str, dims: tuple[int, ...], causal: bool, device: str,
     return row
 
 
+def document_ids(sizes: tuple[int, ...], length: int, scale: int) -> list[int]:
+    """Segment ids of documents of ``sizes`` (divided by ``scale``, the last one filling
+    the row) packed into ``length`` positions."""
+    sizes = [max(1, n // scale) for n in sizes]
+    sizes[-1] += length - sum(sizes)
+    return [i for i, n in enumerate(sizes) for _ in range(n)][:length]
+
+
+def time_documents(name: str, dims: tuple[int, ...], sizes: tuple[int, ...], device: str,
+                   scale: int, repeats: int) -> dict[str, Any]:
+    """Figures of packed documents under a causal mask (see the module doc)."""
+    import torch
+    from portattn_triton._launch import forward
+    from portattn_triton._plan import plan_for
+
+    import portattn
+    from portattn import masks
+
+    b, h, n, d = dims
+    if scale > 1:
+        b, h, n = 1, max(1, h // 4), max(64, n // scale)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen)
+               for _ in range(3))
+    ids = torch.tensor(document_ids(sizes, n, scale), device=device)
+    mask = masks.causal() & masks.documents(ids)
+    allowed = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool,
+                                                          device=device).tril()
+    density = allowed.float().mean().item()
+    flops = 4.0 * b * h * n * n * d * density  # the pairs the mask allows
+    row: dict[str, Any] = {"name": name, "shape": (b, h, n, d), "dtype": str(dtype)[6:],
+                           "documents": len(sizes), "allowed": density, "flops": flops}
+    plan = plan_for(q, k, mask=mask)
+    calls = {
+        "triton_flash": lambda: portattn.attention(q, k, v, mask=mask, kernel="triton_flash"),
+        "triton_flash_planned": lambda: forward(q, k, v, plan, scale=None, softcap=None)[0],
+        "sdpa_dense_mask": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed),
+    }
+    flex = _flex_attention(ids, n, device)
+    if isinstance(flex, str):
+        row["flex_attention"] = {"error": flex}
+    else:
+        calls["flex_attention"] = lambda: flex(q, k, v)
+    outputs = {}
+    for label, call in calls.items():
+        try:
+            outputs[label] = call()
+            seconds = median_time(call, device, repeats=repeats)
+        except Exception as e:  # a peer that cannot run here is a figure, not a crash
+            row[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            continue
+        row[label] = {"seconds": seconds, "tflops": flops / seconds / 1e12}
+    ours = outputs.get("triton_flash")
+    for label, out in outputs.items():
+        if label != "triton_flash" and ours is not None and "seconds" in row[label]:
+            row[label]["max_abs_diff"] = (out.float() - ours.float()).abs().max().item()
+    timed = {n_: e["seconds"] for n_, e in row.items()
+             if isinstance(e, dict) and "seconds" in e}
+    if "triton_flash_planned" in timed:
+        row["ratios"] = {n_: t / timed["triton_flash_planned"] for n_, t in timed.items()
+                         if n_ != "triton_flash_planned"}
+    return row
+
+
+def _flex_attention(ids: Any, length: int, device: str) -> Any:
+    """FlexAttention over packed documents with its block mask built once (compiled on
+    a GPU: the way it is meant to run), or why it cannot run here."""
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        return f"no FlexAttention in this torch: {e}"
+
+    def document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
+
+    try:
+        block_mask = create_block_mask(document_causal, None, None, length, length,
+                                       device=device)
+    except Exception as e:  # e.g. a torch whose block masks need another device
+        return f"create_block_mask: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    attend = torch.compile(flex_attention) if device == "cuda" else flex_attention
+    return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
+
+
 def run(report: Any, device: str, scale: int = 1, autotune: bool = True,
-        repeats: int = 20, shapes: list | None = None) -> None:
-    """Every shape (or those of ``shapes``) into ``report`` (section ``speed``), with
-    the targets."""
+        repeats: int = 20, shapes: list | None = None,
+        documents: list | None = None) -> None:
+    """Every shape (or those of ``shapes``) and every packed-documents shape (or those
+    of ``documents``) into ``report`` (section ``speed``), with the targets."""
+    for name, dims, sizes in DOCUMENT_SHAPES if documents is None else documents:
+        row = time_documents(name, dims, sizes, device, scale, repeats)
+        report.figure("speed", **row)
+        ours = row.get("triton_flash", {})
+        if "error" in ours or "error" in row.get("triton_flash_planned", {}):
+            report.check("speed", name, "FAIL", ours.get("error")
+                         or row["triton_flash_planned"]["error"])
+            continue
+        detail = (f"{row['triton_flash_planned']['tflops']:.1f} TFLOP/s of allowed pairs "
+                  "(planned); " + ", ".join(f"{n} x{r:.2f}"
+                                             for n, r in row.get("ratios", {}).items()))
+        print(f"  {name:<20} {detail}")
+        report.check("speed", name, "ok", detail)
     for name, dims, causal in SHAPES if shapes is None else shapes:
         variants: dict[str, dict[str, Any]] = {"triton_flash": {}}
         if device == "cuda" and not name.startswith("decode"):

@@ -1,7 +1,8 @@
 """Torch autograd for the Triton kernels: forward saves ``q, k, v, out, lse`` only.
 
 The backward recomputes probabilities from ``lse`` (O(L) memory for forward plus
-backward) and takes gradients of both outputs, ``out`` and ``lse``.
+backward) and takes gradients of both outputs, ``out`` and ``lse``, for the query,
+key and value, and for the bias when it requires one.
 """
 
 from __future__ import annotations
@@ -9,15 +10,19 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from ._launch import Band, band, flash_forward
-from ._launch_backward import flash_backward
+from ._launch import check_shapes, forward
+from ._launch_backward import backward
+from ._plan import plan_for
 
 if TYPE_CHECKING:
     import torch
 
-    from ._configs import BackwardConfig, Config
+    from portattn.masks import Mask
 
-__all__ = ["flash_attention"]
+    from ._configs import BackwardConfig, Config
+    from ._plan import MaskPlan
+
+__all__ = ["attention", "flash_attention"]
 
 
 @functools.cache
@@ -26,11 +31,12 @@ def _function() -> type:
 
     class FlashAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, options: dict,
-                    backward_config: Any) -> tuple[Any, Any]:
-            out, lse = flash_forward(q, k, v, **options)
+        def forward(ctx: Any, q: Any, k: Any, v: Any, bias: Any, plan: MaskPlan,
+                    options: dict, backward_config: Any) -> tuple[Any, Any]:
+            out, lse = forward(q, k, v, plan, **options)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.options = options
+            ctx.plan, ctx.bias = plan, bias
+            ctx.options = {n: options[n] for n in ("scale", "softcap")}
             ctx.backward_config = backward_config
             ctx.set_materialize_grads(False)  # an unused output's gradient stays None
             return out, lse
@@ -38,35 +44,45 @@ def _function() -> type:
         @staticmethod
         def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
             q, k, v, out, lse = ctx.saved_tensors
-            options = {n: x for n, x in ctx.options.items() if n != "config"}
-            dq, dk, dv = flash_backward(q, k, v, out, lse, dout, dlse,
-                                        config=ctx.backward_config, **options)
-            return dq, dk, dv, None, None
+            wants_bias = ctx.bias is not None and ctx.needs_input_grad[3]
+            dq, dk, dv, dbias = backward(q, k, v, out, lse, dout, dlse, ctx.plan,
+                                         config=ctx.backward_config,
+                                         bias_like=ctx.bias if wants_bias else None,
+                                         **ctx.options)
+            return dq, dk, dv, dbias, None, None, None
 
     return FlashAttention
 
 
 def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                     scale: float | None = None, softcap: float | None = None,
-                    causal: str | None = None,
+                    mask: Mask | None = None, causal: str | None = None,
                     window: tuple[int | None, int | None] | None = None,
-                    band_offsets: Band = (None, None),
                     key_lengths: torch.Tensor | None = None,
                     query_lengths: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None,
                     config: Config | None = None,
                     backward_config: BackwardConfig | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`flash_forward` that torch autograd differentiates: ``(out, lse)``, with
-    gradients of both for ``query``, ``key`` and ``value`` (through
+    gradients of both for ``query``, ``key``, ``value`` and ``bias`` (through
     :func:`flash_backward`; ``backward_config`` fixes its block sizes)."""
+    check_shapes(query, key, value)
+    plan = plan_for(query, key, mask=mask, causal=causal, window=window,
+                    key_lengths=key_lengths, query_lengths=query_lengths, bias=bias)
+    return attention(query, key, value, plan, bias=bias, scale=scale, softcap=softcap,
+                     config=config, backward_config=backward_config)
+
+
+def attention(query: Any, key: Any, value: Any, plan: MaskPlan, *, bias: Any = None,
+              scale: float | None, softcap: float | None, config: Config | None = None,
+              backward_config: BackwardConfig | None = None) -> tuple[Any, Any]:
+    """:func:`flash_attention` with the mask and bias already planned (``bias`` is the
+    tensor ``plan.bias`` views, for its gradient)."""
     import torch
 
-    lower_upper = band(query.shape[-2], key.shape[-2], causal, window, band_offsets)
-    options = {"scale": scale, "softcap": softcap, "band_offsets": lower_upper,
-               "key_lengths": key_lengths, "query_lengths": query_lengths,
-               "config": config}
-    wants_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad)
-    if not wants_grad:
-        return flash_forward(query, key, value, **options)
-    return _function().apply(query, key, value, options, backward_config)
+    options = {"scale": scale, "softcap": softcap, "config": config}
+    tensors = (query, key, value) if bias is None else (query, key, value, bias)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return forward(query, key, value, plan, **options)
+    return _function().apply(query, key, value, bias, plan, options, backward_config)

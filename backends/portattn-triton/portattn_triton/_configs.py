@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "DECODE_MAX_QUERIES", "DECODE_MAX_ROWS",
+           "EXTRAS", "HEAVY_MAX_DIM_FLOAT32",
            "BackwardConfig", "Config", "autotune_candidates", "block_dim", "decode_config",
            "decode_max_rows",
            "decode_splits", "delta_rows", "is_even", "pick_backward_config", "pick_config"]
@@ -40,7 +41,7 @@ BLOCK_DIMS = (16, 32, 64, 128, 256)
 # TF32 products, which needs about three times the registers: smaller tiles.
 _TABLE: dict[tuple[int, int, int], Config] = {
     (90, 2, 16): Config(128, 64, 4, 3),
-    (90, 2, 32): Config(128, 64, 4, 3),
+    (90, 2, 32): Config(128, 64, 8, 3),  # four warps spill with the in-kernel masks
     (90, 2, 64): Config(128, 64, 8, 3),
     (90, 2, 128): Config(128, 64, 8, 3),
     (90, 2, 256): Config(64, 32, 8, 2),
@@ -65,6 +66,26 @@ _TABLE: dict[tuple[int, int, int], Config] = {
 _UNEVEN: dict[tuple[int, int, int], Config] = {
     (90, 2, 256): Config(64, 16, 8, 2),
 }
+#: What a call's masked loop holds besides the band and length formulas: nothing
+#: (None), bit tiles ("bits"), or a bias with or without them ("bias"). Each is another
+#: tile in registers: where the table's entry would spill then, another entry.
+EXTRAS = (None, "bits", "bias")
+# (extra, arch, element bytes, padded head dim) -> config, for even and uneven head dims.
+# float32 at head dim 256 spills in every configuration: the kernel refuses those calls.
+_EXTRA: dict[tuple[str | None, int, int, int], Config] = {
+    ("bias", 80, 2, 32): Config(128, 64, 8, 3),
+    ("bias", 80, 2, 64): Config(128, 64, 8, 3),
+    ("bias", 80, 2, 256): Config(64, 32, 8, 1),
+    ("bias", 90, 2, 16): Config(128, 64, 8, 3),
+    ("bias", 90, 2, 32): Config(128, 64, 8, 3),
+    ("bias", 90, 2, 128): Config(128, 32, 8, 3),
+    ("bias", 90, 4, 32): Config(32, 32, 4, 1),
+    ("bits", 80, 2, 16): Config(128, 64, 4, 2),
+    ("bits", 80, 2, 32): Config(128, 64, 8, 3),
+    ("bits", 80, 2, 256): Config(64, 32, 8, 1),
+}
+#: The largest padded head dim of a float32 call with a bias or bit tiles.
+HEAVY_MAX_DIM_FLOAT32 = 128
 
 
 def block_dim(dim: int) -> int:
@@ -73,14 +94,17 @@ def block_dim(dim: int) -> int:
 
 
 def pick_config(capability: tuple[int, int] | None, element_bytes: int, head_dim: int,
-                value_head_dim: int) -> Config:
-    """The block sizes for a device of compute ``capability`` (None: the interpreter)."""
+                value_head_dim: int, extra: str | None = None) -> Config:
+    """The block sizes for a device of compute ``capability`` (None: the interpreter),
+    for a call whose masked loop holds ``extra`` (one of :data:`EXTRAS`)."""
     arch = 90 if capability is None or capability[0] >= 9 else 80
     size = 2 if element_bytes <= 2 else 4
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
     key = (arch, size, dim)
-    if not is_even(head_dim, value_head_dim):
-        return _UNEVEN.get(key, _TABLE[key])
+    if (extra, *key) in _EXTRA:
+        return _EXTRA[(extra, *key)]
+    if not is_even(head_dim, value_head_dim) and key in _UNEVEN:
+        return _UNEVEN[key]
     return _TABLE[key]
 
 
@@ -129,6 +153,30 @@ _BWD_TABLE: dict[tuple[int, int, int], BackwardConfig] = {
 }
 #: The largest padded head dim with a backward, per element size.
 BACKWARD_MAX_DIM = {2: 256, 4: 128}
+# (extra, arch, element bytes, padded head dim) -> the pass's config where the table's
+# would spill with bit tiles or a bias (and its gradient); see EXTRAS.
+_BWD_EXTRA: dict[tuple[str | None, str, int, int, int], Config] = {
+    ("bias", "dkdv", 80, 2, 256): Config(32, 16, 8, 1),
+    ("bias", "dkdv", 80, 4, 16): Config(32, 16, 4, 1),
+    ("bias", "dkdv", 80, 4, 32): Config(16, 16, 2, 1),
+    ("bias", "dkdv", 80, 4, 64): Config(16, 32, 8, 1),
+    ("bias", "dkdv", 90, 2, 128): Config(16, 32, 8, 2),
+    ("bias", "dkdv", 90, 4, 32): Config(16, 32, 4, 1),
+    ("bias", "dkdv", 90, 4, 64): Config(16, 32, 8, 1),
+    ("bias", "dq", 80, 4, 64): Config(32, 16, 4, 1),
+    ("bias", "dq", 90, 2, 32): Config(128, 64, 8, 2),
+    ("bias", "dq", 90, 2, 64): Config(128, 32, 8, 3),
+    ("bias", "dq", 90, 2, 128): Config(128, 32, 8, 2),
+    ("bias", "dq", 90, 4, 32): Config(16, 16, 8, 2),
+    ("bias", "dq", 90, 4, 128): Config(16, 16, 4, 1),
+    ("bits", "dkdv", 80, 2, 32): Config(32, 64, 8, 1),
+    ("bits", "dkdv", 80, 2, 64): Config(32, 32, 4, 1),
+    ("bits", "dkdv", 90, 2, 128): Config(16, 32, 8, 2),
+    ("bits", "dq", 80, 4, 32): Config(16, 16, 4, 1),
+    ("bits", "dq", 80, 4, 64): Config(32, 16, 8, 2),
+    ("bits", "dq", 90, 4, 64): Config(32, 16, 8, 2),
+    ("bits", "dq", 90, 4, 128): Config(16, 32, 4, 1),
+}
 
 
 def delta_rows(value_head_dim: int) -> int:
@@ -137,8 +185,10 @@ def delta_rows(value_head_dim: int) -> int:
 
 
 def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
-                         head_dim: int, value_head_dim: int) -> BackwardConfig:
-    """The backward block sizes for a device of ``capability`` (None: the interpreter)."""
+                         head_dim: int, value_head_dim: int,
+                         extra: str | None = None) -> BackwardConfig:
+    """The backward block sizes for a device of ``capability`` (None: the interpreter),
+    for a call whose masked loops hold ``extra`` (one of :data:`EXTRAS`)."""
     arch = 90 if capability is None or capability[0] >= 9 else 80
     size = 2 if element_bytes <= 2 else 4
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
@@ -146,7 +196,9 @@ def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
         msg = (f"no backward for {element_bytes}-byte elements at head dims "
                f"{head_dim}, {value_head_dim} (at most {BACKWARD_MAX_DIM[size]})")
         raise ValueError(msg)
-    return _BWD_TABLE[arch, size, dim]
+    base = _BWD_TABLE[arch, size, dim]
+    return BackwardConfig(_BWD_EXTRA.get((extra, "dkdv", arch, size, dim), base.dkdv),
+                          _BWD_EXTRA.get((extra, "dq", arch, size, dim), base.dq))
 
 
 def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,
@@ -185,14 +237,32 @@ def decode_max_rows(element_bytes: int, padded_dim: int) -> int:
     return {64: 32, 128: 16}.get(padded_dim, 0)
 
 
+# (extra, element bytes, padded head dim) -> (block_n, warps, stages) of split-KV decode
+# where the default would spill with bit tiles or a bias.
+_DECODE_EXTRA: dict[tuple[str | None, int, int], tuple[int, int, int]] = {
+    ("bias", 2, 32): (128, 8, 3),
+    ("bias", 2, 64): (64, 8, 3),
+    ("bias", 2, 128): (64, 8, 3),
+    ("bias", 2, 256): (16, 8, 1),
+    ("bias", 4, 128): (16, 4, 1),
+    ("bits", 2, 128): (64, 8, 3),
+    ("bits", 2, 256): (32, 8, 1),
+    (None, 2, 256): (32, 8, 1),
+}
+
+
 def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_dim: int,
-                  value_head_dim: int, rows: int) -> Config:
+                  value_head_dim: int, rows: int, extra: str | None = None) -> Config:
     """Block sizes of the split-KV decode kernel for ``rows`` packed query rows: the
     tile is as tall as the rows (at least 16, the tensor cores' minimum) and the key
-    blocks as wide as the registers allow (compile tests: no spills)."""
+    blocks as wide as the registers allow (compile tests: no spills) with ``extra``
+    in the masked loop (one of :data:`EXTRAS`)."""
     del capability  # one table for sm_80 and sm_90: the kernel is bandwidth-bound
     block_m = max(16, 1 << (max(rows, 1) - 1).bit_length())
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
+    found = _DECODE_EXTRA.get((extra, 2 if element_bytes <= 2 else 4, dim))
+    if found is not None:
+        return Config(block_m, *found)
     if element_bytes > 2:  # three TF32 products per product: narrower tiles
         return Config(block_m, 32 if dim <= 64 else 16, 8 if dim > 128 else 4, 2)
     if dim <= 64:

@@ -1,9 +1,10 @@
 """The ``triton_flash`` kernel: capabilities and the bridge from portattn's inputs.
 
 Torch tensors go to the Triton kernels as they are, through a torch autograd function
-(gradients for query, key and value, of the output and the lse); CuPy and JAX arrays
-cross over through DLPack (zero copy, forward only) and the results come back as the
-caller's array type.
+(gradients for query, key, value and bias, of the output and the lse); CuPy and JAX
+arrays cross over through DLPack (zero copy, forward only) and the results come back
+as the caller's array type. The kernels read the mask through its block form, so every
+kind is taken (see ``_plan``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import Kernel
+from portattn.masks import KINDS
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -47,8 +49,8 @@ class TritonFlashKernel(Kernel):
     devices = frozenset({"cuda", "cpu"}) if INTERPRET else frozenset({"cuda"})
     dtypes = frozenset({"float16", "bfloat16", "float32"})
     head_dim = (16, 256)
-    masks = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths"})
-    softcap = gqa = value_head_dim = empty = True
+    masks = frozenset(KINDS)
+    bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = grad = True
     priority = 200
 
@@ -68,6 +70,7 @@ class TritonFlashKernel(Kernel):
         reasons = super().not_supported_reasons(inputs)
         if inputs.requires_grad:
             reasons.extend(_gradient_reasons(inputs))
+        reasons.extend(_heavy_reasons(inputs))
         if inputs.device == "cpu" and inputs.dtype == "bfloat16":
             reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
                            "is inexact)")
@@ -80,14 +83,20 @@ class TritonFlashKernel(Kernel):
         return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        from ._autograd import flash_attention
+        from ._autograd import attention
+        from ._plan import MaskPlan, bias_view
 
         to_torch = _to_torch(inputs.namespace)
         with _caller_stream(inputs.namespace):
-            options = _mask_options(inputs, to_torch)
-            out, lse = flash_attention(
-                to_torch(inputs.query), to_torch(inputs.key), to_torch(inputs.value),
-                scale=inputs.scale, softcap=inputs.softcap, **options)
+            q, k, v = (to_torch(a) for a in (inputs.query, inputs.key, inputs.value))
+            bias = None if inputs.bias is None else to_torch(inputs.bias)
+            plan = MaskPlan(inputs.mask, inputs.xp, inputs.device_obj, to_torch, q.device,
+                            inputs.batch_shape, inputs.num_heads, inputs.num_kv_heads,
+                            inputs.q_len, inputs.kv_len, None if bias is None else bias_view(
+                                bias, inputs.batch_shape, inputs.num_heads, inputs.q_len,
+                                inputs.kv_len))
+            out, lse = attention(q, k, v, plan, bias=bias, scale=inputs.scale,
+                                 softcap=inputs.softcap)
             if inputs.namespace != "torch":
                 out = inputs.xp.from_dlpack(out)
                 lse = inputs.xp.from_dlpack(lse) if inputs.return_lse else None
@@ -108,6 +117,20 @@ def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
         reasons.append(f"gradients with dtype={inputs.dtype} and head_dim={dim} > {limit} "
                        "not supported")
     return reasons
+
+
+def _heavy_reasons(inputs: AttentionInputs) -> list[str]:
+    """float32 at the widest head dims has no registers left for a bias or bit tiles."""
+    from ._configs import HEAVY_MAX_DIM_FLOAT32
+    from ._plan import FORMULA_KINDS
+
+    dim = max(inputs.head_dim, inputs.value_head_dim)
+    if inputs.dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32:
+        return []
+    what = [] if inputs.bias is None else ["a bias"]
+    what += [f"mask {kind}" for kind in sorted(inputs.mask_kinds - FORMULA_KINDS)]
+    return [f"dtype=float32 with head_dim={dim} > {HEAVY_MAX_DIM_FLOAT32} and {w} not "
+            "supported" for w in what]
 
 
 def _caller_stream(namespace: str) -> Any:
@@ -132,19 +155,3 @@ def _to_torch(namespace: str) -> Any:
     import torch
 
     return torch.from_dlpack
-
-
-def _mask_options(inputs: AttentionInputs, to_torch: Any) -> dict[str, Any]:
-    """The launcher's mask arguments for ``inputs.mask`` (parts combined with ``&``)."""
-    options: dict[str, Any] = {}
-    mask = inputs.mask
-    if mask is None:
-        return options
-    for name in ("key_lengths", "query_lengths"):
-        for part in mask.parts_of(name):
-            lengths = to_torch(part.lengths)
-            options[name] = lengths if name not in options else options[name].minimum(lengths)
-    # Query row i sees keys i + lower <= j <= i + upper (alignment and shifts folded in).
-    band = mask.band(inputs.q_len, inputs.kv_len)
-    options["band_offsets"] = (None, None) if band is None else (band.lower, band.upper)
-    return options

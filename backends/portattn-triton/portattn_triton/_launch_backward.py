@@ -2,37 +2,63 @@
 
 :func:`flash_backward` is the direct entry point, the counterpart of
 :func:`~portattn_triton.flash_forward`: given the inputs, the forward's ``out`` and
-``lse`` and the gradients of both, it returns ``(dq, dk, dv)``. Three launches:
-``Delta`` per query row, then dK/dV per key block, then dQ per query block.
+``lse`` and the gradients of both, it returns ``(dq, dk, dv)`` (and the bias gradient
+when asked). Three launches: ``Delta`` per query row, then dK/dV per key block, then dQ
+per query block, each pass reading the block form on its own grid.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._configs import BackwardConfig, block_dim, delta_rows, is_even, pick_backward_config
-from ._launch import Band, _lengths, _on_device, _precision, band, cut_keys, not_finite
+from ._launch import bias_strides, check_shapes, on_device, precision, tables
+from ._plan import MaskPlan, plan_for
+from ._poison import not_finite
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["flash_backward"]
+    from portattn.masks import Mask
+
+__all__ = ["backward", "flash_backward"]
+
 
 def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor | None,
                    dlse: torch.Tensor | None = None, *, scale: float | None = None,
-                   softcap: float | None = None, causal: str | None = None,
+                   softcap: float | None = None, mask: Mask | None = None,
+                   causal: str | None = None,
                    window: tuple[int | None, int | None] | None = None,
-                   band_offsets: Band = (None, None),
                    key_lengths: torch.Tensor | None = None,
                    query_lengths: torch.Tensor | None = None,
-                   config: BackwardConfig | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   bias: torch.Tensor | None = None, bias_grad: bool = False,
+                   config: BackwardConfig | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients of :func:`flash_forward`'s ``(out, lse)`` for ``query``, ``key`` and
-    ``value``, given ``dout`` and ``dlse`` (None: zero). Mask arguments as for the
-    forward; ``config`` fixes the block sizes instead of the table's. Deterministic:
-    no atomics, the same inputs give bitwise the same gradients."""
+    ``value``, given ``dout`` and ``dlse`` (None: zero), and with ``bias_grad`` for
+    ``bias`` too (a fourth result, in the bias's shape and dtype). Mask and bias
+    arguments as for the forward; ``config`` fixes the block sizes instead of the
+    table's. Deterministic: no atomics, the same inputs give bitwise the same
+    gradients."""
+    check_shapes(query, key, value)
+    if bias_grad and bias is None:
+        msg = "bias_grad=True needs a bias"
+        raise ValueError(msg)
+    plan = plan_for(query, key, mask=mask, causal=causal, window=window,
+                    key_lengths=key_lengths, query_lengths=query_lengths, bias=bias)
+    dq, dk, dv, dbias = backward(query, key, value, out, lse, dout, dlse, plan, scale=scale,
+                                 softcap=softcap, config=config,
+                                 bias_like=bias if bias_grad else None)
+    return (dq, dk, dv, dbias) if bias_grad else (dq, dk, dv)
+
+
+def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dlse: Any,
+             plan: MaskPlan, *, scale: float | None, softcap: float | None,
+             config: BackwardConfig | None = None, bias_like: Any = None) -> tuple[Any, ...]:
+    """``(dq, dk, dv, dbias)`` with the mask and bias already planned; ``dbias`` (None
+    unless ``bias_like``, the bias to give the gradient of, is passed) is shaped like
+    it."""
     import torch
 
     *batch, hq, lq, d = query.shape
@@ -43,16 +69,20 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     new = torch.zeros_like if empty else torch.empty_like
     dq, dk, dvalue = (new(t, memory_format=torch.contiguous_format)
                       for t in (query, key, value))
+    dbias_full = None
+    if bias_like is not None:  # written where the tiles are visited, 0 elsewhere
+        dbias_full = torch.zeros((z, hq, lq, lk), dtype=torch.float32, device=query.device)
     if empty:
-        return dq, dk, dvalue
+        return dq, dk, dvalue, None if bias_like is None else torch.zeros_like(bias_like)
     dev = query.device
     if dout is None:
         dout = torch.zeros_like(out)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    lower, upper = band(lq, lk, causal, window, band_offsets)
+    lower, upper = plan.band
     if config is None:
         capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-        config = pick_backward_config(capability, query.element_size(), d, dv)
+        config = pick_backward_config(capability, query.element_size(), d, dv,
+                                      extra=plan.extra)
 
     q = query.reshape(z, hq, lq, d)
     k = key.reshape(z, hkv, lk, d)
@@ -64,8 +94,7 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     delta = torch.empty((z * hq, lq), dtype=torch.float32, device=dev)
     g_q, g_k, g_v = (g.view(z, n, length, e) for g, n, length, e in
                      ((dq, hq, lq, d), (dk, hkv, lk, d), (dvalue, hkv, lk, dv)))
-    kl = _lengths(key_lengths, z)
-    ql = _lengths(query_lengths, z)
+    kl, ql = plan.key_lengths, plan.query_lengths
     # The kernels read whole tiles, keys and queries past the lengths included: their
     # weight is 0, but a NaN there would reach the gradients as 0 * NaN. Bounding the
     # loads costs the dK/dV and dQ passes registers they do not have (ptxas spills at
@@ -74,29 +103,37 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k, v = _zero_past(k, kl), _zero_past(v, kl)
     if ql is not None:
         q, do = _zero_past(q, ql), _zero_past(do, ql)
-    # For the same reason, keys the band cuts whose key or value is not finite are
-    # zeroed too, and the rows that attend them get a NaN lse: their gradients are NaN,
-    # as the chain rule makes them through a non-finite key or value.
-    cut = cut_keys(lower, upper, lq, lk)
-    if cut is not None:
-        bad = (not_finite(k, *cut) + not_finite(v, *cut)).isnan()
-        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-        lse_rows = _nan_where_met(lse_rows, bad, lower, upper, hq // hkv, lq)
+    # For the same reason, keys a visited tile may hide whose key or value is not finite
+    # are zeroed too, and the rows that attend them get NaN gradients, as the chain rule
+    # through them makes them: under the band alone, through a NaN lse on the rows whose
+    # band holds such a key (nothing added to the kernels' loops); with a table, through
+    # ``bad`` (NaN on those keys), which joins the scores of the rows that attend them.
+    bad = None
+    if plan.cut is not None:
+        bad = not_finite(k, plan.cut) + not_finite(v, plan.cut)
+        hidden = bad.isnan()[..., None]
+        k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
+        if not plan.needs_table:
+            lse_rows = _nan_where_met(lse_rows, bad.isnan(), lower, upper, hq // hkv, lq)
+            bad = None
     dummy = lse_rows  # stands in for absent optional tensors; never read
+    bias = plan.bias
     flags = {
         "BLOCK_D": block_dim(d), "BLOCK_DV": block_dim(dv), "EVEN_D": is_even(d, dv),
         "HAS_LOWER": lower is not None, "HAS_UPPER": upper is not None,
         "HAS_KEY_LENGTHS": kl is not None, "HAS_QUERY_LENGTHS": ql is not None,
-        "SOFTCAP": softcap is not None, "INPUT_PRECISION": _precision(query.dtype),
+        "HAS_BAD": bad is not None, "HAS_BIAS": bias is not None,
+        "HAS_TABLE": plan.needs_table, "SOFTCAP": softcap is not None,
+        "INPUT_PRECISION": precision(query.dtype),
     }
     scalars = (d, dv, scale, 1.0 if softcap is None else float(softcap),
                0 if lower is None else lower, 0 if upper is None else upper)
-    lengths = (dummy if kl is None else kl, dummy if ql is None else ql)
+    shared = (*(dummy if t is None else t for t in (kl, ql, bad)),)
 
     from ._triton_backward import delta_kernel, dkdv_kernel
     from ._triton_dq import dq_kernel
 
-    with _on_device(dev):
+    with on_device(dev):
         rows = delta_rows(dv)
         delta_kernel[(z * hq, math.ceil(lq / rows))](
             o, do, lse_rows, dummy if dlse_rows is None else dlse_rows, delta,
@@ -104,30 +141,40 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             BLOCK_M=rows, BLOCK_DV=block_dim(dv), HAS_DLSE=dlse_rows is not None,
             num_warps=4)
         c = config.dkdv
+        table, table_args, bits, has_bits = tables(plan, c.block_m, c.block_n, dummy,
+                                                   columns=True)
         dkdv_kernel[(z * hkv, math.ceil(lk / c.block_n))](
-            q, k, v, do, lse_rows, delta, g_k, g_v, *lengths,
+            q, k, v, do, lse_rows, delta, g_k, g_v, *shared, table, bits,
+            dummy if bias is None else bias,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *g_k.stride(),
-            *g_v.stride(), hkv, hq // hkv, lq, lk, *scalars,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
-            REVERSE=lower is not None and upper is None,
+            *g_v.stride(), *bias_strides(bias), *table_args, hkv, hq // hkv, lq, lk,
+            *scalars, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
+            HAS_BITS=has_bits, REVERSE=lower is not None and upper is None,
             num_warps=c.num_warps, num_stages=c.num_stages)
         c = config.dq
+        table, table_args, bits, has_bits = tables(plan, c.block_m, c.block_n, dummy)
         dq_kernel[(z * hq, math.ceil(lq / c.block_m))](
-            q, k, v, do, lse_rows, delta, g_q, *lengths,
+            q, k, v, do, lse_rows, delta, g_q, *shared, table, bits,
+            dummy if bias is None else bias, dummy if dbias_full is None else dbias_full,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *g_q.stride(),
-            hq, hq // hkv, lq, lk, *scalars,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
-            REVERSE=upper is not None and lower is None,
+            *bias_strides(bias), *table_args, hq, hq // hkv, lq, lk, *scalars,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags, HAS_BITS=has_bits,
+            BIAS_GRAD=dbias_full is not None, REVERSE=upper is not None and lower is None,
             num_warps=c.num_warps, num_stages=c.num_stages)
-    return dq, dk, dvalue
+    dbias = None
+    if dbias_full is not None:
+        dbias = reduce_to(dbias_full.view(*batch, hq, lq, lk), tuple(bias_like.shape))
+        dbias = dbias.to(bias_like.dtype)
+    return dq, dk, dvalue, dbias
 
 
-def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``x (Z, H, L, E)`` with the rows at or past each batch element's length zeroed."""
-    import torch
-
-    past = torch.arange(x.shape[-2], device=x.device) >= lengths.view(-1, 1, 1, 1)
-    return x.masked_fill(past.view(-1, 1, x.shape[-2], 1), 0)
+def reduce_to(grad: Any, shape: tuple[int, ...]) -> Any:
+    """``grad`` of a broadcast result summed back to the ``shape`` broadcast from."""
+    full = (1,) * (grad.ndim - len(shape)) + shape
+    axes = [i for i, (n, m) in enumerate(zip(full, grad.shape, strict=True)) if n == 1 and m != 1]
+    if axes:
+        grad = grad.sum(dim=axes, keepdim=True)
+    return grad.reshape(shape)
 
 
 def _nan_where_met(lse: torch.Tensor, bad: torch.Tensor, lower: int | None,
@@ -144,3 +191,11 @@ def _nan_where_met(lse: torch.Tensor, bad: torch.Tensor, lower: int | None,
     met = before[..., torch.maximum(hi, lo)] - before[..., lo] > 0  # (Z, Hkv, Lq)
     met = met.repeat_interleave(group, dim=1).reshape(lse.shape)
     return lse.masked_fill(met & (lse != -math.inf), math.nan)
+
+
+def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``x (Z, H, L, E)`` with the rows at or past each batch element's length zeroed."""
+    import torch
+
+    past = torch.arange(x.shape[-2], device=x.device) >= lengths.view(-1, 1, 1, 1)
+    return x.masked_fill(past.view(-1, 1, x.shape[-2], 1), 0)

@@ -9,7 +9,7 @@ config=Config(...))`` runs it with fixed block sizes, and ``decode_forward``'s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._configs import (
     Config,
@@ -20,15 +20,18 @@ from ._configs import (
     is_even,
 )
 
+if TYPE_CHECKING:
+    from ._plan import MaskPlan
+
 __all__ = ["decode_forward"]
 
 
 def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
-                   lower: int | None, upper: int | None, kl: Any, ql: Any, poison: Any,
-                   capability: tuple[int, int] | None, config: Config | None = None,
+                   plan: MaskPlan, poison: Any, capability: tuple[int, int] | None,
+                   config: Config | None = None,
                    num_splits: int | None = None) -> tuple[Any, Any]:
-    """``(out (Z, Hq, Lq, Dv), lse (Z, Hq, Lq) float32)``; two launches: the splits,
-    then their merge."""
+    """``(out (Z, Hq, Lq, Dv), lse (Z, Hq, Lq) float32)``; two launches: the splits
+    (each reading its row of the block form), then their merge."""
     import torch
 
     z, hq, lq, d = q.shape
@@ -41,7 +44,7 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
                f"head dim; got {group} heads x {lq} queries")
         raise ValueError(msg)
     if config is None:
-        config = decode_config(capability, q.element_size(), d, dv, rows)
+        config = decode_config(capability, q.element_size(), d, dv, rows, plan.extra)
     if config.block_m < rows:
         msg = f"config.block_m={config.block_m} < {rows} packed query rows"
         raise ValueError(msg)
@@ -62,23 +65,28 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
     lse = torch.empty((z, hq, lq), dtype=torch.float32, device=dev)
     dummy = part_lse  # stands in for absent optional tensors; never read
 
-    from ._launch import _on_device, _precision
+    from ._launch import bias_strides, on_device, precision
     from ._triton_decode import decode_merge_kernel, decode_split_kernel
 
-    with _on_device(dev):
+    lower, upper = plan.band
+    kl, ql, bias = plan.key_lengths, plan.query_lengths, plan.bias
+    (table, *table_args), bits, has_bits = plan.decode_tables(
+        config.block_m, config.block_n, num_splits, split_len // config.block_n)
+    with on_device(dev):
         decode_split_kernel[(z * hkv, num_splits)](
             q, k, v, part_out, part_lse,
-            *(dummy if t is None else t for t in (kl, ql, poison)),
-            *q.stride(), *k.stride(), *v.stride(),
-            hkv, group, lq, lk, d, dv, split_len, scale,
+            *(dummy if t is None else t for t in (kl, ql, poison)), table, bits,
+            dummy if bias is None else bias,
+            *q.stride(), *k.stride(), *v.stride(), *bias_strides(bias), *table_args,
+            hkv, group, lq, lk, d, dv, scale,
             1.0 if softcap is None else float(softcap),
             0 if lower is None else lower, 0 if upper is None else upper,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_dim(d),
             BLOCK_DV=bdv, EVEN_D=is_even(d, dv), HAS_LOWER=lower is not None,
             HAS_UPPER=upper is not None, HAS_KEY_LENGTHS=kl is not None,
             HAS_QUERY_LENGTHS=ql is not None, HAS_POISON=poison is not None,
-            SOFTCAP=softcap is not None,
-            INPUT_PRECISION=_precision(q.dtype),
+            HAS_BITS=has_bits, HAS_BIAS=bias is not None,
+            SOFTCAP=softcap is not None, INPUT_PRECISION=precision(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages)
         decode_merge_kernel[(z * hkv,)](
             part_out, part_lse, out, lse, *out.stride(), hkv, hq, group, lq, dv,

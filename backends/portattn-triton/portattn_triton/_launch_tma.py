@@ -1,23 +1,17 @@
-"""Host side of the tensor-descriptor (TMA) forward, and the forward's autotuners.
+"""Host side of the tensor-descriptor (TMA) forward.
 
 Descriptors are built on the host (``triton.tools.tensor_descriptor``), so no device
-allocator is needed. The autotuners time :func:`~portattn_triton.autotune_candidates`
-once per kind of call (head dims, mask flags, precision) and keep the fastest.
+allocator is needed.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-from ._configs import Config, autotune_candidates
+from ._configs import Config
 
-__all__ = ["autotuned", "launch_tma", "tma_reasons"]
-
-#: Autotuning reruns the kernel per candidate: one kind of call (not one length) each.
-_TUNING_KEY = ["BLOCK_D", "BLOCK_DV", "HAS_LOWER", "HAS_UPPER", "HAS_KEY_LENGTHS",
-               "HAS_QUERY_LENGTHS", "HAS_POISON", "SOFTCAP", "INPUT_PRECISION"]
+__all__ = ["launch_tma", "tma_reasons"]
 
 
 def tma_reasons(*tensors: Any) -> list[str]:
@@ -54,52 +48,17 @@ def _descriptor(t: Any, rows: int, cols: int) -> Any:
     return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, cols])
 
 
-def _set_block_shapes(nargs: dict) -> None:
-    """Autotuner pre-hook: the descriptors' blocks follow the candidate's tile sizes."""
-    m, n, d, dv = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"], nargs["BLOCK_DV"]
-    nargs["DescQ"].block_shape = [1, 1, m, d]
-    nargs["DescK"].block_shape = [1, 1, n, d]
-    nargs["DescV"].block_shape = [1, 1, n, dv]
-    nargs["DescO"].block_shape = [1, 1, m, dv]
-
-
-def launch_tma(q: Any, k: Any, v: Any, o: Any, lse: Any, optional: tuple, scalars: tuple,
-               factors: tuple, flags: dict, config: Config | None,
-               tune_for: tuple[int, int] | None) -> None:
-    """Launch the tensor-descriptor kernel on ``(Z, H, L, D)`` views; ``config`` None
-    means autotune for a device of capability ``tune_for``."""
+def launch_tma(q: Any, k: Any, v: Any, o: Any, lse: Any, common: tuple, factors: tuple,
+               flags: dict, config: Config) -> None:
+    """Launch the tensor-descriptor kernel on ``(Z, H, L, D)`` views; ``common`` holds
+    its arguments from ``KeyLengths`` to ``kv_len``, ``factors`` the four after them,
+    ``flags`` the compile-time ones with the block sizes."""
     from ._triton_tma import flash_forward_tma_kernel
 
     z, hq, lq = q.shape[0], q.shape[1], q.shape[2]
     bd, bdv = flags["BLOCK_D"], flags["BLOCK_DV"]
-    c = config or Config(16, 16, 4, 1)  # placeholder blocks, reset by the pre-hook
-    descs = (_descriptor(q, c.block_m, bd), _descriptor(k, c.block_n, bd),
-             _descriptor(v, c.block_n, bdv), _descriptor(o, c.block_m, bdv))
-    args = (*descs, lse, *optional, *scalars, *factors)
-    if config is None:
-        kernel = autotuned(flash_forward_tma_kernel, tune_for, q.element_size(),
-                           q.shape[-1], v.shape[-1])
-        kernel[lambda meta: (z * hq * math.ceil(lq / meta["BLOCK_M"]),)](*args, **flags)
-        return
+    descs = (_descriptor(q, config.block_m, bd), _descriptor(k, config.block_n, bd),
+             _descriptor(v, config.block_n, bdv), _descriptor(o, config.block_m, bdv))
     flash_forward_tma_kernel[(z * hq * math.ceil(lq / config.block_m),)](
-        *args, **flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        WARP_SPECIALIZE=config.warp_specialize,
+        *descs, lse, *common, *factors, **flags, WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-@functools.cache
-def autotuned(kernel: Any, capability: tuple[int, int] | None, element_bytes: int,
-              head_dim: int, value_head_dim: int) -> Any:
-    """``kernel`` wrapped in ``triton.autotune`` over the candidates for this device,
-    element size and head dims (cached: one autotuner, so one tuning, per kind)."""
-    import triton
-
-    tma = "DescQ" in kernel.arg_names
-    configs = []
-    for c in autotune_candidates(capability, element_bytes, head_dim, value_head_dim):
-        meta = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
-        if tma:
-            meta["WARP_SPECIALIZE"] = c.warp_specialize
-        configs.append(triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages,
-                                     pre_hook=_set_block_shapes if tma else None))
-    return triton.autotune(configs=configs, key=_TUNING_KEY)(kernel)

@@ -5,14 +5,19 @@ Probabilities are recomputed tile by tile from the saved log-sum-exp, never stor
 ``Delta = rowsum(dO * O) - dlse`` (the ``- dlse`` term carries gradients of the lse
 output), then ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
 
-Three launches, no atomics (so results are bitwise reproducible):
-``delta_kernel`` (one pass over ``O`` and ``dO``), ``dkdv_kernel`` (one program per key
-block of one K/V head; it loops over the query heads of its group, so K/V are never
-repeated and dK/dV come out summed over the group) and ``dq_kernel`` (one program per
-query block). Both main kernels walk only the tiles the band on ``j - i`` and the
-lengths can reach, split into masked edges and a mask-free middle as in the forward.
-Fully masked rows have ``lse = -inf``; it is read as ``+inf`` so their probabilities,
-and hence their gradients, are exactly 0.
+Three launches, no atomics (so results are bitwise reproducible): ``delta_kernel`` (one
+pass over ``O`` and ``dO``), ``dkdv_kernel`` (one program per key block of one K/V head;
+it loops over the query heads of its group, so K/V are never repeated and dK/dV come out
+summed over the group) and ``dq_kernel`` (one program per query block). Both main
+kernels walk the tiles of the block form on their own grid, as the forward does
+(``_triton_masks``): the dK/dV pass reads the transposed table rows, the dQ pass the
+direct ones; without a table (band and lengths alone) both split the tiles the band
+reaches into masked edges and a mask-free middle. Fully masked rows have ``lse = -inf``;
+it is read as ``+inf`` so their probabilities, and hence their gradients, are exactly 0.
+Keys or values that are not finite and that a visited tile may hide are zeroed before
+the kernels; with a table their NaN (``Bad``) joins the scores of the rows that attend
+them, without one those rows get a NaN lse, so their gradients are NaN, as the chain
+rule makes them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,17 @@ import triton
 import triton.language as tl
 
 from ._triton_kernel import LOG2E, valid_lengths
+from ._triton_masks import (
+    add_poison,
+    bias_tile,
+    table_row,
+    tile_keep,
+    tile_slot,
+    tile_span,
+    tile_start,
+)
 
-__all__ = ["delta_kernel", "dkdv_kernel"]
+__all__ = ["delta_kernel", "dkdv_kernel", "scores_of_tile"]
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 
@@ -65,18 +79,6 @@ def _scores(qk, sm_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _band_keep(rows, cols, kv_valid, lower_off, upper_off, HAS_LOWER: tl.constexpr,
-               HAS_UPPER: tl.constexpr):
-    """Allowed pairs for ``rows`` and ``cols`` broadcast against each other."""
-    keep = cols < kv_valid
-    if HAS_LOWER:
-        keep &= (cols - rows) >= lower_off
-    if HAS_UPPER:
-        keep &= (cols - rows) <= upper_off
-    return keep
-
-
-@triton.jit
 def _row_stats(Lse, Delta, rows, q_len, MASKED: tl.constexpr):
     """lse in base 2 (+inf where no key is allowed: P = 0 there) and Delta per row."""
     if MASKED:
@@ -103,16 +105,40 @@ def _load_tile(ptrs, n_idx, n_len, d_idx, d_len, MASKED: tl.constexpr, EVEN_D: t
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, Lse, Delta, offs_n, offs_d, offs_dv, lo, hi,
-                stride_qm, stride_qd, stride_dom, stride_dod, q_len, kv_valid, head_dim,
-                value_head_dim, sm_scale, softcap, lower_off, upper_off,
-                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
-    """Add query blocks ``[lo, hi)`` of one head to this key block's dK and dV."""
+def scores_of_tile(qk, bias, bad, rows, cols, kv_valid, lower_off, upper_off, Bits, slot,
+                   sm_scale, softcap, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
+                   HAS_UPPER: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_BAD: tl.constexpr, SOFTCAP: tl.constexpr, TILE_Q: tl.constexpr,
+                   TILE_K: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Scores in base 2 as the forward computes them (softcap, bias, mask: ``rows`` and
+    ``cols`` broadcast to the tile, see ``tile_keep``), plus the ``bad`` keys' NaN where
+    the row attends them; and ``tanh`` (softcap only)."""
+    s, t = _scores(qk, sm_scale, softcap, SOFTCAP)
+    if HAS_BIAS:
+        s += bias * LOG2E
+    if HAS_BAD:
+        s = add_poison(s, bad, HAS_BIAS)
+    if MASKED:
+        keep = tile_keep(rows, cols, kv_valid, lower_off, upper_off, Bits, slot, HAS_LOWER,
+                         HAS_UPPER, HAS_BITS, TILE_Q, TILE_K, TRANSPOSED)
+        s = tl.where(keep, s, NEG_INF)
+    return s, t
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi, num_cols,
+                offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
+                stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim,
+                sm_scale, softcap, lower_off, upper_off, MASKED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_BAD: tl.constexpr,
+                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr,
+                SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Add the query blocks of ``range(lo, hi, BLOCK_M)`` (see ``tile_span``; of one
+    head) to this key block's dK and dV."""
     offs_m = tl.arange(0, BLOCK_M)
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+    for pos in range(lo, hi, BLOCK_M):
+        start_m = tile_start(tiles, pos, BLOCK_M, HAS_TABLE)
         rows = start_m + offs_m
         qT = _load_tile(Q + rows[None, :] * stride_qm + offs_d[:, None] * stride_qd,
                         rows[None, :], q_len, offs_d[:, None], head_dim, MASKED, EVEN_D)
@@ -120,12 +146,18 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, Lse, Delta, offs_n, offs_d, offs_dv, lo, hi
                         rows[:, None], q_len, offs_dv[None, :], value_head_dim, MASKED,
                         EVEN_D)
         lse, delta = _row_stats(Lse, Delta, rows, q_len, MASKED)
-        sT, tT = _scores(tl.dot(k, qT, input_precision=INPUT_PRECISION), sm_scale, softcap,
-                         SOFTCAP)
-        if MASKED:
-            keep = _band_keep(rows[None, :], offs_n[:, None], kv_valid, lower_off,
-                              upper_off, HAS_LOWER, HAS_UPPER)
-            sT = tl.where(keep, sT, NEG_INF)
+        slot = 0
+        bias = 0.0
+        if MASKED and HAS_BITS:
+            slot = tile_slot(tiles, num_cols, pos, BLOCK_M)
+        if HAS_BIAS:
+            bias = bias_tile(Bias, rows[None, :], offs_n[:, None], q_len, kv_len, stride_bm,
+                             stride_bn)
+        sT, tT = scores_of_tile(tl.dot(k, qT, input_precision=INPUT_PRECISION), bias, bad,
+                                rows[None, :], offs_n[:, None], kv_valid, lower_off,
+                                upper_off, Bits, slot, sm_scale, softcap, MASKED, HAS_LOWER,
+                                HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_BAD, SOFTCAP, BLOCK_M,
+                                BLOCK_N, True)
         pT = tl.math.exp2(sT - lse[None, :])
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -137,36 +169,11 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, Lse, Delta, offs_n, offs_d, offs_dv, lo, hi
 
 
 @triton.jit
-def dkdv_kernel(
-        Q, K, V, DO, Lse, Delta, DK, DV, KeyLengths, QueryLengths,
-        stride_qz, stride_qh, stride_qm, stride_qd,
-        stride_kz, stride_kh, stride_kn, stride_kd,
-        stride_vz, stride_vh, stride_vn, stride_vd,
-        stride_doz, stride_doh, stride_dom, stride_dod,
-        stride_dkz, stride_dkh, stride_dkn, stride_dkd,
-        stride_dvz, stride_dvh, stride_dvn, stride_dvd,
-        num_kv_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
-        sm_scale, softcap, lower_off, upper_off,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
-        HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-        HAS_QUERY_LENGTHS: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr):
-    """Grid ``(Z * num_kv_heads, cdiv(kv_len, BLOCK_N))``; writes ``DK`` and ``DV``."""
-    pid_zh = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if REVERSE:  # bands open to the right: the last key blocks see the most queries
-        pid_n = tl.num_programs(1) - 1 - pid_n
-    off_z = (pid_zh // num_kv_heads).to(tl.int64)
-    off_kvh = (pid_zh % num_kv_heads).to(tl.int64)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
-                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
-
+def query_tiles(n0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
+    """Query bounds ``(t_lo, u_lo, u_hi, t_hi)`` of the key block at ``n0`` under a
+    band and lengths alone (the transpose of ``key_tiles``): masked head, mask-free
+    middle, masked tail; multiples of ``BLOCK_M``."""
     # Queries that see any key of the block, and those that see every key of it.
     n_last = tl.minimum(n0 + BLOCK_N, kv_valid) - 1
     i_lo = 0
@@ -186,6 +193,50 @@ def dkdv_kernel(
     u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, t_lo), t_hi)
     u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_M) * BLOCK_M, u_lo), t_hi)
     u_hi = tl.where(n0 + BLOCK_N <= kv_valid, u_hi, u_lo)  # keys past the end: all masked
+    return t_lo, u_lo, u_hi, t_hi
+
+
+@triton.jit
+def dkdv_kernel(
+        Q, K, V, DO, Lse, Delta, DK, DV, KeyLengths, QueryLengths, Bad, Table, Bits, Bias,
+        stride_qz, stride_qh, stride_qm, stride_qd,
+        stride_kz, stride_kh, stride_kn, stride_kd,
+        stride_vz, stride_vh, stride_vn, stride_vd,
+        stride_doz, stride_doh, stride_dom, stride_dod,
+        stride_dkz, stride_dkh, stride_dkn, stride_dkd,
+        stride_dvz, stride_dvh, stride_dvn, stride_dvd,
+        stride_bz, stride_bh, stride_bm, stride_bn,
+        table_z, table_h, table_n, num_cols,
+        num_kv_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
+        sm_scale, softcap, lower_off, upper_off,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+        HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+        HAS_QUERY_LENGTHS: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
+        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Grid ``(Z * num_kv_heads, cdiv(kv_len, BLOCK_N))``; writes ``DK`` and ``DV``.
+    ``Table`` holds the block form's rows per key block (the transposed lists)."""
+    pid_zh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if REVERSE:  # bands open to the right: the last key blocks see the most queries
+        pid_n = tl.num_programs(1) - 1 - pid_n
+    off_z = (pid_zh // num_kv_heads).to(tl.int64)
+    off_kvh = (pid_zh % num_kv_heads).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
+                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
+    t_lo = 0
+    u_lo = 0
+    u_hi = 0
+    t_hi = 0
+    if not HAS_TABLE:
+        t_lo, u_lo, u_hi, t_hi = query_tiles(n0, q_valid, kv_valid, lower_off, upper_off,
+                                             BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
 
     in_k = offs_n < kv_len
     k = _load_tile(K + off_z * stride_kz + off_kvh * stride_kh + offs_n[:, None] * stride_kn
@@ -194,6 +245,10 @@ def dkdv_kernel(
     v = _load_tile(V + off_z * stride_vz + off_kvh * stride_vh + offs_n[:, None] * stride_vn
                    + offs_dv[None, :] * stride_vd, offs_n[:, None], kv_len, offs_dv[None, :],
                    value_head_dim, True, EVEN_D)
+    bad = 0.0
+    if HAS_BAD:
+        bad = tl.load(Bad + pid_zh.to(tl.int64) * kv_len + offs_n, mask=in_k,
+                      other=0.0)[:, None]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -201,19 +256,22 @@ def dkdv_kernel(
         off_h = off_kvh * group_size + g
         Qh = Q + off_z * stride_qz + off_h * stride_qh
         DOh = DO + off_z * stride_doz + off_h * stride_doh
+        Biash = Bias + off_z * stride_bz + off_h * stride_bh
         row0 = (off_z * num_kv_heads * group_size + off_h) * q_len
+        row = Table
+        if HAS_TABLE:
+            row = table_row(Table, off_z, off_h, pid_n, table_z, table_h, table_n)
         for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
-            if part == 0:
-                lo, hi = t_lo, u_lo
-            elif part == 1:
-                lo, hi = u_lo, u_hi
-            else:
-                lo, hi = u_hi, t_hi
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Qh, DOh, Lse + row0, Delta + row0, offs_n, offs_d, offs_dv,
-                lo, hi, stride_qm, stride_qd, stride_dom, stride_dod, q_len, kv_valid,
-                head_dim, value_head_dim, sm_scale, softcap, lower_off, upper_off,
-                part != 1, BLOCK_M, EVEN_D, HAS_LOWER, HAS_UPPER, SOFTCAP, INPUT_PRECISION)
+            if not (HAS_TABLE and part == 0):  # a table lists no head
+                tiles, lo, hi = tile_span(row, num_cols, part, t_lo, u_lo, u_hi, t_hi,
+                                          BLOCK_M, HAS_TABLE)
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, bad, Qh, DOh, Lse + row0, Delta + row0, Bits, Biash, tiles,
+                    lo, hi, num_cols, offs_n, offs_d, offs_dv, stride_qm, stride_qd,
+                    stride_dom, stride_dod, stride_bm, stride_bn, q_len, kv_len, kv_valid,
+                    head_dim, value_head_dim, sm_scale, softcap, lower_off, upper_off,
+                    part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_BAD,
+                    HAS_BITS, HAS_BIAS, HAS_TABLE, SOFTCAP, INPUT_PRECISION)
 
     dk_ptrs = (DK + off_z * stride_dkz + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn
                + offs_d[None, :] * stride_dkd)

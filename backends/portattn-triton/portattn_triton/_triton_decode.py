@@ -8,7 +8,9 @@ every query position) are packed into one tile: row ``r`` is query head
 ``kv_head * group + r // q_len`` at position ``r % q_len``, so K/V are read once per
 group. Each split writes a float32 partial output and its log-sum-exp; the merge
 kernel combines the splits by log-sum-exp weights (the identity behind
-``portattn.merge``) into the output.
+``portattn.merge``) into the output. The key blocks of a split come from the block
+form (one table row per split, the query heads of the group merged): full ones with
+no mask, partial ones masked per row (its own query index, head and bit tile row).
 
 Importing this module imports Triton.
 """
@@ -19,27 +21,86 @@ import triton
 import triton.language as tl
 
 from ._triton_kernel import LOG2E, finish_rows, fold_tile, valid_lengths
+from ._triton_masks import bias_tile, table_row
 
 __all__ = ["decode_merge_kernel", "decode_split_kernel"]
 
 
 @triton.jit
+def _attend_split(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_cols, rows,
+                  pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                  stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim,
+                  sm_scale, softcap, lower_off, upper_off, MASKED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                  HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr,
+                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr):
+    """Fold the ``count`` key blocks listed at ``tiles`` into the packed rows' state.
+    ``Bias`` points at each row's head (``[BLOCK_M, 1]`` pointers)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for i in range(count):
+        cols = tl.load(tiles + i) * BLOCK_N + offs_n
+        k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        poison = 0.0
+        slot = 0
+        bias = 0.0
+        if MASKED:
+            in_k = cols < kv_valid
+            k_other = 0.0
+            if HAS_POISON:  # poisoned values load as 0, their keys as NaN (with a bias,
+                # which may hide them, the poison joins the scores instead)
+                poison = tl.load(Poison + cols, mask=in_k, other=0.0)
+                if not HAS_BIAS:
+                    k_other = poison[None, :]
+                in_k &= poison == 0.0
+            if EVEN_D:
+                k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
+                v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
+                            other=k_other)
+                v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
+                            other=0.0)
+            if HAS_BITS:
+                slot = tl.load(tiles + num_cols + i)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
+        if HAS_BIAS:
+            bias = bias_tile(Bias, pos[:, None], cols[None, :], q_len, kv_len, stride_bm,
+                             stride_bn)
+        # Each packed row has its own query index: the band is on j - pos.
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, pos, cols, kv_valid, lower_off,
+                                  upper_off, Bits, slot, bias, poison, sm_scale, softcap,
+                                  MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
+                                  HAS_POISON and HAS_BIAS, SOFTCAP, INPUT_PRECISION, BLOCK_M,
+                                  BLOCK_N)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def decode_split_kernel(
-        Q, K, V, PartOut, PartLse, KeyLengths, QueryLengths, Poison,
+        Q, K, V, PartOut, PartLse, KeyLengths, QueryLengths, Poison, Table, Bits, Bias,
         stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
-        num_kv_heads, group_size, q_len, kv_len, head_dim, value_head_dim, split_len,
+        stride_bz, stride_bh, stride_bm, stride_bn,
+        table_z, table_h, table_s, num_cols,
+        num_kv_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
         sm_scale, softcap, lower_off, upper_off,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-        HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, SOFTCAP: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr):
+        HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Grid ``(Z * num_kv_heads, num_splits)``. ``PartOut`` is
     ``(Z * num_kv_heads, num_splits, BLOCK_M, BLOCK_DV)`` float32, ``PartLse``
-    ``(Z * num_kv_heads, num_splits, BLOCK_M)``; split ``s`` covers keys
-    ``[s * split_len, (s + 1) * split_len)``."""
+    ``(Z * num_kv_heads, num_splits, BLOCK_M)``; ``Table`` has one row per split
+    (its key blocks), ``Bits`` tiles of the packed rows."""
     pid_zh = tl.program_id(0)
     split = tl.program_id(1)
     off_z = (pid_zh // num_kv_heads).to(tl.int64)
@@ -47,21 +108,14 @@ def decode_split_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     head = off_kvh * group_size + rows // q_len
-    pos = rows % q_len  # the query index of each packed row: the band is on j - pos
+    pos = rows % q_len  # the query index of each packed row
     in_rows = rows < group_size * q_len
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = tl.arange(0, BLOCK_N)
 
     kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
                                       HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
-    # Keys any packed row may reach, within this split.
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_valid)
-    if HAS_LOWER:
-        lo = tl.maximum(lo, (lower_off // BLOCK_N) * BLOCK_N)
-    if HAS_UPPER:
-        hi = tl.minimum(hi, q_valid - 1 + upper_off + 1)
+    row = table_row(Table, off_z, off_kvh, split, table_z, table_h, table_s)
 
     q_ptrs = (Q + off_z * stride_qz + head[:, None] * stride_qh + pos[:, None] * stride_qm
               + offs_d[None, :] * stride_qd)
@@ -70,32 +124,24 @@ def decode_split_kernel(
     K += off_z * stride_kz + off_kvh * stride_kh
     V += off_z * stride_vz + off_kvh * stride_vh
     Poison += pid_zh.to(tl.int64) * kv_len
+    # padding rows read the group's last head (their results are never stored)
+    Bias += off_z * stride_bz + tl.minimum(head, (off_kvh + 1) * group_size - 1)[:, None] \
+        * stride_bh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        in_k = cols < hi
-        k_other = 0.0
-        if HAS_POISON:  # poisoned keys load as NaN, their values as 0
-            poison = tl.load(Poison + cols, mask=in_k, other=0.0)
-            k_other = poison[None, :]
-            in_k &= poison == 0.0
-        k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if EVEN_D:
-            k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
-            v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
+    for part in tl.static_range(2):  # full tiles (no mask), then partial ones
+        if part == 0:
+            tiles, count = row + 2 + 2 * num_cols, tl.load(row + 1)
         else:
-            k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
-                        other=k_other)
-            v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
-                        other=0.0)
-        # Every tile is masked: its keys stop at hi, and each row has its own band.
-        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, pos, hi, 0.0, sm_scale,
-                                  softcap, lower_off, upper_off, True, HAS_LOWER,
-                                  HAS_UPPER, False, SOFTCAP, INPUT_PRECISION)
+            tiles, count = row + 2, tl.load(row)
+        acc, l_i, m_i = _attend_split(
+            acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_cols, rows, pos,
+            offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
+            stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale, softcap,
+            lower_off, upper_off, part == 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER,
+            HAS_POISON, HAS_BITS, HAS_BIAS, SOFTCAP, INPUT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i, pos, tl.where(in_rows, q_valid, 0))
     part = pid_zh.to(tl.int64) * tl.num_programs(1) + split

@@ -1,14 +1,15 @@
 """The fused flash-attention forward kernel, written in Triton.
 
 One program computes one block of ``BLOCK_M`` queries of one (batch, head) pair. It
-walks the key blocks with an online softmax in base 2 (running max ``m``, running sum
+walks key blocks with an online softmax in base 2 (running max ``m``, running sum
 ``l``, rescaled accumulator), so memory stays O(L) and scores never leave registers.
 
-Every positional mask is reduced on the host to a band on ``j - i`` (key minus query
-index): ``lower_off <= j - i <= upper_off``, plus per-batch key and query lengths.
-From the band the kernel derives, per query block, which key blocks can hold any
-allowed pair (the loop bounds: fully masked tiles are never visited) and which hold
-only allowed pairs (visited without building a mask or bounds-checking the loads).
+Which key blocks it walks comes from the mask's block form, as a table row per query
+block (see ``_triton_masks``): the full tiles without any mask or bounds check, then
+the partial ones, masked by the band and length formulas and their bit tiles. Masks
+the formulas cover alone (a band on ``j - i`` and lengths) need no table: the kernel
+derives per query block the key blocks that hold any allowed pair and those that hold
+only allowed pairs from the band (:func:`key_tiles`). Hidden tiles are never visited.
 
 Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before that to run
 the kernel on CPU tensors through Triton's interpreter.
@@ -19,6 +20,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_masks import (
+    add_poison,
+    bias_tile,
+    table_row,
+    tile_keep,
+    tile_slot,
+    tile_span,
+    tile_start,
+)
+
 __all__ = ["block_order", "finish_rows", "flash_forward_kernel", "fold_tile", "key_tiles",
            "valid_lengths"]
 
@@ -26,18 +37,20 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, poison, sm_scale, softcap,
-              lower_off, upper_off, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
-              HAS_UPPER: tl.constexpr, POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr):
+def fold_tile(acc, l_i, m_i, q, k, v, rows, cols, kv_valid, lower_off, upper_off, Bits, slot,
+              bias, poison, sm_scale, softcap, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
+              HAS_UPPER: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+              POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
+              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One step of the online softmax: scores of ``q`` against the key tile ``k``
-    (``[BLOCK_D, BLOCK_N]``) at key indices ``cols``, folded with ``v`` into the running
-    ``(acc, l_i, m_i)``. ``MASKED`` tiles may hold pairs outside the band or keys at or
-    past ``kv_valid``. Their poisoned keys (``Poison``: a value that is not finite; the
-    value is loaded as 0) must score NaN in every row, so that exactly the rows that
-    attend them come out NaN: the pointer paths load such keys as NaN, and with
-    ``POISON_SCORES`` the ``poison`` (NaN there, else 0) is added to the scores here.
-    Shared by every forward path."""
+    (``[BLOCK_D, BLOCK_N]``), plus the ``bias`` tile (float32), folded with ``v`` into
+    the running ``(acc, l_i, m_i)``. ``MASKED`` tiles keep the pairs of query ``rows``
+    and key ``cols`` that ``tile_keep`` allows (band, key length, bit tile ``slot``). Their
+    poisoned keys (``Poison``: a value that is not finite; the value is loaded as 0)
+    must score NaN in every row that attends them, so that exactly those rows come out
+    NaN: the pointer paths load such keys as NaN, and with ``POISON_SCORES`` the
+    ``poison`` (NaN there, else 0) is added to the scores here. Shared by every
+    forward path."""
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
     if SOFTCAP:
         # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
@@ -45,14 +58,13 @@ def fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, poison, sm_scale, 
         s = (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)) * (softcap * LOG2E)
     else:
         s = qk * (sm_scale * LOG2E)
+    if HAS_BIAS:  # after the softcap, before the mask
+        s += bias * LOG2E
     if MASKED:
         if POISON_SCORES:
-            s += poison[None, :]
-        keep = cols[None, :] < kv_valid
-        if HAS_LOWER:
-            keep &= (cols[None, :] - offs_m[:, None]) >= lower_off
-        if HAS_UPPER:
-            keep &= (cols[None, :] - offs_m[:, None]) <= upper_off
+            s = add_poison(s, poison[None, :], HAS_BIAS)
+        keep = tile_keep(rows[:, None], cols[None, :], kv_valid, lower_off, upper_off, Bits,
+                         slot, HAS_LOWER, HAS_UPPER, HAS_BITS, BLOCK_M, BLOCK_N, False)
         s = tl.where(keep, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -97,27 +109,30 @@ def block_order(num_heads, q_len, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
-            stride_kn, stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
-            value_head_dim, sm_scale, softcap, lower_off, upper_off,
-            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-            HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr,
-            POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):
-    """Fold key blocks ``[lo, hi)`` into the running state, loading through pointers.
-    ``MASKED`` tiles may hold disallowed pairs or keys past the end; the others are
-    fully inside the band. Keys past the key length are never read, nor poisoned
-    values: their weight may be 0, but a NaN would still reach ``P @ V`` as
-    ``0 * NaN``. Masked tiles load poisoned keys as NaN, or, with ``POISON_SCORES``,
-    add the poison to the scores instead (the form ptxas fits in registers for
-    float32 tiles; 2-byte tiles take the other)."""
+def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
+            offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
+            stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
+            softcap, lower_off, upper_off, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+            HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
+            HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, POISON_SCORES: tl.constexpr,
+            SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Fold the key blocks of ``range(lo, hi, BLOCK_N)`` (see ``tile_span``) into the
+    running state, loading through pointers. ``MASKED`` (partial) tiles may hold
+    disallowed pairs or keys past the end; full tiles are read whole. Keys past the
+    key length are never read, nor poisoned values: their weight may be 0, but a NaN
+    would still reach ``P @ V`` as ``0 * NaN``. Masked tiles load poisoned keys as NaN,
+    or, with ``POISON_SCORES``, add the poison to the scores instead (the form ptxas
+    fits in registers for float32 tiles, and the one that lets a bias hide a key)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    for pos in range(lo, hi, BLOCK_N):
+        start_n = tile_start(tiles, pos, BLOCK_N, HAS_TABLE)
         cols = start_n + offs_n
         k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
         v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         poison = 0.0
+        slot = 0
+        bias = 0.0
         if MASKED:
             in_k = cols < kv_valid
             k_other = 0.0
@@ -134,16 +149,21 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
                             other=k_other)
                 v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
                             other=0.0)
+            if HAS_BITS:
+                slot = tile_slot(tiles, num_cols, pos, BLOCK_N)
         elif EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         else:
             k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
-        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, cols, offs_m, kv_valid, poison,
-                                  sm_scale, softcap, lower_off, upper_off, MASKED,
-                                  HAS_LOWER, HAS_UPPER, POISON_SCORES, SOFTCAP,
-                                  INPUT_PRECISION)
+        if HAS_BIAS:
+            bias = bias_tile(Bias, offs_m[:, None], cols[None, :], q_len, kv_len, stride_bm,
+                             stride_bn)
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, offs_m, cols, kv_valid, lower_off,
+                                  upper_off, Bits, slot, bias, poison, sm_scale, softcap,
+                                  MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
+                                  POISON_SCORES, SOFTCAP, INPUT_PRECISION, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -163,9 +183,10 @@ def valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
 @triton.jit
 def key_tiles(m0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
-    """Key bounds ``(t_lo, u_lo, u_hi, t_hi)`` of the query block at ``m0``: masked
-    head ``[t_lo, u_lo)``, mask-free middle ``[u_lo, u_hi)``, masked tail
-    ``[u_hi, t_hi)``; multiples of ``BLOCK_N``. Forward and dQ pass walk the same."""
+    """Key bounds ``(t_lo, u_lo, u_hi, t_hi)`` of the query block at ``m0`` under a
+    band and lengths alone: masked head ``[t_lo, u_lo)``, mask-free middle
+    ``[u_lo, u_hi)``, masked tail ``[u_hi, t_hi)``; multiples of ``BLOCK_N``. Forward
+    and dQ pass walk the same."""
     # Key range any row of the block may reach, and the range every row reaches.
     m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
     k_lo = 0
@@ -189,22 +210,28 @@ def key_tiles(m0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr
 
 @triton.jit
 def flash_forward_kernel(
-        Q, K, V, Out, Lse, KeyLengths, QueryLengths, Poison,
+        Q, K, V, Out, Lse, KeyLengths, QueryLengths, Poison, Table, Bits, Bias,
         stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
         stride_oz, stride_oh, stride_om, stride_od,
+        stride_bz, stride_bh, stride_bm, stride_bn,
+        table_z, table_h, table_m, num_cols,
         num_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
         sm_scale, softcap, lower_off, upper_off,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-        HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, SOFTCAP: tl.constexpr,
+        HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
         REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``.
-    ``Poison`` is ``(Z, Hkv, kv_len)`` float32 (see :func:`fold_tile`). (The
-    tensor-descriptor kernel orders its grid for L2 with :func:`block_order`; here the
-    index arithmetic would cost sm_80 tiles their last free registers.)"""
+    ``Poison`` is ``(Z, Hkv, kv_len)`` float32 (see :func:`fold_tile`); ``Table`` the
+    block form's rows per query block (``_triton_masks``; read with ``HAS_TABLE``),
+    ``Bits`` its bit tiles,
+    ``Bias`` read with its strides (0 along broadcast axes). (The tensor-descriptor
+    kernel orders its grid for L2 with :func:`block_order`; here the index arithmetic
+    would cost sm_80 tiles their last free registers.)"""
     pid_zh = tl.program_id(0)
     pid_m = tl.program_id(1)
     if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
@@ -220,9 +247,16 @@ def flash_forward_kernel(
 
     kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
                                       HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
-
-    t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
-                                       BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    t_lo = 0
+    u_lo = 0
+    u_hi = 0
+    t_hi = 0
+    if HAS_TABLE:
+        row = table_row(Table, off_z, off_h, pid_m, table_z, table_h, table_m)
+    else:
+        row = Table
+        t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
+                                           BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
 
     q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
               + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
@@ -234,24 +268,24 @@ def flash_forward_kernel(
     K += off_z * stride_kz + off_kvh * stride_kh
     V += off_z * stride_vz + off_kvh * stride_vh
     Poison += (off_z * (num_heads // group_size) + off_kvh) * kv_len
+    Bias += off_z * stride_bz + off_h * stride_bh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
-        if part == 0:
-            lo, hi = t_lo, u_lo
-        elif part == 1:
-            lo, hi = u_lo, u_hi
-        else:
-            lo, hi = u_hi, t_hi
-        acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, K, V, Poison, offs_m, offs_d, offs_dv, lo, hi,
-            stride_kn, stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
-            value_head_dim, sm_scale, softcap, lower_off, upper_off,
-            part != 1, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_POISON,
-            HAS_POISON and Q.dtype.element_ty == tl.float32, SOFTCAP, INPUT_PRECISION)
+        if not (HAS_TABLE and part == 0):  # a table lists no head
+            tiles, lo, hi = tile_span(row, num_cols, part, t_lo, u_lo, u_hi, t_hi, BLOCK_N,
+                                      HAS_TABLE)
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
+                offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
+                stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
+                softcap, lower_off, upper_off, part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER,
+                HAS_UPPER, HAS_POISON, HAS_BITS, HAS_BIAS, HAS_TABLE,
+                HAS_POISON and (HAS_BIAS or Q.dtype.element_ty == tl.float32), SOFTCAP,
+                INPUT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i, offs_m, q_valid)
 

@@ -3,15 +3,17 @@
 Every kernel (the forward's pointer, tensor-descriptor and decode paths, the backward's
 Delta, dK/dV and dQ passes) in the block configurations the launcher can pick, for
 float16, bfloat16 and float32, in the variants of ``triton_compile_configs.variants``
-(the plain path, every feature at once), must compile, fit the generation's shared
-memory and use no local memory for spills; and the code must be what the generation is
-for, read from the PTX and from the SASS (NVIDIA's disassembler, shipped in Triton's
-wheel): on sm_90 the tensor-descriptor kernel's tiles arrive by bulk tensor copies
-(``cp.async.bulk.tensor``, ``UTMALDG``) and its 2-byte products run on ``wgmma``
-(``HGMMA``); on sm_80 products run on ``mma.sync`` (``HMMA``) and nothing Hopper-only
-appears. The compiler runs in subprocesses (one per generation, in parallel) because
-this test process has ``TRITON_INTERPRET=1`` set. ``PORTATTN_TRITON_COMPILE_DTYPES``
-(e.g. ``bfloat16``) narrows the dtypes. Slow: minutes on a small machine.
+(the plain path; the in-kernel masks; with bit tiles; with a bias and its gradient too,
+each in the configuration the launcher picks for it), must compile, fit the
+generation's shared memory and use no local memory for spills; and the code must be
+what the generation is for, read from the PTX and from the SASS (NVIDIA's
+disassembler, shipped in Triton's wheel): on sm_90 the tensor-descriptor kernel's
+tiles arrive by bulk tensor copies (``cp.async.bulk.tensor``, ``UTMALDG``) and its
+2-byte products run on ``wgmma`` (``HGMMA``); on sm_80 products run on ``mma.sync``
+(``HMMA``) and nothing Hopper-only appears. The compiler runs in subprocesses (one per
+generation, in parallel) because this test process has ``TRITON_INTERPRET=1`` set.
+``PORTATTN_TRITON_COMPILE_DTYPES`` (e.g. ``bfloat16``) narrows the dtypes. Slow:
+minutes on a small machine.
 """
 
 from __future__ import annotations

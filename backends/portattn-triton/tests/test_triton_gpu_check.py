@@ -140,7 +140,11 @@ def test_end_to_end_on_cpu(gpu_check, tmp_path, capsys):
     sections = {c["section"] for c in data["checks"] if c["status"] == "ok"}
     assert sections >= {"preflight", "conformance", "gradients", "accuracy", "speed"}
     accuracy = [c for c in data["checks"] if c["section"] == "accuracy"]
-    assert len(accuracy) == 3 * 3  # three cases x (float16, float32, float32 with TF32)
+    # three cases x (float16, float32): --quick leaves out the rerun with plain TF32
+    assert len(accuracy) == 3 * 2
+    assert all(not c["name"].endswith("tf32 [torch]") for c in accuracy)
+    grads = {c["name"]: c["status"] for c in data["checks"] if c["section"] == "gradients"}
+    assert grads["triton_flash backward float32 chunks_sinks_bias"] == "ok"
     assert all(c["out_max_abs_error"] >= 0 for c in accuracy)
     rows = {row["name"]: row for row in data["figures"]["speed"]}
     assert set(rows) == {"forward_causal", "decode_1", "decode_16_causal"}
@@ -186,7 +190,7 @@ def _tamper(monkeypatch, how):
     """Make triton_flash's forward wrong in one way, through the launcher it calls."""
     import portattn_triton._autograd as autograd
 
-    real = autograd.flash_forward
+    real = autograd.forward
     calls = []
 
     def tampered(*args, **kwargs):
@@ -201,7 +205,7 @@ def _tamper(monkeypatch, how):
             lse = lse + 1e-3
         return out, lse
 
-    monkeypatch.setattr(autograd, "flash_forward", tampered)
+    monkeypatch.setattr(autograd, "forward", tampered)
 
 
 @pytest.mark.parametrize(("how", "says"), [("scaled", "max |error|"), ("unwritten", "NaN"),
@@ -216,12 +220,38 @@ def test_accuracy_catches_wrong_results(accuracy, monkeypatch, how, says):
     assert says in detail
 
 
+def test_accuracy_reads_bit_tiles_and_a_bias(accuracy):
+    case = accuracy.Case("small", (1, 4, 2, 40, 90, 32, 32),
+                         {"causal": "bottom_right", "documents": [30, 20, 40],
+                          "window_sinks": (12, 3)}, bias="heads")
+    status, detail, _ = accuracy.run_case(case, "float32", "cpu")
+    assert status == "ok", detail
+    small = accuracy.Case("g", (1, 2, 2, 64, 64, 16, 16), {"window_global": (4, [0, 40])})
+    status, detail, _ = accuracy.run_case(small, "float16", "cpu")
+    assert status == "ok", detail
+
+
+def test_documents_speed_row_on_cpu(gpu_check):
+    import timing  # bench/gpu, put on sys.path by gpu_check
+
+    name, dims, sizes = timing.DOCUMENT_SHAPES[0]
+    row = timing.time_documents(name, dims, sizes, "cpu", 64, repeats=1)
+    assert row["shape"][2] == 128
+    assert 0 < row["allowed"] < 0.5
+    for label in ("triton_flash", "triton_flash_planned", "sdpa_dense_mask"):
+        assert row[label]["seconds"] > 0, row[label]
+    assert row["sdpa_dense_mask"]["max_abs_diff"] < 1e-4
+    assert "flex_attention" in row
+
+
 def test_accuracy_cases_cross_many_tiles(accuracy):
     assert max(c.dims[4] for c in accuracy.CASES) >= 32768
     assert any(c.dims[3] != c.dims[4] and c.dims[3] > 16 for c in accuracy.CASES)
     assert {k for c in accuracy.CASES for k in c.mask} == {
-        "causal", "window", "key_lengths", "query_lengths"}
+        "causal", "window", "key_lengths", "query_lengths", "documents", "window_global",
+        "window_sinks"}
     assert any(c.softcap for c in accuracy.CASES)
+    assert any(c.bias for c in accuracy.CASES)
     assert any(c.dims[1] != c.dims[2] for c in accuracy.CASES)
 
 

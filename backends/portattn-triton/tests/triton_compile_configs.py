@@ -21,16 +21,35 @@ import sys
 import tempfile
 
 #: Kernel variants: the plain path (the deepest software pipeline, so the most shared
-#: memory) and every feature at once (the most registers: band masks, lengths,
-#: softcap, poisoned keys), with head dims that are powers of two ("all_even") and not ("all").
-_FEATURES = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
-             "HAS_QUERY_LENGTHS": True, "HAS_POISON": True, "SOFTCAP": True, "REVERSE": True}
+#: memory); the masks the kernels compute by formulas alone, with no table (band,
+#: lengths, softcap, poisoned keys: "formulas"); those with tables and bit tiles
+#: ("bits"); and every feature at once (a bias and its gradient too: "all"), each with
+#: head dims that are powers of two ("*_even") and not, in the configuration the
+#: launcher picks for it (``_configs.EXTRAS``).
+_FORMULAS = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
+             "HAS_QUERY_LENGTHS": True, "HAS_POISON": True, "SOFTCAP": True,
+             "REVERSE": True}
+_BITS = {**_FORMULAS, "HAS_BAD": True, "HAS_BITS": True, "HAS_TABLE": True}
+_FEATURES = {**_BITS, "HAS_BIAS": True, "BIAS_GRAD": True}
 VARIANTS = {
     "plain": {},
+    "formulas_even": _FORMULAS,
+    "formulas": {**_FORMULAS, "EVEN_D": False},
+    "bits_even": _BITS,
+    "bits": {**_BITS, "EVEN_D": False},
     "all_even": _FEATURES,
     "all": {**_FEATURES, "EVEN_D": False},
     "ws": {},  # the tensor-descriptor kernel with warp specialization
 }
+#: The extra (``_configs.EXTRAS``) each level of variants is launched with.
+EXTRA_OF = {"formulas": None, "bits": "bits", "all": "bias"}
+LEVELS = tuple(EXTRA_OF)
+
+
+def extra_of(variant: str) -> str | None:
+    return EXTRA_OF.get(variant.removesuffix("_even"))
+
+
 DTYPES = {"float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
 #: Kernels: the forward's three paths (pointers, tensor descriptors on sm_90 only,
 #: split-KV decode) and the two backward passes (the Delta pass is a plain elementwise
@@ -46,8 +65,8 @@ _FUNCTIONS = {"forward": ("_triton_kernel", "flash_forward_kernel"),
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 _INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
-                  "stride_dkd", "stride_dvd", "stride_dqd")
-_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison")
+                  "stride_dkd", "stride_dvd", "stride_dqd", "stride_bn")
+_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison", "Bad", "DBias")
 _DESCRIPTORS = {"DescQ": ("BLOCK_M", "BLOCK_D"), "DescK": ("BLOCK_N", "BLOCK_D"),
                 "DescV": ("BLOCK_N", "BLOCK_DV"), "DescO": ("BLOCK_M", "BLOCK_DV")}
 #: What the compiled code is searched for: PTX instructions and SASS opcodes.
@@ -62,8 +81,9 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     multiples of 16."""
     elem = DTYPES[dtype][0]
     types = {name: f"*{elem}" for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
-    types.update(dict.fromkeys(_FLOAT_POINTERS, "*fp32"))
-    types.update(KeyLengths="*i32", QueryLengths="*i32")
+    # a float32 bias, the widest (half precision inputs sum it in float32 either way)
+    types.update(dict.fromkeys((*_FLOAT_POINTERS, "Bias"), "*fp32"))
+    types.update(KeyLengths="*i32", QueryLengths="*i32", Table="*i32", Bits="*u8")
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -85,7 +105,7 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
 
 def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str = "forward"):
     """The configuration the launcher picks for this kernel and variant (an uneven
-    head dim is one below the padded size)."""
+    head dim is one below the padded size; a bias or bit tiles: the heavy one)."""
     from portattn_triton._configs import (
         Config,
         decode_config,
@@ -97,26 +117,28 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
 
     head_dim = dim if VARIANTS[variant].get("EVEN_D", True) else dim - 8
     capability = (arch // 10, arch % 10)
+    extra = extra_of(variant)
     if kernel in ("forward", "tma"):
-        return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim)
+        return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim, extra)
     if kernel == "decode":  # "plain": the fewest rows; else the most the launcher packs
         rows = 4 if variant == "plain" else decode_max_rows(DTYPES[dtype][1], dim)
-        return decode_config(capability, DTYPES[dtype][1], head_dim, head_dim, rows)
+        return decode_config(capability, DTYPES[dtype][1], head_dim, head_dim, rows, extra)
     if kernel == "delta":
         return Config(delta_rows(dim), dim, 4, 1)
-    return getattr(pick_backward_config(capability, DTYPES[dtype][1], head_dim, head_dim),
-                   kernel)
+    return getattr(pick_backward_config(capability, DTYPES[dtype][1], head_dim, head_dim,
+                                        extra), kernel)
 
 
 def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[str]:
-    """Variants worth compiling. The forward: "all_even" only where the head dim
-    changes the config (otherwise "all", with its extra masks, is the harder case for
-    the same config). The backward passes: all three (their register use does not
-    order that way), none where the launcher has no backward. The tensor-descriptor
-    and decode kernels: a representative subset (every head dim once, the features
-    and warp specialization at the common head dims), to keep the run short."""
-    from portattn_triton._configs import BACKWARD_MAX_DIM
+    """Variants worth compiling. The forward: each level uneven, and even too where the
+    head dim changes the config. The backward passes: every level even and uneven
+    (their register use does not order that way), none where the launcher has no
+    backward. The tensor-descriptor and decode kernels: a representative subset (every
+    head dim once, the levels and warp specialization at the common head dims), to keep
+    the run short. float32 above head dim 128: no bias or bit tiles (refused)."""
+    from portattn_triton._configs import BACKWARD_MAX_DIM, HEAVY_MAX_DIM_FLOAT32
 
+    levels = LEVELS if dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32 else ("formulas",)
     if kernel == "delta":  # elementwise: only the widest tiles can be a question
         return ["plain"] if dim >= 128 else []
     if kernel == "tma":  # Hopper only; uneven dims need no masks there (descriptors)
@@ -126,17 +148,22 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
             return ["plain"] if dim <= 128 else []
         if dim not in (64, 128):
             return ["plain"]
-        return ["plain", "all_even", "ws"] if dim == 128 else ["plain", "all_even"]
+        return ["plain", *(f"{level}_even" for level in levels), *(["ws"] if dim == 128
+                                                                     else [])]
     if kernel == "decode":  # the most rows and features; the fewest rows at one size
-        if dtype == "float32":  # no decode for float32 at head dim 256
-            return ["all"] if dim <= 128 else []
-        return ["plain", "all"] if dim == 128 else ["all"]
+        if dtype == "float32" and dim > 128:  # no decode for float32 at head dim 256
+            return []
+        return (["plain"] if dim == 128 and dtype != "float32" else []) + list(levels)
     if kernel != "forward":
-        return [] if dim > BACKWARD_MAX_DIM[DTYPES[dtype][1]] else ["plain", "all_even", "all"]
-    names = ["plain", "all"]
-    if (launcher_config(arch, dtype, dim, "all", kernel)
-            != launcher_config(arch, dtype, dim, "plain", kernel)):
-        names.append("all_even")
+        if dim > BACKWARD_MAX_DIM[DTYPES[dtype][1]]:
+            return []
+        return ["plain", *(v for level in levels for v in (f"{level}_even", level))]
+    names = ["plain"]
+    for level in levels:
+        names.append(level)
+        if (launcher_config(arch, dtype, dim, level, kernel)
+                != launcher_config(arch, dtype, dim, f"{level}_even", kernel)):
+            names.append(f"{level}_even")
     return names
 
 
@@ -162,6 +189,8 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": dim,
             "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
             "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "HAS_POISON": False,
+            "HAS_BAD": False, "HAS_BITS": False, "HAS_BIAS": False, "HAS_TABLE": False,
+            "BIAS_GRAD": False,
             "SOFTCAP": False,
             "REVERSE": False,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
