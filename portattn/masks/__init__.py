@@ -48,8 +48,10 @@ from ._base import (
     Mask,
     Union,
     before_creating,
+    combine_states,
     expand_to_rank,
     slice_tile,
+    tile_states,
 )
 from ._blocks import BlockMask, BlockTables, block_mask
 from ._dense import Dense, Function
@@ -99,6 +101,7 @@ __all__ = [
     "Union",
     "block_layout",
     "block_mask",
+    "combine_states",
     "causal",
     "check_range",
     "chunks",
@@ -120,6 +123,7 @@ __all__ = [
     "signed",
     "sink_tokens",
     "slice_tile",
+    "tile_states",
     "sliding_window",
     "torch_compiling",
     "values_readable",

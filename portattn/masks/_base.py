@@ -244,12 +244,13 @@ def _reduce_blocks(op: Any, values: Any, edges: Any) -> Any:
     return op.reduceat(values[..., start:int(edges[-1])], edges[:-1] - start, axis=-1)
 
 
-def tile_states(hidden: Any, full: Any) -> Any:
+def tile_states(hidden: Any, full: Any, xp: Any = None) -> Any:
     """:data:`HIDDEN` where ``hidden``, else :data:`FULL` where ``full``, else
-    :data:`PARTIAL`, as int8."""
-    import numpy as np
-
-    return np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL)).astype(np.int8)
+    :data:`PARTIAL`, as int8; in ``xp`` (NumPy by default, or a namespace with
+    NumPy's ``where``, such as ``jax.numpy`` for states built on the device)."""
+    if xp is None:
+        import numpy as xp
+    return xp.where(hidden, HIDDEN, xp.where(full, FULL, PARTIAL)).astype(xp.int8)
 
 
 def band_states(grid: Grid, lower: Any, upper: Any) -> Any:
@@ -284,21 +285,22 @@ def interval_states(q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any, q_exact: Any = T
     return tile_states(hidden, full)
 
 
-def combine_states(states: list[Any], union: bool) -> Any:
+def combine_states(states: list[Any], union: bool, xp: Any = None) -> Any:
     """The states of an intersection (smallest) or union (largest) of parts; None
-    entries stand for :data:`PARTIAL` everywhere, and so is an empty result."""
-    import numpy as np
-
+    entries stand for :data:`PARTIAL` everywhere, and so is an empty result. ``xp``
+    as in :func:`tile_states`."""
+    if xp is None:
+        import numpy as xp
     known = [s for s in states if s is not None]
     if not known:
         return None
-    pick = np.maximum if union else np.minimum
+    pick = xp.maximum if union else xp.minimum
     result = known[0]
     for s in known[1:]:
         result = pick(result, s)
     if len(known) < len(states):  # a part whose tiles are unknown: partial everywhere
         result = pick(result, PARTIAL)
-    return result.astype(np.int8)
+    return result.astype(xp.int8)
 
 
 class Mask:

@@ -85,20 +85,7 @@ def device_states(inputs: AttentionInputs, blocks: masks.BlockMask,
 
 
 def _tile_states(hidden: Any, full: Any) -> Any:
-    return jnp.where(hidden, masks.HIDDEN, jnp.where(full, masks.FULL, masks.PARTIAL)).astype(
-        jnp.int8)
-
-
-def _combine(states: list[Any], union: bool) -> Any:
-    """An intersection's (smallest) or a union's (largest) states; None is partial."""
-    known = [s for s in states if s is not None]
-    if not known:
-        return None
-    pick = jnp.maximum if union else jnp.minimum
-    result = known[0]
-    for s in known[1:]:
-        result = pick(result, s)
-    return pick(result, masks.PARTIAL) if len(known) < len(states) else result
+    return masks.tile_states(hidden, full, jnp)  # the core's rule, on the device
 
 
 def _states(mask: masks.Mask, g: _Grid) -> Any:
@@ -108,9 +95,10 @@ def _states(mask: masks.Mask, g: _Grid) -> Any:
         band = mask.band(g.grid.q_len, g.grid.kv_len)
         found = [] if band is None else [g.full_rank(jnp.asarray(band.block_states(g.grid)))]
         found += [_states(p, g) for p in mask.members if p.kind not in masks.POSITIONAL]
-        return _combine(found, union=False)
+        return masks.combine_states(found, union=False, xp=jnp)
     if mask.kind == "union":
-        return _combine([_states(p, g) for p in mask.members], union=True)
+        return masks.combine_states([_states(p, g) for p in mask.members], union=True,
+                                    xp=jnp)
     if not traced(mask):
         host = mask.block_states(g.grid)
         if host is not None:
