@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("--cases", default=None,
                         help="comma-separated accuracy case and speed shape names (all)")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated sections not to run (e.g. conformance)")
     parser.add_argument("--scale", type=int, default=CPU_SCALE,
                         help=f"--device cpu: divide sequence lengths by this ({CPU_SCALE})")
     args = parser.parse_args(argv)
@@ -472,7 +474,11 @@ def main(argv: list[str] | None = None) -> int:
                              ("memory", lambda: memory_scaling(report))]
                 if args.sweep:
                     sections.append(("sweep", lambda: run_sweep(report)))
+        skipped = set(filter(None, args.skip.split(",")))
         for name, run in sections:
+            if name in skipped:
+                print(f"{name}: skipped (--skip)")
+                continue
             started = time.perf_counter()
             print(f"{name}:")
             try:

@@ -245,6 +245,14 @@ def _flex_attention(ids: Any, length: int, device: str) -> Any:
     return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
 
 
+def autotuned_configs() -> list[dict[str, Any]]:
+    """The block sizes ``autotune=True`` chose so far, per kind of call."""
+    from portattn_triton import _autotune
+
+    return [{"kind": repr(kind), "config": str(config)}
+            for kind, config in _autotune._chosen.items()]
+
+
 def run(report: Any, device: str, scale: int = 1, autotune: bool = True,
         repeats: int = 20, shapes: list | None = None,
         documents: list | None = None) -> None:
@@ -267,8 +275,10 @@ def run(report: Any, device: str, scale: int = 1, autotune: bool = True,
         variants: dict[str, dict[str, Any]] = {"triton_flash": {}}
         if device == "cuda" and not name.startswith("decode"):
             variants["triton_flash_pointer"] = {"path": "pointer"}
-            if name == "forward_full" and autotune:
+            if autotune:  # both paths at their best, to choose each one's default blocks
                 variants["triton_flash_autotuned"] = {"autotune": True}
+                variants["triton_flash_pointer_autotuned"] = {"path": "pointer",
+                                                              "autotune": True}
         row = time_shape(name, _scaled(dims, scale), causal, device, variants, repeats)
         report.figure("speed", **row)
         ours = row.get("triton_flash", {})
@@ -288,3 +298,5 @@ def run(report: Any, device: str, scale: int = 1, autotune: bool = True,
                 print(f"    below target: {name} x{ratio:.2f} against {target[0]} "
                       f"(target x{target[1]})")
         report.check("speed", name, "ok", detail)
+    if autotune and device == "cuda":
+        report.figure("autotuned", configs=autotuned_configs())

@@ -15,11 +15,11 @@ recompilation limit per code object, and one shared function would fall back to 
 unfused eager path once a process had met more than 8 kinds of calls. Within our
 calls the limit is :data:`RECOMPILE_LIMIT`, for what a kind does not foresee.
 
-On the CPU, Python ints are specialised and the tensors the mask reads are static
-(see ``_flex_mods``): there a mask holding arrays as long as the call (packed
-documents, dense masks, block layouts, global tokens) or a bias compiles once per
-length; masks without such arrays (causal, windows, chunks, sink tokens, padding
-lengths) reuse one compilation for every length.
+Python ints are specialised (a kind fixes the mask's ints; see ``_flex_mods``). On the
+CPU the tensors the mask reads are static too: there a mask holding arrays as long as
+the call (packed documents, dense masks, block layouts, global tokens) or a bias
+compiles once per length; masks without such arrays (causal, windows, chunks, sink
+tokens, padding lengths) reuse one compilation for every length.
 
 Every compilation is counted (:func:`compilations`) and logged at INFO level on the
 ``portattn`` logger, naming the kind of call.
@@ -64,8 +64,8 @@ def compiled_flex(kind: Hashable, label: str) -> Callable[..., Any]:
     """The compiled ``flex_attention`` for calls of ``kind`` (built on first use; it
     compiles on its first call). ``label`` names the kind in the log. The entry takes
     ``(query, key, value, score_mod, block_mask, scale, enable_gqa, lse)`` with 4-D
-    tensors and returns ``(out, lse or None)``; ``block_mask`` may also be the
-    ``(tables, mask_mod, block)`` to build it from. Call it within
+    tensors and returns ``(out, lse or None)``; ``block_mask`` is the ``(tables,
+    mask_mod, block, with_q_blocks)`` to build flex's ``BlockMask`` from. Call it within
     :func:`compile_settings`."""
     entry = _entries.get(kind)
     if entry is None:
@@ -84,11 +84,11 @@ def _new_entry(index: int, label: str) -> Callable[..., Any]:
 
     def call(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any,
              scale: float, enable_gqa: bool, lse: bool) -> tuple[Any, Any]:
-        if isinstance(block_mask, tuple):  # built here: its lengths are the tensors'
-            tables, mask_mod, block = block_mask
-            block_mask = flex.BlockMask.from_kv_blocks(
-                *tables, BLOCK_SIZE=block, mask_mod=mask_mod,
-                seq_lengths=(query.shape[-2], key.shape[-2]), compute_q_blocks=False)
+        # built here: its lengths are the tensors' (symbolic), not specialised ints
+        tables, mask_mod, block, with_q_blocks = block_mask
+        block_mask = flex.BlockMask.from_kv_blocks(
+            *tables, BLOCK_SIZE=block, mask_mod=mask_mod,
+            seq_lengths=(query.shape[-2], key.shape[-2]), compute_q_blocks=with_q_blocks)
         if not lse:
             out = flex.flex_attention(query, key, value, score_mod=score_mod,
                                       block_mask=block_mask, scale=scale,
@@ -143,20 +143,18 @@ def _counting_backend(label: str) -> Callable[..., Any]:
     return backend
 
 
-def compile_settings(static_ints: bool, grad: bool) -> Any:
-    """The dynamo settings of a compiled call: Python floats (the scale, a softcap)
-    static, with ``static_ints`` (the CPU) Python ints too, and room for
-    :data:`RECOMPILE_LIMIT` graphs per kind. Not while torch.compile traces a caller:
-    its own settings hold there. With ``grad``, dynamo's tracing reads ``.grad`` of
-    non-leaf inputs (projections of a model's activations), which warns: not the
-    caller's to act on."""
+def compile_settings(grad: bool) -> Any:
+    """The dynamo settings of a compiled call: Python floats (the scale, a softcap) and
+    ints (the mask's) static, and room for :data:`RECOMPILE_LIMIT` graphs per kind. Not
+    while torch.compile traces a caller: its own settings hold there. With ``grad``,
+    dynamo's tracing reads ``.grad`` of non-leaf inputs (projections of a model's
+    activations), which warns: not the caller's to act on."""
     import torch
 
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    settings = {"specialize_float": True, "recompile_limit": RECOMPILE_LIMIT}
-    if static_ints:
-        settings["specialize_int"] = True
+    settings = {"specialize_float": True, "specialize_int": True,
+                "recompile_limit": RECOMPILE_LIMIT}
     config = torch._dynamo.config
     patch = config.patch(**{k: v for k, v in settings.items() if hasattr(config, k)})
     return _non_leaf_grad_ignored(patch) if grad else patch

@@ -237,7 +237,7 @@ def flex_attention(inputs: AttentionInputs, block: int) -> tuple[Any, Any]:
         k, v, bad_keys = bad_key_scores(inputs, k, v)
     bias = None if inputs.bias is None else _flat_bias(inputs.bias, batch)
     alibi = None if inputs.alibi_slopes is None else _alibi(inputs)
-    # torch's CPU template: no symbol may reach the mods (see _flex_mods)
+    # torch's CPU template: no tensor's size may reach the mods (see _flex_mods)
     static = inputs.device == "cpu"
     block_mask, counts_shape, captured = block_mask_of(inputs, block, static)
     static_shapes = None
@@ -250,7 +250,7 @@ def flex_attention(inputs: AttentionInputs, block: int) -> tuple[Any, Any]:
     kind = (*_kind(inputs, bad_keys is not None, block),
             _specialised((q, k, v), counts_shape), static_shapes)
     entry = compiled_flex(kind, _label(inputs))
-    with compile_settings(static_ints=static, grad=inputs.requires_grad):
+    with compile_settings(grad=inputs.requires_grad):
         out, lse = entry(q, k, v, score_mod, block_mask, inputs.scale,
                          inputs.num_heads != inputs.num_kv_heads, inputs.return_lse)
     out = out.reshape(*lead, inputs.value_head_dim)

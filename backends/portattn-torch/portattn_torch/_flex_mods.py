@@ -10,13 +10,16 @@
   can be read) join through one ``score_mod``. The bias is read at ``[b, h, q, k]`` with index
   0 on its broadcast axes, so it is never expanded or copied.
 
-torch's CPU flex template (seen in torch 2.13) emits C++ that names symbolic sizes by
-string replacement, and a symbol reaching ``mask_mod`` or ``score_mod`` (a Python int
-made dynamic, the length of a captured tensor in an index or a bounds check) can come
-out misspelt: the C++ then does not compile. On the CPU no symbol reaches them: the
-call's lengths enter as 0-d tensors, the tensors they read are marked static, and
-Python ints are specialised (``_flex_compile``). The ``BlockMask`` is then built
-inside the compiled function, from the query's and key's (symbolic) lengths.
+No symbol may reach ``mask_mod`` or ``score_mod``. Inductor lowers a Python int made
+dynamic there badly (torch 2.11 on CUDA: ``'ShapeAsConstantBuffer' object has no
+attribute 'dtype'`` for ``sequence_window(6)``), and torch's CPU flex template (seen in
+torch 2.13) names symbolic sizes in its C++ by string replacement, so a symbol there
+(also the length of a captured tensor in an index or a bounds check) can come out
+misspelt. So the call's lengths enter as 0-d tensors and Python ints are specialised
+(``_flex_compile``; a kind of call fixes the mask's ints anyway); on the CPU the
+tensors the mods read are marked static too. The ``BlockMask`` is built inside the
+compiled function, from the query's and key's (symbolic) lengths: built outside, its
+lengths would be specialised ints and every length would compile again.
 """
 
 from __future__ import annotations
@@ -42,22 +45,14 @@ _tables: weakref.WeakKeyDictionary[PortableBlockMask, dict] = weakref.WeakKeyDic
 
 def block_mask_of(inputs: AttentionInputs, block: int,
                   static: bool) -> tuple[Any, tuple[int, ...], list[Any]]:
-    """What the compiled call takes as its block mask, the shape of its block counts
-    ``(B | 1, H | 1, n_q_blocks)``, and the tensors its ``mask_mod`` reads (marked
-    static with ``static``, the CPU). The block mask is flex's ``BlockMask`` (with the
-    transposed tables when gradients will flow), or with ``static`` the ``(tables,
-    mask_mod, block)`` it is built from inside the compiled function."""
+    """What the compiled call builds flex's ``BlockMask`` from, ``(tables, mask_mod,
+    block, with_q_blocks)`` (the transposed tables when gradients will flow), the shape
+    of its block counts ``(B | 1, H | 1, n_q_blocks)``, and the tensors its ``mask_mod``
+    reads (marked static with ``static``, the CPU)."""
     tables = _device_tables(inputs.blocks(block, block), inputs)
     mask_mod, captured = (None, []) if inputs.mask is None else _mask_mod(inputs, static)
     shape = tuple(tables[0].shape)
-    if static:
-        return (tables, mask_mod, block), shape, captured
-    from torch.nn.attention.flex_attention import BlockMask
-
-    block_mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                          seq_lengths=(inputs.q_len, inputs.kv_len),
-                                          compute_q_blocks=inputs.requires_grad)
-    return block_mask, shape, captured
+    return (tables, mask_mod, block, inputs.requires_grad), shape, captured
 
 
 def _device_tables(form: PortableBlockMask, inputs: AttentionInputs) -> tuple[Any, ...]:

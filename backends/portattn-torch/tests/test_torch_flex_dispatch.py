@@ -140,3 +140,25 @@ def test_on_the_cpu_a_mask_holding_length_sized_arrays_compiles_once_per_length(
     assert _flex_compile.compilations() == before + 1
     _run(120, documents)
     assert _flex_compile.compilations() == before + 2
+
+
+def test_a_mask_int_never_reaches_flex_as_a_symbol(monkeypatch):
+    # Off the CPU the tensors the mask reads are not static. A window's int made dynamic
+    # there failed inductor's lowering (torch 2.11, CUDA); ints are specialised, and a
+    # kind still compiles once for every length.
+    from portattn_torch import _flex_kernel
+
+    as_on_a_device = _flex_kernel.block_mask_of
+    monkeypatch.setattr(_flex_kernel, "block_mask_of",
+                        lambda inputs, block, static: as_on_a_device(inputs, block, False))
+
+    def window(length):
+        return masks.sequence_window(6, 0, query_lengths=torch.tensor([length]),
+                                     key_lengths=torch.tensor([length - 5]))
+
+    before = _flex_compile.compilations()
+    _run(70, window)
+    assert _flex_compile.compilations() == before + 1
+    for length in (90, 130):
+        _run(length, window)
+    assert _flex_compile.compilations() == before + 1
