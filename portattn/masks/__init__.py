@@ -58,6 +58,7 @@ from ._dense import Dense, Function
 from ._documents import Documents, ids_from_cu_seqlens
 from ._lengths import KeyLengths, Prefix, QueryLengths
 from ._ranges import KeyRanges, QueryRanges, SequenceWindow
+from ._show import show, text
 from ._sparse import BlockLayout, Chunks, GlobalTokens, SinkTokens
 from ._values import (
     check_range,
@@ -120,11 +121,13 @@ __all__ = [
     "query_ranges",
     "sequence_causal",
     "sequence_window",
+    "show",
     "signed",
     "sink_tokens",
     "slice_tile",
     "tile_states",
     "sliding_window",
+    "text",
     "torch_compiling",
     "values_readable",
 ]
