@@ -38,10 +38,17 @@ def _requiring(modules: tuple[str, ...]) -> Callable[[dict[str, Any]], None]:
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
         if missing:
             pytest.skip(f"the examples on this page need {', '.join(missing)}")
+        _as_script(namespace)
     return setup
 
 
-_sybils = [Sybil(PARSERS, patterns=["*.md"], excludes=[*NEEDS, "_build/*"], name="docs")]
+def _as_script(namespace: dict[str, Any]) -> None:
+    """A page runs as a script does: ``if __name__ == "__main__":`` blocks run."""
+    namespace["__name__"] = "__main__"
+
+
+_sybils = [Sybil(PARSERS, patterns=["*.md"], excludes=[*NEEDS, "_build/*"],
+                 setup=_as_script, name="docs")]
 _sybils += [Sybil(PARSERS, patterns=[page], setup=_requiring(mods), name=page)
             for page, mods in NEEDS.items()]
 
