@@ -132,3 +132,15 @@ def test_masked_everywhere_gives_zero_and_minus_inf():
     out, lse = check(None, mask=masks.documents(ids), batch=(1,))
     assert torch.equal(out[..., 30:, :], torch.zeros_like(out[..., 30:, :]))
     assert torch.isneginf(lse[..., 30:]).all()
+
+
+@pytest.mark.parametrize("path", ["pointer", "decode"])
+def test_one_mask_over_many_calls_follows_its_tensors(path):
+    # tables and bit tiles are shared across calls while the tensors are unchanged
+    lq = 70 if path == "pointer" else 3
+    ids = torch.arange(70) // 9
+    mask = masks.causal() & masks.documents(ids[70 - lq:], ids)  # the last lq queries
+    check(None, path=path, lq=lq, mask=mask)
+    check(None, path=path, lq=lq, mask=mask)
+    ids[:] = torch.arange(70) // 25  # changed in place: new tables
+    check(None, path=path, lq=lq, mask=mask)

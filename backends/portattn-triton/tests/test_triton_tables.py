@@ -135,6 +135,59 @@ def test_shared_tables_for_masks_without_arrays():
     first = plan_for(q, q, causal="bottom_right").grid(16, 16)
     again = plan_for(q, q, mask=masks.causal()).grid(16, 16)
     assert first is again
-    ids = torch.zeros(50, dtype=torch.int64)
+
+
+def _bits_of(grid):
+    """The grid's bit tiles, unpacked, by the tile they belong to."""
+    bits = np.unpackbits(grid.bits.numpy(), axis=-1, bitorder="little")
+    return {tuple(c): bits[i] for i, c in enumerate(grid.coords.tolist())}
+
+
+def test_a_mask_of_unchanged_tensors_shares_its_tables_across_calls():
+    # one batch's mask, called by every layer of a model: built once
+    q = torch.empty(1, 2, 50, 16)
+    memory = torch.arange(60) // 15
+    ids = memory[:50]
+    first = plan_for(q, q, mask=masks.causal() & masks.documents(ids)).grid(16, 16)
+    again = plan_for(q, q, mask=masks.causal() & masks.documents(ids)).grid(16, 16)
+    assert again is first
+    assert plan_for(q, q, mask=masks.documents(ids)).grid(16, 16) is not first
+    assert plan_for(q, q, mask=masks.causal() & masks.documents(memory[10:])).grid(
+        16, 16) is not first  # another view of the same memory: its own tables
+
+
+def test_tensors_changed_in_place_or_new_give_new_tables():
+    q = torch.empty(1, 1, 48, 16)
+    ids = torch.arange(48) // 20
+
+    def grid(of):
+        g = plan_for(q, q, mask=masks.documents(of)).grid(16, 16)
+        g.rows, g.bits  # built now, from the values the tensor holds now
+        return g
+
+    first = grid(ids)
+    ids[:] = torch.arange(48) // 7  # through torch: its version counter moves
+    changed = grid(ids)
+    assert changed is not first
+    fresh = grid(torch.arange(48) // 7)
+    assert fresh is not changed
+    assert _bits_of(changed).keys() == _bits_of(fresh).keys()
+    for tile, bits in _bits_of(fresh).items():
+        np.testing.assert_array_equal(_bits_of(changed)[tile], bits)
+
+
+def test_masks_not_held_across_calls_build_their_own_tables():
+    q = torch.empty(1, 1, 40, 16)
+    with torch.inference_mode():  # no version counter to tell a change by
+        ids = torch.arange(40) // 9
     assert plan_for(q, q, mask=masks.documents(ids)).grid(16, 16) is not \
         plan_for(q, q, mask=masks.documents(ids)).grid(16, 16)
+    small = masks.dense(torch.rand(1, 1, 40, 40) < 0.5)
+    assert _plan_grid(q, small) is _plan_grid(q, small)
+    # a view of more memory than HELD_BYTES, which a shared grid would keep alive
+    big = masks.dense((torch.rand(700, 40, 40) < 0.5)[:1, None])
+    assert _plan_grid(q, big) is not _plan_grid(q, big)
+
+
+def _plan_grid(q, mask):
+    return plan_for(q, q, mask=mask).grid(16, 16)
