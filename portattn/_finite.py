@@ -1,6 +1,6 @@
 """The output check for kernels that are exact only on finite inputs.
 
-The README's rule for non-finite inputs (masked positions never reach the result; a
+The rule for non-finite inputs (docs/semantics.md) (masked positions never reach the result; a
 row that attends a non-finite value is NaN) costs a fused kernel work on every call,
 so a kernel may declare ``finite_inputs_only`` instead. A hidden NaN or inf then
 reaches its weights-times-values product as ``0 * NaN``, so its output holds NaN or

@@ -69,7 +69,7 @@ class Kernel:
     """Exact only on finite inputs (a hidden NaN may reach the output as ``0 * NaN``).
     On the CPU dispatch then checks the output of each call whose mask or bias can hide
     anything, and the inputs of those that need gradients, and runs a call that fails
-    again on a kernel that follows the README's rule for non-finite inputs; a forced
+    again on a kernel that follows the rule for non-finite inputs (docs/semantics.md); a forced
     kernel raises ``KernelNotUsableError`` for it. Where
     :attr:`AttentionInputs.values_readable` is False nothing is checked: a kernel that
     wants the rule there keeps it itself."""

@@ -1,6 +1,6 @@
 """The rule for non-finite inputs, for kernels that cannot keep it inside their loops.
 
-The rule (README, "Semantics at the edges"): masked positions never reach the result,
+The rule (docs/semantics.md): masked positions never reach the result,
 and a row that attends a non-finite key or value (one its mask lets it see) is NaN. A
 library kernel such as SDPA gives a hidden key weight 0, but ``0 * NaN`` is NaN, so a
 hidden NaN there reaches the row. A kernel keeps the rule around such a call, with no

@@ -14,7 +14,7 @@ __all__ = ["Causal", "SlidingWindow"]
 class _Positional(Mask):
     """Masks defined by query/key positions only: everything follows from the band.
 
-    ``shift`` moves the query positions further; it is how :meth:`restrict` keeps a
+    ``shift`` moves the query positions further; it is how :meth:`Mask.restrict` keeps a
     sub-problem aligned with the whole.
     """
 

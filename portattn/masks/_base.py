@@ -127,7 +127,7 @@ class Band:
         return allowed
 
     def block_states(self, grid: Grid) -> Any:
-        """The state of every tile of ``grid`` (see :func:`band_states`)."""
+        """The state of every tile of ``grid`` (see ``band_states``)."""
         return band_states(grid, self.lower, self.upper)
 
     def allows(self, q: Any, k: Any) -> Any:
@@ -384,7 +384,7 @@ class Mask:
         (values that cannot be read now): every tile then counts as partial.
 
         Built from the structure (and the host copies of small arrays) in time
-        proportional to the number of tiles; what :mod:`portattn.masks.blocks` reads."""
+        proportional to the number of tiles; what :func:`~portattn.masks.block_mask` reads."""
         return None
 
     def key_range(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
@@ -645,7 +645,7 @@ def along(xp: Any, a: Any, rank: int, axis: int) -> Any:
 class Aligned(Mask):
     """A kind defined by absolute positions, bottom-right aligned: key ``j`` sits at
     ``j + origin`` and query ``i`` at ``i + Lk - Lq + shift + origin``. ``shift`` and
-    ``origin`` are 0 for a whole call; :meth:`restrict` sets them so a sub-problem
+    ``origin`` are 0 for a whole call; :meth:`Mask.restrict` sets them so a sub-problem
     keeps the positions it had in the whole."""
 
     shift: int

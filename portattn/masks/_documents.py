@@ -8,7 +8,7 @@ training on packed batches.
 Skipping the tiles across documents needs the ids' values: when the mask is bound to a
 call whose ids can be read, their host copies give each batch element's tiles (a tile
 whose key ids all lie outside the range of its query ids is hidden, a tile of one
-document needs no mask), and a :class:`DocumentPlan` keeps, per position, the smallest
+document needs no mask), and a ``DocumentPlan`` keeps, per position, the smallest
 and largest id over the batch for the single-tile questions. Traced or lazy ids get
 neither: every tile is visited, which stays correct.
 """

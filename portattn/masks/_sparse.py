@@ -239,7 +239,7 @@ class BlockLayout(Aligned):
     origin: int = 0
     batch_shape: tuple[int, ...] | None = field(default=None, compare=False)
     cut: bool = False
-    """Cut from a larger call by :meth:`restrict` (its layout is the whole's)."""
+    """Cut from a larger call by :meth:`Mask.restrict` (its layout is the whole's)."""
 
     def __post_init__(self) -> None:
         check_array(self.layout, "block_layout", "a boolean array")
