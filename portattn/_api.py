@@ -27,14 +27,18 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
-    Shapes: ``query (..., Hq, Lq, D)``, ``key (..., Hkv, Lk, D)``,
-    ``value (..., Hkv, Lk, Dv)``; the output is ``(..., Hq, Lq, Dv)``. ``Hq`` must be
-    a multiple of ``Hkv`` (grouped-query attention; K/V are never copied per head).
+    The namespace of the arrays decides which library runs; the best installed kernel
+    that can honour the call runs it (:func:`explain` says which). ``Hq`` must be a
+    multiple of ``Hkv`` (grouped-query attention; keys and values are never copied per
+    head).
 
     Args:
+        query: ``(..., Hq, Lq, D)``.
+        key: ``(..., Hkv, Lk, D)``.
+        value: ``(..., Hkv, Lk, Dv)``.
         mask: a :mod:`portattn.masks` mask (``causal()``, ``sliding_window(...)``,
-            ``key_lengths(...)``, ... combined with ``&``) or a boolean array (True =
-            attend). Fully masked rows give 0 and a log-sum-exp of ``-inf``.
+            ``key_lengths(...)``, ... combined with ``&`` and ``|``) or a boolean array
+            (True = attend). Fully masked rows give 0 and a log-sum-exp of ``-inf``.
         bias: float array added to the scores, broadcastable to ``(..., Hq, Lq, Lk)``.
         scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``.
         softcap: scores become ``softcap * tanh(s / softcap)`` (after scaling, before
@@ -65,7 +69,41 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
         kernel: run this kernel by name instead of choosing one.
 
     Returns:
-        ``out``, or a tuple ``(out, lse, weights)`` holding only the requested parts.
+        ``out`` ``(..., Hq, Lq, Dv)`` in the dtype of ``query``; with ``return_lse`` or
+        ``return_weights``, a tuple ``(out, lse, weights)`` holding only the requested
+        parts, in that order.
+
+    Raises:
+        TypeError: an argument has the wrong type or dtype, or the arrays come from
+            different libraries.
+        ValueError: shapes, head counts or option values do not fit together.
+        ~portattn.errors.NoKernelError: no installed kernel can honour the call.
+        ~portattn.errors.KernelNotUsableError: the kernel forced by name cannot run it
+            (:class:`~portattn.errors.UnknownKernelError` when no kernel has that name).
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> rng = np.random.default_rng(0)
+        >>> q = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> k = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> v = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> out, lse = portattn.attention(q, k, v, mask=masks.causal(), return_lse=True)
+        >>> out.shape, lse.shape, out.dtype
+        ((1, 2, 8, 4), (1, 2, 8), dtype('float32'))
+
+        Under the causal mask the first query sees only the first key, so its output
+        is that key's value:
+
+        >>> bool(np.allclose(out[..., 0, :], v[..., 0, :]))
+        True
+
+        Grouped-query attention: four query heads share two key/value heads.
+
+        >>> q4 = rng.standard_normal((1, 4, 8, 4), dtype=np.float32)
+        >>> portattn.attention(q4, k, v).shape
+        (1, 4, 8, 4)
     """
     options = {"mask": mask, "bias": bias, "scale": scale, "softcap": softcap,
                "return_lse": return_lse, "return_weights": return_weights,
@@ -90,7 +128,37 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
 
 def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
     """The kernel :func:`attention` would run with these arguments, and why the others
-    would not; computes nothing."""
+    would not; computes nothing.
+
+    Args:
+        query: as for :func:`attention`.
+        key: as for :func:`attention`.
+        value: as for :func:`attention`.
+        **kwargs: any keyword argument of :func:`attention`, ``kernel`` included.
+
+    Returns:
+        A :class:`~portattn.Plan`: ``plan.kernel`` is the chosen kernel's entry (None
+        when no kernel fits), ``plan.candidates`` every kernel with its reasons, and
+        ``str(plan)`` a report of both.
+
+    Raises:
+        TypeError: as :func:`attention` does for the same arguments.
+        ValueError: as :func:`attention` does for the same arguments.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
+        >>> plan = portattn.explain(q, q, q, mask=masks.causal(), kernel="tiled")
+        >>> plan.kernel.name
+        'tiled'
+        >>> print(str(plan).splitlines()[0])
+        kernel: tiled (portattn 0.1.0) (forced: tiled)
+        >>> plan = portattn.explain(q, q, q, return_weights=True, kernel="tiled")
+        >>> print(plan.kernel)
+        None
+    """
     kernel = kwargs.pop("kernel", None)
     query, key, value = to_kernel_layout(kwargs.get("layout", "bhld"), query, key, value)
     return select(describe(query, key, value, **kwargs), kernel)
@@ -119,9 +187,43 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
                                  scale: float | None = None, enable_gqa: bool = False) -> Any:
     """``torch.nn.functional.scaled_dot_product_attention`` semantics on any library.
 
-    ``is_causal`` is top-left aligned; a boolean ``attn_mask`` is True where attention
-    is allowed; a float ``attn_mask`` is added to the scores. Unlike torch, ``attn_mask``
-    and ``is_causal`` may be combined.
+    Unlike torch, ``attn_mask`` and ``is_causal`` may be combined.
+
+    Args:
+        query: ``(..., Hq, Lq, D)``.
+        key: ``(..., Hkv, Lk, D)``.
+        value: ``(..., Hkv, Lk, Dv)``.
+        attn_mask: a boolean array (True = attend), a float array added to the
+            scores, or torch's ``CausalBias`` (``causal_upper_left`` /
+            ``causal_lower_right``); broadcastable to ``(..., Hq, Lq, Lk)``.
+        dropout_p: dropout on the weights; only kernels backed by a random generator
+            accept it.
+        is_causal: hide keys ``j > i`` from query ``i`` (top-left aligned, as torch).
+        scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``.
+        enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``).
+
+    Returns:
+        The output ``(..., Hq, Lq, Dv)``.
+
+    Raises:
+        ValueError: ``Hq != Hkv`` without ``enable_gqa``, or a ``CausalBias`` together
+            with ``is_causal`` or for other lengths than the call's.
+        TypeError: ``attn_mask`` is neither boolean nor real floating.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> rng = np.random.default_rng(0)
+        >>> q = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> k = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> v = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> out = portattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> out.shape
+        (1, 2, 8, 4)
+        >>> allowed = np.tril(np.ones((8, 8), dtype=bool))
+        >>> same = portattn.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        >>> bool(np.allclose(out, same, atol=1e-6))
+        True
     """
     q_heads, kv_heads = _heads(query, "query"), _heads(key, "key")
     if min(q_heads, kv_heads) >= 0 and q_heads != kv_heads and not enable_gqa:

@@ -33,8 +33,38 @@ __all__ = ["KVCache"]
 class KVCache:
     """Keys ``(*batch, Hkv, capacity, D)`` and values ``(*batch, Hkv, capacity, Dv)``.
 
-    One cache serves one attention layer; all batch elements share one length.
-    Use :meth:`empty` (or ``MultiHeadAttention.new_cache``) to make one.
+    One cache serves one attention layer; all batch elements share one length (a
+    :meth:`ragged` cache keeps one per sequence). Use :meth:`empty` (or
+    ``MultiHeadAttention.new_cache``) to make one. Pickling and ``copy.deepcopy``
+    work (to send a cache to another process, or branch it for beam search).
+
+    Args:
+        key_buffer: ``(*batch, Hkv, capacity, D)``; the cache writes into it.
+        value_buffer: ``(*batch, Hkv, capacity, Dv)``, same library, device and dtype.
+        length: positions already filled, in ``[0, capacity]``.
+
+    Raises:
+        ValueError: the shapes do not fit together, or ``length`` is out of range.
+        TypeError: the buffers differ in dtype, library or device.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> cache = portattn.KVCache.empty(1, 2, 4, capacity=16)
+        >>> rng = np.random.default_rng(0)
+        >>> k = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> v = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> q = rng.standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> keys, values = cache.append(k[..., :6, :], v[..., :6, :])   # the prompt
+        >>> keys, values = cache.append(k[..., 6:7, :], v[..., 6:7, :])  # one new token
+        >>> keys.shape, cache.length
+        ((1, 2, 7, 4), 7)
+        >>> step = portattn.attention(q[..., 6:7, :], keys, values, mask=cache.mask(1))
+        >>> full = portattn.attention(q[..., :7, :], k[..., :7, :], v[..., :7, :],
+        ...                           mask=masks.causal())
+        >>> bool(np.allclose(step, full[..., 6:7, :], atol=1e-6))
+        True
     """
 
     def __init__(self, key_buffer: Any, value_buffer: Any, length: int = 0) -> None:
@@ -73,9 +103,36 @@ class KVCache:
     def ragged(cls, key_buffer: Any, value_buffer: Any, lengths: Any) -> KVCache:
         """A cache whose sequence ``b`` holds its first ``lengths[b]`` positions.
 
-        ``lengths`` is an integer array with the batch shape, values in
-        ``[0, capacity]``; it is read once here (the longest sequence sets how many
-        positions :attr:`keys` returns).
+        :meth:`append` then writes sequence ``b``'s new positions at ``lengths[b]``,
+        and :meth:`mask` aligns the causal mask to each sequence's own length.
+
+        Args:
+            key_buffer: ``(*batch, Hkv, capacity, D)``.
+            value_buffer: ``(*batch, Hkv, capacity, Dv)``.
+            lengths: integer array with the batch shape, values in ``[0, capacity]``;
+                read once here (the longest sequence sets how many positions
+                :attr:`keys` returns).
+
+        Returns:
+            The ragged cache.
+
+        Raises:
+            ValueError: ``lengths`` is not an integer array of the batch shape, or a
+                value lies outside ``[0, capacity]``.
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import KVCache, masks
+            >>> buf = np.zeros((2, 1, 8, 4), dtype=np.float32)
+            >>> cache = KVCache.ragged(buf, buf.copy(), np.array([3, 5]))
+            >>> cache.length, cache.keys.shape
+            (5, (2, 1, 5, 4))
+            >>> new = np.ones((2, 1, 1, 4), dtype=np.float32)
+            >>> keys, values = cache.append(new, new)
+            >>> cache.lengths.tolist(), keys.shape
+            ([4, 6], (2, 1, 6, 4))
+            >>> print(masks.text(cache.mask(1), 1, 6, batch=0))
+            ####..
         """
         cache = cls(key_buffer, value_buffer)
         xp = cache._xp
@@ -103,9 +160,23 @@ class KVCache:
         return self._lengths
 
     def mask(self, num_queries: int) -> Any:
-        """The mask for ``num_queries`` new queries against :attr:`keys`: bottom-right
-        causal, or for a ragged cache causal aligned to each sequence's own length
-        (its padding past ``lengths[b]`` hidden)."""
+        """The mask for ``num_queries`` new queries against :attr:`keys`.
+
+        Args:
+            num_queries: how many new queries attend (the positions just appended).
+
+        Returns:
+            ``masks.causal()`` (bottom-right aligned); for a ragged cache
+            ``masks.sequence_causal``, aligned to each sequence's own length, with its
+            padding past ``lengths[b]`` hidden.
+
+        Example:
+            >>> from portattn import KVCache, masks
+            >>> cache = KVCache.empty(1, 1, 4, capacity=8)
+            >>> print(masks.text(cache.mask(2), 2, 5))
+            ####.
+            #####
+        """
         from . import masks
 
         if self._lengths is None:
@@ -118,7 +189,30 @@ class KVCache:
     def empty(cls, batch_shape: int | tuple[int, ...], num_kv_heads: int, head_dim: int,
               capacity: int, *, value_head_dim: int | None = None, xp: Any = None,
               dtype: Any = "float32", device: Any = None) -> KVCache:
-        """A cache of ``capacity`` positions in library ``xp`` (NumPy when None)."""
+        """An empty cache (length 0) of zeros.
+
+        Args:
+            batch_shape: the batch dims, an int or a tuple (``()`` for none).
+            num_kv_heads: key/value heads ``Hkv``.
+            head_dim: key head dimension ``D``.
+            capacity: positions to hold, at least 1.
+            value_head_dim: value head dimension ``Dv``; defaults to ``head_dim``.
+            xp: the array namespace (or an array of that library); NumPy when None.
+            dtype: a dtype or its name.
+            device: where to allocate; the library's default when None.
+
+        Returns:
+            A :class:`KVCache` with keys ``(*batch, Hkv, capacity, D)`` and values
+            ``(*batch, Hkv, capacity, Dv)``.
+
+        Raises:
+            ValueError: a size is not an int, or is below its minimum.
+
+        Example:
+            >>> from portattn import KVCache
+            >>> KVCache.empty((2,), 4, 8, capacity=32, value_head_dim=16)
+            KVCache(shape=(2, 4, 32, 8), value_head_dim=16, length=0, dtype=float32)
+        """
         xp = namespace(xp)
         batch = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
         for i, b in enumerate(batch):
@@ -135,6 +229,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        """Positions the buffers hold."""
         return self._key.shape[-2]
 
     @property
@@ -155,8 +250,31 @@ class KVCache:
     def append(self, key: Any, value: Any) -> tuple[Any, Any]:
         """Store ``n`` new positions; return all keys and values filled so far.
 
-        ``key`` is ``(*batch, Hkv, n, D)`` and ``value`` ``(*batch, Hkv, n, Dv)``.
-        Raises ``ValueError`` when the cache has no room for them (nothing is written).
+        Args:
+            key: ``(*batch, Hkv, n, D)``, in the cache's library, device and dtype.
+            value: ``(*batch, Hkv, n, Dv)``.
+
+        Returns:
+            ``(keys, values)``: :attr:`keys` and :attr:`values` after the write.
+
+        Raises:
+            ValueError: the shapes do not fit the cache, or the cache has no room for
+                ``n`` more positions (nothing is written).
+            TypeError: a dtype, library or device differs from the cache's.
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import KVCache
+            >>> cache = KVCache.empty(1, 2, 4, capacity=4)
+            >>> new = np.ones((1, 2, 3, 4), dtype=np.float32)
+            >>> keys, values = cache.append(new, new)
+            >>> keys.shape
+            (1, 2, 3, 4)
+            >>> try:
+            ...     cache.append(new, new)
+            ... except ValueError as e:
+            ...     print(str(e).split(";")[0])
+            KVCache overflow: appending 3 positions at length=3 needs 6 > capacity=4
         """
         from array_api_extra import at
 
