@@ -33,6 +33,24 @@ __all__ = ["GROUP", "Gradients", "attach_for", "flash_backward", "flash_forward"
 
 
 def flash_forward(inputs: AttentionInputs) -> tuple[Any, Any]:
-    """``(out, lse)`` of the tiled kernel; ``lse`` is ``(..., Hq, Lq)`` in the compute
-    dtype (float32 for half-precision inputs), always computed."""
+    """``(out, lse)`` of the tiled kernel, the forward an autograd plugin records.
+
+    Args:
+        inputs: the call's :class:`~portattn.kernel.AttentionInputs`.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(..., Hq, Lq, Dv)`` and ``lse`` ``(..., Hq, Lq)`` in
+        the compute dtype (float32 for half-precision inputs), always computed.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> from portattn.autograd import flash_forward
+        >>> q = np.random.default_rng(0).standard_normal((1, 2, 8, 4))
+        >>> inputs = portattn.explain(q, q, q, mask=masks.causal(), kernel="tiled").inputs
+        >>> out, lse = flash_forward(inputs)
+        >>> out.shape, lse.shape
+        ((1, 2, 8, 4), (1, 2, 8))
+    """
     return tiled_attention(inputs)

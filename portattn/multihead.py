@@ -46,8 +46,18 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
     With ``value_context``, ``w_v`` is ``(d_value_context, num_kv_heads * dv)``.
 
     Args:
+        x: ``(..., L, d_model)``, the queries' input (and the keys' and values' for
+            self-attention).
+        w_q: ``(d_model, num_heads * head_dim)``.
+        w_k: ``(d_context, num_kv_heads * head_dim)``.
+        w_v: ``(d_context, num_kv_heads * dv)``.
+        w_o: ``(num_heads * dv, d_out)``.
         num_heads: query heads; ``w_q.shape[1]`` must be divisible by it.
         num_kv_heads: key/value heads (default ``num_heads``); must divide ``num_heads``.
+        b_q: optional bias of the query projection, ``(num_heads * head_dim,)``.
+        b_k: optional bias of the key projection.
+        b_v: optional bias of the value projection.
+        b_o: optional bias of the output projection, ``(d_out,)``.
         context: ``(..., S, d_context)``; keys and values come from it instead of ``x``
             (cross-attention). Same library, device and dtype as ``x``.
         value_context: ``(..., S, d_value_context)``; values come from it instead of
@@ -65,6 +75,35 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
             ``masks.causal()`` (bottom-right aligned) a step over new tokens equals the
             matching rows of a causal pass over the whole sequence. A ragged cache
             (:meth:`KVCache.ragged`) takes ``mask=None`` and applies its own mask.
+
+    Returns:
+        ``(..., L, d_out)``, in ``x``'s library and dtype.
+
+    Raises:
+        ValueError: shapes, head counts or feature sizes do not fit together, or
+            ``cache`` comes with ``context`` (or a ragged cache with a mask).
+        TypeError: an array differs from ``x`` in library, device or dtype.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.standard_normal((1, 8, 16), dtype=np.float32)
+        >>> w_q, w_o = (rng.standard_normal((16, 16), dtype=np.float32) for _ in range(2))
+        >>> w_k, w_v = (rng.standard_normal((16, 8), dtype=np.float32) for _ in range(2))
+        >>> y = portattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=4,
+        ...                                   num_kv_heads=2, mask=masks.causal())
+        >>> y.shape
+        (1, 8, 16)
+
+        The last position attends the whole sequence, so it does not depend on the
+        mask:
+
+        >>> full = portattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=4,
+        ...                                      num_kv_heads=2)
+        >>> bool(np.allclose(y[:, -1], full[:, -1], atol=1e-5))
+        True
     """
     xp, dev = namespace_of(x, "x", 2)
     arrays = {"w_q": w_q, "w_k": w_k, "w_v": w_v, "w_o": w_o, "b_q": b_q, "b_k": b_k,
@@ -171,10 +210,49 @@ def _merge_heads(xp: Any, a: Any) -> Any:
 class MultiHeadAttention:
     """A multi-head attention layer holding its weights in any library.
 
-    ``layer(x, context=None, mask=None, cache=None)`` is
-    :func:`multi_head_attention` with the layer's weights. Make one from a seed with
-    :meth:`init` or from arrays with the constructor; ``portattn_torch`` converts it
-    from and to a torch ``nn.MultiheadAttention``.
+    ``layer(x, context=None, mask=None, cache=None, *, value_context=None, bias=None)``
+    is :func:`multi_head_attention` with the layer's weights, and takes the same
+    arguments. Make one from a seed with :meth:`init` or from arrays with the
+    constructor; ``portattn_torch`` converts it from and to a torch
+    ``nn.MultiheadAttention``.
+
+    Args:
+        w_q: ``(d_model, num_heads * head_dim)``; the other weights and biases as in
+            :func:`multi_head_attention`, all in ``w_q``'s library, device and dtype.
+        w_k: ``(d_context, num_kv_heads * head_dim)``.
+        w_v: ``(d_value_context, num_kv_heads * dv)``.
+        w_o: ``(num_heads * dv, d_out)``.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (default ``num_heads``); must divide ``num_heads``.
+        b_q: optional bias of the query projection.
+        b_k: optional bias of the key projection.
+        b_v: optional bias of the value projection.
+        b_o: optional bias of the output projection.
+        scale: score scale, default ``1/sqrt(head_dim)``.
+        kernel: force an attention kernel by name.
+
+    Raises:
+        ValueError: shapes and head counts do not fit together.
+        TypeError: an array differs from ``w_q`` in library, device or dtype.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import MultiHeadAttention, masks
+        >>> layer = MultiHeadAttention.init(16, num_heads=4, num_kv_heads=2, seed=0)
+        >>> layer.num_heads, layer.num_kv_heads, layer.head_dim
+        (4, 2, 4)
+        >>> x = np.random.default_rng(0).standard_normal((1, 8, 16), dtype=np.float32)
+        >>> y = layer(x, mask=masks.causal())
+        >>> y.shape
+        (1, 8, 16)
+
+        Decoding with a cache gives the rows of the causal pass:
+
+        >>> cache = layer.new_cache(1, capacity=8)
+        >>> first = layer(x[:, :5], mask=masks.causal(), cache=cache)
+        >>> step = layer(x[:, 5:6], mask=masks.causal(), cache=cache)
+        >>> bool(np.allclose(step, y[:, 5:6], atol=1e-5))
+        True
     """
 
     def __init__(self, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
@@ -204,9 +282,37 @@ class MultiHeadAttention:
         """A layer with Xavier-uniform weights and zero biases.
 
         The weights come from ``numpy.random.default_rng(seed)``, so a seed gives the
-        same layer in every library; they are then placed in ``xp`` (NumPy when None)
-        on ``device`` in ``dtype``. ``kdim`` and ``vdim`` (default ``d_model``) are the
-        feature sizes of the keys' and the values' inputs, as in torch.
+        same layer in every library.
+
+        Args:
+            d_model: feature size of the input and the output; a multiple of
+                ``num_heads`` (``head_dim = d_model // num_heads``).
+            num_heads: query heads.
+            num_kv_heads: key/value heads (default ``num_heads``).
+            kdim: feature size of the keys' input (default ``d_model``), as in torch.
+            vdim: feature size of the values' input (default ``d_model``).
+            bias: whether the layer has (zero) projection biases.
+            seed: the NumPy generator's seed.
+            xp: the array namespace to place the weights in; NumPy when None.
+            device: where to place them; the library's default when None.
+            dtype: a dtype or its name.
+            scale: score scale, default ``1/sqrt(head_dim)``.
+            kernel: force an attention kernel by name.
+
+        Returns:
+            The :class:`MultiHeadAttention` layer.
+
+        Raises:
+            ValueError: a size is not a positive int, or ``d_model`` is not divisible
+                by ``num_heads``.
+
+        Example:
+            >>> from portattn import MultiHeadAttention
+            >>> layer = MultiHeadAttention.init(32, 8, 2, bias=False)
+            >>> layer.head_dim, layer.num_kv_heads, sorted(layer.params)
+            (4, 2, ['w_k', 'w_o', 'w_q', 'w_v'])
+            >>> layer.params["w_k"].shape
+            (32, 8)
         """
         import numpy as np
 
@@ -241,14 +347,32 @@ class MultiHeadAttention:
 
     @property
     def device(self) -> Any:
+        """The device of the weights."""
         return safe_device(self.params["w_q"])
 
     @property
     def dtype(self) -> Any:
+        """The dtype of the weights."""
         return self.params["w_q"].dtype
 
     def to(self, xp: Any = None, *, device: Any = None, dtype: Any = None) -> MultiHeadAttention:
-        """A copy of the layer with its weights in ``xp`` (NumPy when None)."""
+        """A copy of the layer with its weights in another library, device or dtype.
+
+        Args:
+            xp: the array namespace to move the weights to; NumPy when None.
+            device: the device to place them on; the library's default when None.
+            dtype: the new dtype (or its name); unchanged when None.
+
+        Returns:
+            A new :class:`MultiHeadAttention`; this one is left as it was.
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import MultiHeadAttention
+            >>> layer = MultiHeadAttention.init(16, 4)
+            >>> layer.to(np, dtype="float64")
+            MultiHeadAttention(d_model=16, num_heads=4, head_dim=4, bias=True, dtype=float64)
+        """
         ns = namespace(xp)
         params = {n: place(a, ns, device=device, dtype=dtype) for n, a in self.params.items()}
         return type(self)(**params, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -263,7 +387,21 @@ class MultiHeadAttention:
                                     scale=self.scale, kernel=self.kernel, cache=cache)
 
     def new_cache(self, batch_shape: int | tuple[int, ...], capacity: int) -> KVCache:
-        """An empty :class:`portattn.KVCache` for this layer's keys and values."""
+        """An empty :class:`portattn.KVCache` for this layer's keys and values.
+
+        Args:
+            batch_shape: the batch dims of the inputs, an int or a tuple.
+            capacity: positions to hold.
+
+        Returns:
+            A cache in the layer's library, device and dtype, with its key/value heads
+            and head dims.
+
+        Example:
+            >>> from portattn import MultiHeadAttention
+            >>> MultiHeadAttention.init(16, 4, 2).new_cache(3, capacity=10)
+            KVCache(shape=(3, 2, 10, 4), value_head_dim=4, length=0, dtype=float32)
+        """
         from .kv_cache import KVCache
 
         return KVCache.empty(batch_shape, self.num_kv_heads, self.head_dim, capacity,

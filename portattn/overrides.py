@@ -22,6 +22,16 @@ __all__ = ["KernelOverrides", "kernel_overrides"]
 
 
 class KernelOverrides(NamedTuple):
+    """The kernel choices in force for a call, as plain data.
+
+    Example:
+        >>> from portattn import disable_kernels
+        >>> from portattn.overrides import kernel_overrides
+        >>> with disable_kernels("reference"):
+        ...     print(sorted(kernel_overrides().disabled))
+        ['reference']
+    """
+
     forced: str | None
     """The kernel a call without ``kernel=`` must run: ``use_kernel``, else
     ``PORTATTN_KERNEL``; None when dispatch chooses freely."""
@@ -31,6 +41,18 @@ class KernelOverrides(NamedTuple):
 
 
 def kernel_overrides() -> KernelOverrides:
-    """The overrides in force here and now (this thread's context managers)."""
+    """The overrides in force here and now (this thread's context managers).
+
+    Returns:
+        A :class:`KernelOverrides`: the kernel forced by ``use_kernel`` (else by
+        ``PORTATTN_KERNEL``, else None) and those ``disable_kernels`` removes.
+
+    Example:
+        >>> from portattn import use_kernel
+        >>> from portattn.overrides import kernel_overrides
+        >>> with use_kernel("tiled"):
+        ...     print(kernel_overrides().forced)
+        tiled
+    """
     forced, disabled = current_overrides()
     return KernelOverrides(forced or forced_by_environment(), disabled)
