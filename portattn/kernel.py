@@ -40,7 +40,29 @@ def _listed(values: Any) -> str:
 
 
 class Kernel:
-    """Base class of attention kernels. Defaults support nothing optional."""
+    """Base class of attention kernels. Defaults support nothing optional.
+
+    A subclass declares its capabilities as class data and implements :meth:`run`;
+    a plugin registers it under the entry-point group ``portattn.kernels``, with the
+    entry point named like :attr:`name`.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn.kernel import Kernel
+        >>> class MyKernel(Kernel):
+        ...     name = "my_kernel"
+        ...     namespaces = frozenset({"numpy"})
+        ...     devices = frozenset({"cpu"})
+        ...     dtypes = frozenset({"float32"})
+        ...     masks = frozenset({"causal"})
+        ...     def run(self, inputs):
+        ...         ...
+        >>> q = np.zeros((1, 2, 8, 4))
+        >>> inputs = portattn.explain(q, q, q, return_lse=True).inputs
+        >>> MyKernel.not_supported_reasons(inputs)
+        ['dtype=float64 (supported: float32)', 'return_lse not supported']
+    """
 
     name: ClassVar[str] = ""
     namespaces: ClassVar[frozenset[str] | str] = frozenset()
@@ -90,30 +112,63 @@ class Kernel:
 
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
+        """Every declared capability (:attr:`CAPABILITIES`) by name, as plain data.
+
+        Returns:
+            A dict from capability name to the class's value.
+
+        Example:
+            >>> from portattn.kernel import Kernel
+            >>> Kernel.capabilities()["head_dim"]
+            (1, None)
+        """
         return {c: getattr(cls, c) for c in cls.CAPABILITIES}
 
     @classmethod
     def tuned(cls, setting: str) -> Any:
-        """The value of ``setting`` (one of :attr:`tunables`) measured fastest on this
-        machine; None without a usable tune file or a measurement of it."""
+        """The value of a setting measured fastest on this machine.
+
+        Args:
+            setting: one of :attr:`tunables`.
+
+        Returns:
+            The winning value; None without a usable tune file or a measurement of it.
+        """
         return _settings.value(cls.name, setting)
 
     @classmethod
     def available(cls) -> str | None:
-        """None when the kernel can run here, else why not (cached per class)."""
+        """Whether the kernel can run here at all (cached per class).
+
+        Returns:
+            None when it can, else why not (from :meth:`check_available`).
+        """
         if "_availability" not in cls.__dict__:
             cls._availability = cls.check_available()
         return cls._availability
 
     @classmethod
     def check_available(cls) -> str | None:
-        """Override: import the library, look for a device. Called once."""
+        """Override: import the library, look for a device. Called once.
+
+        Returns:
+            None when the kernel can run here, else why not, as one short reason
+            (``"unavailable: cupy is not installed"``).
+        """
         return None
 
     @classmethod
     def target_reasons(cls, inputs: AttentionInputs) -> list[str]:
         """Why the call's library or device is not one this kernel declares (dispatch
-        asks a kernel nothing else, not even its availability, until this is empty)."""
+        asks a kernel nothing else, not even its availability, until this is empty).
+
+        Args:
+            inputs: the call's description.
+
+        Returns:
+            One reason per mismatch (``"namespace=torch (supported: numpy)"``); empty
+            when both fit.
+        """
         reasons: list[str] = []
         if cls.namespaces != ANY and inputs.namespace not in cls.namespaces:
             reasons.append(f"namespace={inputs.namespace} (supported: {_listed(cls.namespaces)})")
@@ -127,7 +182,15 @@ class Kernel:
 
         The answer must follow from the description alone (library, device, dtype,
         shapes, mask structure, options), never from array values or memory layout:
-        dispatch remembers it for calls that repeat that description.
+        dispatch remembers it for calls that repeat that description. Plugins extend
+        it (``reasons = super().not_supported_reasons(inputs)``, then append).
+
+        Args:
+            inputs: the call's description.
+
+        Returns:
+            One short lower-case fact per reason (``"head_dim=320 > 256"``); empty when
+            the kernel can run the call.
         """
         reasons = cls.target_reasons(inputs)
         if inputs.dtype not in cls.dtypes:
@@ -171,11 +234,28 @@ class Kernel:
     def notes(cls, inputs: AttentionInputs) -> list[str]:
         """What a caller should know before this kernel runs ``inputs`` (it compiles,
         it copies, ...), from the description alone; :func:`portattn.explain` shows it
-        for the chosen kernel. Never asked by :func:`portattn.attention`."""
+        for the chosen kernel. Never asked by :func:`portattn.attention`.
+
+        Args:
+            inputs: the call's description.
+
+        Returns:
+            Short sentences; empty by default.
+        """
         return []
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        """Compute ``(out, lse, weights)``, with None for what was not asked."""
+        """Compute the attention the inputs describe.
+
+        Args:
+            inputs: the call's description; ``inputs.return_lse`` and
+                ``inputs.return_weights`` say what to return besides ``out``.
+
+        Returns:
+            ``(out, lse, weights)``, with None for what was not asked: ``out``
+            ``(..., Hq, Lq, Dv)`` in the input dtype, ``lse`` ``(..., Hq, Lq)``,
+            ``weights`` ``(..., Hq, Lq, Lk)``.
+        """
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -37,9 +37,31 @@ BLOCK = 256
 
 
 def clear_keys(xp: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
-    """``(key, value, bad)``: ``key`` ``(..., Hkv, Lk, D)`` and ``value`` with every key
-    row that holds a NaN or inf (in the key or its value) set to 0 in both, and
-    ``bad`` ``(..., Hkv, Lk)``, True on those rows."""
+    """Set every key row that holds a NaN or inf (in the key or its value) to 0 in
+    both arrays.
+
+    Args:
+        xp: the array namespace of ``key`` and ``value``.
+        key: ``(..., Hkv, Lk, D)``.
+        value: ``(..., Hkv, Lk, Dv)``.
+
+    Returns:
+        ``(key, value, bad)``: the cleared copies, and ``bad`` ``(..., Hkv, Lk)``,
+        True on the rows that were cleared.
+
+    Example:
+        >>> import numpy as np
+        >>> from array_api_compat import array_namespace
+        >>> from portattn.nonfinite import clear_keys
+        >>> key = np.ones((1, 1, 3, 2))
+        >>> value = np.ones((1, 1, 3, 2))
+        >>> value[0, 0, 1, 0] = np.inf
+        >>> key, value, bad = clear_keys(array_namespace(key), key, value)
+        >>> bad.tolist()
+        [[[False, True, False]]]
+        >>> value[0, 0].tolist()
+        [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    """
     bad = xp.logical_not(xp.logical_and(xp.all(xp.isfinite(key), axis=-1),
                                          xp.all(xp.isfinite(value), axis=-1)))
     column = bad[..., None]
@@ -48,8 +70,29 @@ def clear_keys(xp: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
 
 
 def rows_seeing(inputs: AttentionInputs, bad: Any) -> Any:
-    """Boolean ``(..., Hq, Lq)``: the query rows that ``inputs.mask`` lets attend a key
-    ``bad`` marks (``(..., Hkv, Lk)``, as :func:`clear_keys` gives it)."""
+    """The query rows that ``inputs.mask`` lets attend a key ``bad`` marks.
+
+    Read from the mask's block form: never an ``Lq x Lk`` array, and nothing read on
+    the host.
+
+    Args:
+        inputs: the call's :class:`~portattn.kernel.AttentionInputs`.
+        bad: boolean ``(..., Hkv, Lk)``, as :func:`clear_keys` gives it.
+
+    Returns:
+        Boolean ``(..., Hq, Lq)``.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> from portattn.nonfinite import rows_seeing
+        >>> q = np.zeros((1, 1, 4, 2))
+        >>> inputs = portattn.explain(q, q, q, mask=masks.causal()).inputs
+        >>> bad = np.array([[[False, False, True, False]]])
+        >>> rows_seeing(inputs, bad).tolist()
+        [[[False, False, True, True]]]
+    """
     xp = inputs.xp
     group = inputs.group_size
     dtype = inputs.compute_dtype
@@ -85,8 +128,25 @@ def rows_seeing(inputs: AttentionInputs, bad: Any) -> Any:
 
 
 def poison(xp: Any, out: Any, rows: Any) -> Any:
-    """``out`` ``(..., Hq, Lq, Dv)`` with the ``rows`` (``(..., Hq, Lq)``, or any shape
-    that broadcasts) multiplied by NaN."""
+    """Multiply the chosen rows of an output by NaN.
+
+    Args:
+        xp: the array namespace of ``out``.
+        out: ``(..., Hq, Lq, Dv)``.
+        rows: boolean ``(..., Hq, Lq)``, or any shape that broadcasts to it.
+
+    Returns:
+        ``out`` with those rows NaN (the others unchanged).
+
+    Example:
+        >>> import numpy as np
+        >>> from array_api_compat import array_namespace
+        >>> from portattn.nonfinite import poison
+        >>> out = np.ones((1, 1, 3, 2))
+        >>> rows = np.array([[[False, True, False]]])
+        >>> np.isnan(poison(array_namespace(out), out, rows))[0, 0, :, 0].tolist()
+        [False, True, False]
+    """
     if math.prod(out.shape) == 0:
         return out
     nan = xp.full((), math.nan, dtype=out.dtype, device=_device(xp, out))
