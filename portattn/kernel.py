@@ -44,7 +44,7 @@ class Kernel:
 
     A subclass declares its capabilities as class data and implements :meth:`run`;
     a plugin registers it under the entry-point group ``portattn.kernels``, with the
-    entry point named like :attr:`name`.
+    entry point named like ``name``.
 
     Example:
         >>> import numpy as np

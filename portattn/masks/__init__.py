@@ -140,7 +140,32 @@ form and :meth:`Mask.tile` takes them all."""
 
 
 def causal(alignment: str = "bottom_right") -> Causal:
-    """Query at position ``p`` attends keys ``j <= p`` (see module doc for alignment)."""
+    """Query at position ``p`` attends keys ``j <= p``.
+
+    With ``"bottom_right"`` query ``i`` sits at ``p = i + Lk - Lq`` (the last query sees
+    every key; a decoding step's convention); with ``"top_left"`` at ``p = i`` (torch's
+    ``is_causal``). The two coincide when ``Lq == Lk``.
+
+    Args:
+        alignment: ``"bottom_right"`` or ``"top_left"``.
+
+    Returns:
+        A :class:`Causal` mask.
+
+    Raises:
+        ValueError: another ``alignment``.
+
+    Example:
+        >>> from portattn import masks
+        >>> print(masks.text(masks.causal(), 3, 5))
+        ###..
+        ####.
+        #####
+        >>> print(masks.text(masks.causal("top_left"), 3, 5))
+        #....
+        ##...
+        ###..
+    """
     before_creating()
     return Causal(alignment)
 
@@ -150,40 +175,165 @@ def sliding_window(left: int | None, right: int | None = 0) -> SlidingWindow:
 
     Both ends are inclusive; ``None`` leaves that side unbounded, so
     ``sliding_window(None, 0)`` equals ``causal()``.
+
+    Args:
+        left: keys visible before the query's position (an int >= 0, or None).
+        right: keys visible after it (an int >= 0, or None); 0 keeps it causal.
+
+    Returns:
+        A :class:`SlidingWindow` mask.
+
+    Raises:
+        ValueError: ``left`` or ``right`` is neither None nor an int >= 0.
+
+    Example:
+        >>> from portattn import masks
+        >>> print(masks.text(masks.sliding_window(1, 1), 5, 5))
+        ##...
+        ###..
+        .###.
+        ..###
+        ...##
     """
     before_creating()
     return SlidingWindow(left, right)
 
 
 def key_lengths(lengths: Any) -> KeyLengths:
-    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
+    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding (right padding).
+
+    Args:
+        lengths: integer array with the batch shape of the call, values in ``[0, Lk]``.
+
+    Returns:
+        A :class:`KeyLengths` mask.
+
+    Raises:
+        TypeError: ``lengths`` is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.key_lengths(np.array([2, 4]))
+        >>> print(masks.text(mask, 2, 5, batch=0))
+        ##...
+        ##...
+        >>> print(masks.text(mask, 2, 5, batch=1))
+        ####.
+        ####.
+    """
     before_creating()
     return KeyLengths(lengths)
 
 
 def query_lengths(lengths: Any) -> QueryLengths:
-    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked (output 0)."""
+    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked (output 0).
+
+    Args:
+        lengths: integer array with the batch shape of the call, values in ``[0, Lq]``.
+
+    Returns:
+        A :class:`QueryLengths` mask.
+
+    Raises:
+        TypeError: ``lengths`` is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.query_lengths(np.array([2])), 4, 4))
+        ####
+        ####
+        ....
+        ....
+    """
     before_creating()
     return QueryLengths(lengths)
 
 
 def dense(allowed: Any) -> Dense:
-    """An explicit boolean mask (True = attend), broadcastable to ``(..., Hq, Lq, Lk)``."""
+    """An explicit boolean mask (True = attend).
+
+    Kernels read it through the block form like any other kind, but it costs an
+    ``Lq x Lk`` array; prefer a structured kind where one fits.
+
+    Args:
+        allowed: boolean array broadcastable to ``(..., Hq, Lq, Lk)``.
+
+    Returns:
+        A :class:`Dense` mask.
+
+    Raises:
+        TypeError: ``allowed`` is not a boolean array.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> allowed = np.array([[True, False, True], [False, True, False]])
+        >>> print(masks.text(masks.dense(allowed), 2, 3))
+        #.#
+        .#.
+    """
     before_creating()
     return Dense(allowed)
 
 
 def key_ranges(start: Any, stop: Any) -> KeyRanges:
-    """Batch element ``b`` attends keys ``start[b] <= j < stop[b]`` only (left padding:
-    ``start`` = number of pad tokens, ``stop`` = ``Lk``). Integer arrays with the batch
-    shape, values in ``[0, Lk]``."""
+    """Batch element ``b`` attends keys ``start[b] <= j < stop[b]`` only.
+
+    Left padding is ``start`` = number of pad tokens, ``stop`` = ``Lk``.
+
+    Args:
+        start: integer array with the batch shape, values in ``[0, Lk]``.
+        stop: integer array with the batch shape, values in ``[0, Lk]``.
+
+    Returns:
+        A :class:`KeyRanges` mask.
+
+    Raises:
+        TypeError: ``start`` or ``stop`` is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.key_ranges(np.array([2]), np.array([5])), 3, 5))
+        ..###
+        ..###
+        ..###
+    """
     before_creating()
     return KeyRanges(start, stop)
 
 
 def query_ranges(start: Any, stop: Any) -> QueryRanges:
     """Queries outside ``start[b] <= i < stop[b]`` are padding: their rows are fully
-    masked (output 0)."""
+    masked (output 0).
+
+    Args:
+        start: integer array with the batch shape, values in ``[0, Lq]``.
+        stop: integer array with the batch shape, values in ``[0, Lq]``.
+
+    Returns:
+        A :class:`QueryRanges` mask.
+
+    Raises:
+        TypeError: ``start`` or ``stop`` is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.query_ranges(np.array([1]), np.array([3]))
+        >>> print(mask, masks.text(mask, 4, 4), sep="\\n")
+        query_ranges(shape=(1,))
+        ....
+        ####
+        ####
+        ....
+    """
     before_creating()
     return QueryRanges(start, stop)
 
@@ -196,6 +346,35 @@ def sequence_window(left: int | None, right: int | None = 0, *, query_lengths: A
     query_lengths[b]`` and attends ``p - left <= j <= p + right``; queries
     ``i >= query_lengths[b]`` and keys ``j >= key_lengths[b]`` are padding. With equal
     lengths everywhere this is :func:`sliding_window` and :func:`key_lengths`.
+
+    Args:
+        left: keys visible before the query's position (an int >= 0, or None).
+        right: keys visible after it (an int >= 0, or None).
+        query_lengths: integer array with the batch shape, values in ``[0, Lq]``.
+        key_lengths: integer array with the batch shape, values in ``[0, Lk]``.
+
+    Returns:
+        The intersection of the window with :func:`query_lengths` and
+        :func:`key_lengths`.
+
+    Raises:
+        ValueError: ``left`` or ``right`` is neither None nor an int >= 0.
+        TypeError: a length is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.sequence_window(1, 0, query_lengths=np.array([2, 3]),
+        ...                              key_lengths=np.array([4, 5]))
+        >>> print(masks.text(mask, 3, 5, batch=0))
+        .##..
+        ..##.
+        .....
+        >>> print(masks.text(mask, 3, 5, batch=1))
+        .##..
+        ..##.
+        ...##
     """
     before_creating()
     return Intersection((SequenceWindow(query_lengths, key_lengths, left, right),
@@ -204,8 +383,27 @@ def sequence_window(left: int | None, right: int | None = 0, *, query_lengths: A
 
 def sequence_causal(query_lengths: Any, key_lengths: Any) -> Mask:
     """Causal attention aligned to each sequence's own lengths (flash-attn's varlen
-    ``causal=True``): ``sequence_window(None, 0, ...)``. Decoding a batch of caches of
-    different lengths is ``sequence_causal(ones, cache_lengths)``."""
+    ``causal=True``): ``sequence_window(None, 0, ...)``.
+
+    Decoding a batch of caches of different lengths is
+    ``sequence_causal(ones, cache_lengths)``.
+
+    Args:
+        query_lengths: integer array with the batch shape, values in ``[0, Lq]``.
+        key_lengths: integer array with the batch shape, values in ``[0, Lk]``.
+
+    Returns:
+        The mask :func:`sequence_window` gives.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.sequence_causal(np.array([1, 1]), np.array([3, 5]))
+        >>> print(masks.text(mask, 1, 5, batch=0))
+        ###..
+        >>> print(masks.text(mask, 1, 5, batch=1))
+        #####
+    """
     return sequence_window(None, 0, query_lengths=query_lengths, key_lengths=key_lengths)
 
 
@@ -213,75 +411,242 @@ def documents(segment_ids: Any, key_segment_ids: Any = None) -> Documents:
     """Packed sequences: query ``i`` attends key ``j`` only when their segment ids are
     equal; negative ids are padding and attend nothing.
 
-    ``segment_ids`` is ``(*batch, Lq)`` or ``(Lq,)``; ``key_segment_ids`` (default: the
-    same array, for ``Lq == Lk``) is ``(*batch, Lk)`` or ``(Lk,)``. Combine with
-    ``causal()`` for causal packed training.
+    Combine with ``causal()`` for causal packed training.
+
+    Args:
+        segment_ids: integer array ``(*batch, Lq)`` or ``(Lq,)``.
+        key_segment_ids: integer array ``(*batch, Lk)`` or ``(Lk,)``; defaults to
+            ``segment_ids`` (for ``Lq == Lk``).
+
+    Returns:
+        A :class:`Documents` mask.
+
+    Raises:
+        TypeError: an argument is not an integer array.
+        ValueError: its shape is neither ``(L,)`` nor ``(*batch, L)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.documents(np.array([0, 0, 1, 1, -1])), 5, 5))
+        ##...
+        ##...
+        ..##.
+        ..##.
+        .....
     """
     before_creating()
     return Documents(segment_ids, segment_ids if key_segment_ids is None else key_segment_ids)
 
 
 def documents_from_cu_seqlens(cu_seqlens: Any, length: int) -> Documents:
-    """:func:`documents` from cumulative lengths ``(*batch, n + 1)`` or ``(n + 1,)``
-    (flash-attn's ``cu_seqlens``): document ``d`` holds positions
-    ``cu_seqlens[d] <= j < cu_seqlens[d + 1]`` of a row of ``length`` tokens; positions
-    past the last document are padding."""
+    """:func:`documents` from cumulative lengths (flash-attn's ``cu_seqlens``).
+
+    Document ``d`` holds positions ``cu_seqlens[d] <= j < cu_seqlens[d + 1]`` of a row
+    of ``length`` tokens; positions past the last document are padding.
+
+    Args:
+        cu_seqlens: integer array ``(*batch, n + 1)`` or ``(n + 1,)``, starting at 0 and
+            non-decreasing.
+        length: tokens per row (``L``).
+
+    Returns:
+        A :class:`Documents` mask.
+
+    Raises:
+        ValueError: ``cu_seqlens`` is not an integer array of cumulative lengths.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.documents_from_cu_seqlens(np.array([0, 2, 5]), 6), 6, 6))
+        ##....
+        ##....
+        ..###.
+        ..###.
+        ..###.
+        ......
+    """
     before_creating()
     ids = ids_from_cu_seqlens(cu_seqlens, length)
     return Documents(ids, ids)
 
 
 def prefix(lengths: Any) -> Prefix:
-    """The first ``lengths[b]`` positions of batch element ``b`` attend each other in
-    both directions: queries and keys at positions ``< lengths[b]``. A prefix-LM (T5,
-    PaliGemma) is ``causal() | prefix(lengths)``; ``lengths`` has the batch shape."""
+    """The first ``lengths[b]`` positions of batch element ``b`` attend each other in both
+    directions: queries and keys at positions ``< lengths[b]``.
+
+    A prefix-LM (T5, PaliGemma) is ``causal() | prefix(lengths)``.
+
+    Args:
+        lengths: integer array with the batch shape.
+
+    Returns:
+        A :class:`Prefix` mask.
+
+    Raises:
+        TypeError: ``lengths`` is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.causal() | masks.prefix(np.array([3])), 5, 5))
+        ###..
+        ###..
+        ###..
+        ####.
+        #####
+    """
     before_creating()
     return Prefix(lengths)
 
 
 def sink_tokens(count: int) -> SinkTokens:
     """The first ``count`` keys are visible to every query (StreamingLLM's attention
-    sinks): ``causal() & (sliding_window(w) | sink_tokens(4))``."""
+    sinks).
+
+    Args:
+        count: number of sink keys, an int >= 0.
+
+    Returns:
+        A :class:`SinkTokens` mask.
+
+    Raises:
+        ValueError: ``count`` is not an int >= 0.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.causal() & (masks.sliding_window(1) | masks.sink_tokens(1))
+        >>> print(masks.text(mask, 5, 5))
+        #....
+        ##...
+        ###..
+        #.##.
+        #..##
+    """
     before_creating()
     return SinkTokens(count)
 
 
 def global_tokens(positions: Any) -> GlobalTokens:
     """Tokens at ``positions`` see every key and are seen by every query (Longformer,
-    BigBird): ``sliding_window(256, 256) | global_tokens(positions)``. ``positions`` is
-    ``(n,)`` or ``(*batch, n)`` integers in ``[0, Lk)``; negative entries are unused."""
+    BigBird): ``sliding_window(256, 256) | global_tokens(positions)``.
+
+    Args:
+        positions: integer array ``(n,)`` or ``(*batch, n)``, values in ``[0, Lk)``;
+            negative entries are unused.
+
+    Returns:
+        A :class:`GlobalTokens` mask.
+
+    Raises:
+        TypeError: ``positions`` is not an array; a wrong dtype, shape or value
+            raises when the mask meets a call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.sliding_window(1, 1) | masks.global_tokens(np.array([0]))
+        >>> print(masks.text(mask, 5, 5))
+        #####
+        ###..
+        ####.
+        #.###
+        #..##
+    """
     before_creating()
     return GlobalTokens(positions)
 
 
 def chunks(size: int) -> Chunks:
     """Query and key attend only inside the same chunk of ``size`` positions (Llama 4's
-    chunked attention: ``causal() & chunks(8192)``)."""
+    chunked attention: ``causal() & chunks(8192)``).
+
+    Args:
+        size: positions per chunk, an int >= 1.
+
+    Returns:
+        A :class:`Chunks` mask.
+
+    Raises:
+        ValueError: ``size`` is not an int >= 1.
+
+    Example:
+        >>> from portattn import masks
+        >>> print(masks.text(masks.causal() & masks.chunks(2), 5, 5))
+        #....
+        ##...
+        ..#..
+        ..##.
+        ....#
+    """
     before_creating()
     return Chunks(size)
 
 
 def block_layout(layout: Any, block_q: int, block_k: int | None = None) -> BlockLayout:
-    """One boolean per pair of position blocks: query at position ``p`` attends key
-    ``j`` when ``layout[..., p // block_q, j // block_k]`` (BigBird's random blocks, the
-    Sparse Transformer's strided patterns). ``layout`` is ``(R, C)`` or broadcastable to
-    ``(*batch, H, R, C)`` with ``R = ceil(Lk / block_q)``, ``C = ceil(Lk / block_k)``;
-    ``block_k`` defaults to ``block_q``."""
+    """One boolean per pair of position blocks (BigBird's random blocks, the Sparse
+    Transformer's strided patterns).
+
+    Query at position ``p`` attends key ``j`` when
+    ``layout[..., p // block_q, j // block_k]``.
+
+    Args:
+        layout: boolean array ``(R, C)`` or broadcastable to ``(*batch, H, R, C)`` with
+            ``R = ceil(Lk / block_q)``, ``C = ceil(Lk / block_k)``.
+        block_q: positions per row block, an int >= 1.
+        block_k: positions per column block; defaults to ``block_q``.
+
+    Returns:
+        A :class:`BlockLayout` mask.
+
+    Raises:
+        TypeError: ``layout`` is not a boolean array.
+        ValueError: a block size is not an int >= 1, or the layout's shape does not
+            fit the call.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> layout = np.array([[True, False], [True, True]])
+        >>> print(masks.text(masks.block_layout(layout, 2), 4, 4))
+        ##..
+        ##..
+        ####
+        ####
+    """
     before_creating()
     return BlockLayout(layout, block_q, block_q if block_k is None else block_k)
 
 
 def function(fn: Callable[[Any, Any, Any, Any], Any]) -> Function:
-    """Pairs for which ``fn(b, h, q_idx, kv_idx)`` is True (FlexAttention's
-    ``mask_mod``): ``b`` the flat batch index, ``h`` the query head, ``q_idx`` and
-    ``kv_idx`` array indices, all integer arrays of the call's library that broadcast
-    together. Write ``fn`` with operators and that library's functions; it is evaluated
-    tile by tile, and its block form is built once per call shape and kept on the mask
-    (reuse one mask object across calls and layers; build a new one when what ``fn``
-    reads changes).
+    """Pairs for which ``fn(b, h, q_idx, kv_idx)`` is True (FlexAttention's ``mask_mod``).
 
-    >>> from portattn import masks
-    >>> causal_in_docs = masks.function(lambda b, h, q, k: (q >= k) & (q // 64 == k // 64))
+    ``fn`` is evaluated tile by tile, and its block form is built once per call shape
+    and kept on the mask: reuse one mask object across calls and layers, and build a new
+    one when what ``fn`` reads changes.
+
+    Args:
+        fn: a callable of ``b`` (the flat batch index), ``h`` (the query head), ``q_idx``
+            and ``kv_idx`` (array indices), all integer arrays of the call's library that
+            broadcast together; written with operators and that library's functions, it
+            returns a boolean array.
+
+    Returns:
+        A :class:`Function` mask.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+
+    Example:
+        >>> from portattn import masks
+        >>> in_pairs = masks.function(lambda b, h, q, k: (q >= k) & (q // 2 == k // 2))
+        >>> print(masks.text(in_pairs, 4, 4))
+        #...
+        ##..
+        ..#.
+        ..##
     """
     before_creating()
     return Function(fn)
