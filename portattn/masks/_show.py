@@ -81,10 +81,14 @@ def show(mask: Any, q_len: int, kv_len: int, *, block: int | tuple[int, int] | N
         ValueError: A size or index is out of range, or the mask does not fit the call.
 
     Example:
+        >>> from matplotlib.figure import Figure
         >>> from portattn import masks
-        >>> ax = masks.show(masks.causal() & masks.sliding_window(64), 256, 256,
-        ...                 block=(64, 64))  # doctest: +SKIP
-        >>> ax.figure.savefig("window.png")  # doctest: +SKIP
+        >>> ax = masks.show(masks.causal(), 64, 64, block=16, ax=Figure().subplots())
+        >>> print(ax.get_title())
+        causal(bottom_right)
+        50.8% of 64x64 pairs allowed
+        16x16 tiles: 6 full, 4 partial, 6 skipped
+        >>> ax.figure.savefig("causal.png")  # doctest: +SKIP
     """
     mask = _as_mask(mask, "show")
     q_len, kv_len = _length("q_len", q_len), _length("kv_len", kv_len)

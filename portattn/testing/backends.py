@@ -23,7 +23,25 @@ NO_BFLOAT = frozenset({"float16", "float32", "float64"})
 
 @dataclass(frozen=True)
 class Backend:
-    """One array library (on one device) as the tests see it."""
+    """One array library (on one device) as the tests see it.
+
+    Get one with :func:`get_backend`; the ``backend`` fixture of
+    :mod:`portattn.testing.plugin` gives each selected one in turn.
+
+    Attributes:
+        name: the backend's name, one of :data:`BACKEND_NAMES`.
+        xp: its array namespace (array-api-compat's wrapper where there is one).
+        dtypes: the floating dtypes it has, by name.
+        device: the device its arrays are made on; None for the library's default.
+
+    Example:
+        >>> from portattn.testing import get_backend
+        >>> backend = get_backend("numpy")
+        >>> backend.name, backend.namespace, backend.device_kind
+        ('numpy', 'numpy', 'cpu')
+        >>> backend.asarray([[1.0, 2.0]], "float32").dtype
+        dtype('float32')
+    """
 
     name: str
     xp: Any
@@ -33,22 +51,50 @@ class Backend:
 
     @property
     def namespace(self) -> str:
+        """The namespace's name as kernels declare it (``"numpy"``, ``"torch"``, ...)."""
         return namespace_name(self.xp)
 
     @property
     def device_kind(self) -> str:
+        """The device's kind as kernels declare it (``"cpu"``, ``"cuda"``, ...)."""
         return "cpu" if self.device is None else device_kind(self.device)
 
     def asarray(self, array: Any, dtype: str | None = None) -> Any:
-        """A NumPy array as this backend's array, optionally cast to ``dtype`` (a name)."""
+        """A NumPy array as this backend's array.
+
+        Args:
+            array: a NumPy array (or anything ``numpy.asarray`` takes).
+            dtype: a dtype name to cast to (``"bfloat16"`` where the library has it);
+                None keeps the array's.
+
+        Returns:
+            The array in this backend's library, on its device.
+        """
         return self._make(array, dtype)
 
     def to_numpy(self, x: Any) -> Any:
+        """:func:`to_numpy` of ``x``."""
         return to_numpy(x)
 
 
 def to_numpy(x: Any) -> Any:
-    """Any supported array as a NumPy array (bfloat16 widened to float32)."""
+    """Any supported array as a NumPy array.
+
+    Dask arrays are computed, torch tensors detached and moved to the host (bfloat16
+    widened to float32), CuPy arrays copied to the host.
+
+    Args:
+        x: an array of NumPy, torch, JAX, CuPy, Dask or array-api-strict.
+
+    Returns:
+        A NumPy array.
+
+    Example:
+        >>> import torch
+        >>> from portattn.testing import to_numpy
+        >>> to_numpy(torch.ones(2, dtype=torch.bfloat16))
+        array([1., 1.], dtype=float32)
+    """
     import numpy as np
 
     if is_dask_array(x):
@@ -168,7 +214,28 @@ _loaded: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
-    """The named backend; ``ImportError`` when its library or device is missing."""
+    """The named test backend, loaded once and kept.
+
+    Args:
+        name: one of :data:`BACKEND_NAMES`.
+
+    Returns:
+        The :class:`Backend`.
+
+    Raises:
+        ValueError: an unknown name.
+        ImportError: its library or device is missing here.
+
+    Example:
+        >>> from portattn.testing import get_backend
+        >>> get_backend("numpy").name
+        'numpy'
+        >>> try:
+        ...     get_backend("numpy_gpu")
+        ... except ValueError as e:
+        ...     print(str(e).split(";")[0])
+        unknown test backend 'numpy_gpu'
+    """
     if name not in _LOADERS:
         msg = f"unknown test backend {name!r}; known: {', '.join(BACKEND_NAMES)}"
         raise ValueError(msg)

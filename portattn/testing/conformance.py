@@ -25,7 +25,24 @@ HEAD_DIMS = (8, 16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class Case:
-    """One attention call, described as data (built on any backend by :meth:`build`)."""
+    """One attention call, described as data (built on any backend by :meth:`build`).
+
+    The fields give the name, the input dtype's name, the shapes (``batch``, ``hq``,
+    ``hkv``, ``lq``, ``lk``, ``d``, ``dv``), the mask as a tuple of
+    ``(kind, *arguments)`` parts that are intersected, and the options; the inputs are
+    drawn from ``numpy.random.default_rng(seed)``.
+
+    Example:
+        >>> from portattn.testing import Case, get_backend
+        >>> case = Case("small", lq=5, lk=7, mask=(("causal", "bottom_right"),))
+        >>> str(case)
+        'small-float32'
+        >>> args, kwargs, np_args, np_kwargs = case.build(get_backend("numpy"))
+        >>> [a.shape for a in args]
+        [(2, 4, 5, 16), (2, 4, 7, 16), (2, 4, 7, 16)]
+        >>> kwargs["mask"]
+        causal(bottom_right)
+    """
 
     name: str
     dtype: str = "float32"
@@ -54,7 +71,17 @@ class Case:
         return f"{self.name}-{self.dtype}"
 
     def build(self, backend: Backend) -> tuple[tuple, dict, tuple, dict]:
-        """``(args, kwargs)`` on ``backend`` and the same call on float64 NumPy."""
+        """The call's arguments on ``backend``, and the same call on float64 NumPy.
+
+        Args:
+            backend: the :class:`~portattn.testing.Backend` to build the arrays on.
+
+        Returns:
+            ``(args, kwargs, np_args, np_kwargs)``: ``(query, key, value)`` and the
+            keyword arguments of :func:`portattn.attention` on ``backend``, then the
+            same on float64 NumPy, holding exactly the values the backend's arrays
+            hold (rounded to the case's dtype).
+        """
         import numpy as np
 
         rng = np.random.default_rng(self.seed)
@@ -165,7 +192,22 @@ def _lengths(n: int, values: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
-    """Cases for everything ``kernel`` declares, and nothing it does not."""
+    """Cases for everything ``kernel`` declares, and nothing it does not.
+
+    Args:
+        kernel: a :class:`~portattn.kernel.Kernel` subclass or instance.
+
+    Returns:
+        A list of :class:`Case`: every case in the kernel's first dtype (float32 where
+        declared), and a sample of them in each other dtype it declares.
+
+    Example:
+        >>> import portattn
+        >>> from portattn.testing import conformance_cases
+        >>> tiled = next(e.kernel for e in portattn.kernels() if e.name == "tiled")
+        >>> [str(case) for case in conformance_cases(tiled)[:3]]
+        ['basic-float32', 'cross_short_queries-float32', 'cross_long_queries-float32']
+    """
     k = kernel if isinstance(kernel, type) else type(kernel)
     lse = k.returns_lse
     base = Case("basic", lse=lse)
@@ -313,8 +355,25 @@ def _skip_reason(k: type[Kernel], case: Case, backend: Backend) -> str | None:
 def check_case(kernel: type[Kernel] | Kernel, case: Case, backend: Backend) -> None:
     """Run ``case`` through ``kernel`` on ``backend`` and compare with the reference.
 
-    Skips (pytest) when the kernel does not target the backend; fails when the kernel
-    rejects a case built from its own declarations or gets it wrong.
+    Skips (pytest) when the kernel does not target the backend, lacks the case's dtype
+    there or is unavailable; fails when the kernel rejects a case built from its own
+    declarations or gets it wrong.
+
+    Args:
+        kernel: a :class:`~portattn.kernel.Kernel` subclass or instance.
+        case: one of :func:`conformance_cases`.
+        backend: the :class:`~portattn.testing.Backend` to run on.
+
+    Raises:
+        AssertionError: a result differs from the reference (:func:`assert_close`),
+            is missing, or has the wrong dtype.
+
+    Example:
+        >>> import portattn
+        >>> from portattn.testing import check_case, conformance_cases, get_backend
+        >>> tiled = next(e.kernel for e in portattn.kernels() if e.name == "tiled")
+        >>> for case in conformance_cases(tiled)[:5]:
+        ...     check_case(tiled, case, get_backend("numpy"))
     """
     import pytest
 
@@ -343,8 +402,22 @@ def check_case(kernel: type[Kernel] | Kernel, case: Case, backend: Backend) -> N
 
 
 def check_kernel(kernel: type[Kernel] | Kernel, backend: Backend) -> None:
-    """Every conformance case of ``kernel`` on ``backend``; one AssertionError listing
-    every case that failed (cases that do not apply are skipped)."""
+    """Every conformance case of ``kernel`` on ``backend`` (cases that do not apply are
+    skipped).
+
+    Args:
+        kernel: a :class:`~portattn.kernel.Kernel` subclass or instance.
+        backend: the :class:`~portattn.testing.Backend` to run on.
+
+    Raises:
+        AssertionError: one, listing every case that failed.
+
+    Example:
+        >>> import portattn
+        >>> from portattn.testing import check_kernel, get_backend
+        >>> tiled = next(e.kernel for e in portattn.kernels() if e.name == "tiled")
+        >>> check_kernel(tiled, get_backend("numpy"))
+    """
     import pytest
 
     failures = []

@@ -20,11 +20,48 @@ TOLERANCES = {
 
 
 def tolerance(dtype: str) -> tuple[float, float]:
+    """The tolerances a kernel's result must meet against the oracle.
+
+    Args:
+        dtype: the input dtype's name (``"float16"``, ``"bfloat16"``, ``"float32"``
+            or ``"float64"``).
+
+    Returns:
+        ``(rtol, atol)``, for outputs and log-sum-exps of magnitude about 1.
+
+    Example:
+        >>> from portattn.testing import tolerance
+        >>> tolerance("bfloat16")
+        (0.03, 0.03)
+    """
     return TOLERANCES[dtype]
 
 
 def oracle(query: Any, key: Any, value: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
-    """``(out, lse, weights)`` of the reference kernel on float64 NumPy copies."""
+    """The reference kernel's answer, computed on float64 NumPy copies.
+
+    Args:
+        query: ``(..., Hq, Lq, D)`` of any supported library.
+        key: ``(..., Hkv, Lk, D)``.
+        value: ``(..., Hkv, Lk, Dv)``.
+        **kwargs: keyword arguments of :func:`portattn.attention` (``bias``,
+            ``alibi_slopes`` and ``sinks`` are copied to float64 NumPy too; a mask's
+            arrays must be NumPy).
+
+    Returns:
+        ``(out, lse, weights)`` as float64 NumPy arrays, all three always computed.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> from portattn.testing import oracle
+        >>> q = np.random.default_rng(0).standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> out, lse, weights = oracle(q, q, q, mask=masks.causal())
+        >>> out.dtype, lse.shape, weights.shape
+        (dtype('float64'), (1, 2, 8), (1, 2, 8, 8))
+        >>> bool(np.allclose(weights.sum(axis=-1), 1.0))
+        True
+    """
     import numpy as np
 
     def f64(a):
@@ -39,8 +76,32 @@ def oracle(query: Any, key: Any, value: Any, **kwargs: Any) -> tuple[Any, Any, A
 
 
 def assert_close(actual: Any, expected: Any, dtype: str, what: str = "out") -> None:
-    """``actual`` (any library) equals the float64 ``expected`` within ``dtype``'s tolerance;
-    infinities (an lse of ``-inf``) must match exactly and NaN never appears."""
+    """Assert that a result matches the oracle's within the input dtype's tolerance.
+
+    Infinities (an lse of ``-inf``) must match exactly, and NaN must not appear.
+
+    Args:
+        actual: the result, an array of any supported library.
+        expected: the float64 NumPy answer (from :func:`oracle`).
+        dtype: the input dtype's name, which sets the tolerance (:func:`tolerance`).
+        what: what is compared, for the message (``"out"``, ``"lse"``, ...).
+
+    Raises:
+        AssertionError: the shapes differ, a NaN appears, or the values differ.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn.testing import assert_close, oracle
+        >>> q = np.random.default_rng(0).standard_normal((1, 2, 8, 4), dtype=np.float32)
+        >>> out = portattn.attention(q, q, q)
+        >>> assert_close(out, oracle(q, q, q)[0], "float32")
+        >>> try:
+        ...     assert_close(out + 1e-3, oracle(q, q, q)[0], "float32")
+        ... except AssertionError:
+        ...     print("too far")
+        too far
+    """
     import numpy as np
 
     got = np.asarray(to_numpy(actual), dtype=np.float64)

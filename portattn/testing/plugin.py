@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["ENV", "backend", "require_backend", "require_library", "selected_backends", "xp"]
 
 ENV = "PORTATTN_TEST_BACKENDS"
+"""The environment variable that selects backends (names joined by commas)."""
 
 # Suites test the declared dispatch: a tune file of the machine's (python -m portattn
 # tune) must not change which kernel a test gets. Tests of tuning set their own file.
@@ -44,7 +45,22 @@ _LIBRARY_BACKENDS = {
 
 
 def selected_backends() -> tuple[str, ...] | None:
-    """The backends named by ``PORTATTN_TEST_BACKENDS``; None when it is unset."""
+    """The backends named by ``PORTATTN_TEST_BACKENDS``.
+
+    A name that is not one of :data:`~portattn.testing.BACKEND_NAMES` stops the run
+    (``pytest.UsageError``).
+
+    Returns:
+        The names in the order given; None when the variable is unset or empty.
+
+    Example:
+        >>> import os
+        >>> from unittest import mock
+        >>> from portattn.testing.plugin import ENV, selected_backends
+        >>> with mock.patch.dict(os.environ, {ENV: "numpy, torch"}):
+        ...     selected_backends()
+        ('numpy', 'torch')
+    """
     value = os.environ.get(ENV, "").strip()
     if not value:
         return None
@@ -61,6 +77,21 @@ def require_backend(name: str) -> Backend:
 
     Skips when a selection leaves it out or, with no selection, when it cannot be
     loaded here; fails when it is selected but cannot be loaded.
+
+    Args:
+        name: one of :data:`~portattn.testing.BACKEND_NAMES`.
+
+    Returns:
+        The :class:`~portattn.testing.Backend`.
+
+    Example:
+        In a test module::
+
+            from portattn.testing.plugin import require_backend
+
+            def test_on_torch():
+                torch_backend = require_backend("torch")
+                ...
     """
     chosen = selected_backends()
     if chosen is not None and name not in chosen:
@@ -80,6 +111,19 @@ def require_library(module: str, *, backend: str | None = None) -> Any:
     It must import when a selected backend stands on it (``backend``, or by default the
     backends of the library ``module`` belongs to): a missing one then fails the run.
     Otherwise a missing module skips, like ``pytest.importorskip``.
+
+    Args:
+        module: the module's dotted name.
+        backend: the backend whose selection makes the module required; by default
+            those of the library ``module`` belongs to.
+
+    Returns:
+        The imported module.
+
+    Example:
+        >>> from portattn.testing.plugin import require_library
+        >>> require_library("numpy.linalg").__name__
+        'numpy.linalg'
     """
     chosen = selected_backends() or ()
     owners = (backend,) if backend else _LIBRARY_BACKENDS.get(module.split(".")[0], ())
@@ -106,10 +150,34 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.fixture(scope="session", params=selected_backends() or BACKEND_NAMES)
 def backend(request: pytest.FixtureRequest) -> Backend:
-    """Each selected backend in turn (ids are the backend names)."""
+    """Fixture: each selected backend in turn (ids are the backend names).
+
+    Returns:
+        A :class:`~portattn.testing.Backend`, as :func:`require_backend` gives it.
+
+    Example:
+        In a test module (with the plugin loaded, or the fixtures imported into its
+        ``conftest.py``)::
+
+            def test_shape(backend):
+                q = backend.asarray(numpy.zeros((1, 2, 8, 4)), "float32")
+                assert portattn.attention(q, q, q).shape == (1, 2, 8, 4)
+    """
     return require_backend(request.param)
 
 
 @pytest.fixture
 def xp(backend: Backend) -> Any:
+    """Fixture: the array namespace of :func:`backend`, one test per selected backend.
+
+    Returns:
+        ``backend.xp``.
+
+    Example:
+        In a test module::
+
+            def test_zeros(xp):
+                q = xp.zeros((1, 2, 8, 4))
+                assert portattn.attention(q, q, q).shape == (1, 2, 8, 4)
+    """
     return backend.xp
