@@ -140,7 +140,8 @@ class Plan:
 
     @property
     def kernel_notes(self) -> tuple[str, ...]:
-        """What the chosen kernel says a caller should know (:attr:`~portattn.kernel.Kernel.notes`)."""
+        """What the chosen kernel says a caller should know
+        (:attr:`~portattn.kernel.Kernel.notes`)."""
         if self.kernel is None:
             return ()
         try:
