@@ -65,28 +65,43 @@ class Kernel:
     """
 
     name: ClassVar[str] = ""
+    """The kernel's name, the same as its entry point's (``kernel="..."`` picks it)."""
     namespaces: ClassVar[frozenset[str] | str] = frozenset()
+    """Array namespaces it runs on, by name (``"numpy"``, ``"torch"``, ...), or :data:`ANY`."""
     devices: ClassVar[frozenset[str] | str] = frozenset()
+    """Device kinds it runs on (``"cpu"``, ``"cuda"``, ...), or :data:`ANY`."""
     dtypes: ClassVar[frozenset[str]] = frozenset()
+    """Input dtypes it takes, by name."""
     head_dim: ClassVar[tuple[int, int | None]] = (1, None)
+    """``(low, high)``: the bounds of ``D`` and ``Dv``, inclusive; ``high`` None for no
+    bound."""
     masks: ClassVar[frozenset[str]] = frozenset()
+    """Mask kinds it takes (names from :data:`portattn.masks.KINDS`)."""
     bias: ClassVar[bool] = False
+    """Takes ``bias``."""
     softcap: ClassVar[bool] = False
+    """Takes ``softcap``."""
     alibi: ClassVar[bool] = False
     """Takes ``alibi_slopes`` (a linear bias by distance, computed per tile)."""
     sinks: ClassVar[bool] = False
     """Takes ``sinks`` (a logit per head in each row's softmax denominator), with its
     gradient when the kernel declares ``grad``."""
     gqa: ClassVar[bool] = False
+    """Takes fewer key/value heads than query heads (grouped-query attention)."""
     value_head_dim: ClassVar[bool] = False
     """Supports ``value.shape[-1] != query.shape[-1]``."""
     empty: ClassVar[bool] = False
     """Handles ``Lq == 0`` or ``Lk == 0``."""
     returns_lse: ClassVar[bool] = False
+    """Returns the log-sum-exp when asked (``return_lse``)."""
     returns_weights: ClassVar[bool] = False
+    """Returns the softmax weights when asked (``return_weights``)."""
     dropout: ClassVar[bool] = False
+    """Takes ``dropout_p > 0``."""
     grad: ClassVar[bool] = False
+    """Runs calls whose inputs require gradients, and gives them."""
     deterministic: ClassVar[bool] = True
+    """Declares that the same inputs give the same result on every run."""
     finite_inputs_only: ClassVar[bool] = False
     """Exact only on finite inputs (a hidden NaN may reach the output as ``0 * NaN``).
     On the CPU dispatch then checks the output of each call whose mask or bias can hide
@@ -96,6 +111,8 @@ class Kernel:
     :attr:`AttentionInputs.values_readable` is False nothing is checked: a kernel that
     wants the rule there keeps it itself."""
     priority: ClassVar[int] = 0
+    """Dispatch prefers a higher priority (ties go by name), unless a measurement of
+    this machine (``python -m portattn tune``) chose another kernel."""
     tunables: ClassVar[dict[str, tuple[Any, ...]]] = {}
     """Settings ``python -m portattn tune`` may choose for this machine, each with the
     values to time (JSON numbers or strings). The kernel reads the winner with
