@@ -3,6 +3,14 @@
 ``import portattn`` imports no array library; the namespace of the arrays you pass
 decides which library runs, and the kernel registry decides which kernel. What a
 kernel author needs (``Kernel``, ``AttentionInputs``) lives in :mod:`portattn.kernel`.
+
+Example:
+    >>> import numpy as np
+    >>> import portattn
+    >>> from portattn import masks
+    >>> q = np.random.default_rng(0).standard_normal((1, 2, 8, 4), dtype=np.float32)
+    >>> portattn.attention(q, q, q, mask=masks.causal()).shape
+    (1, 2, 8, 4)
 """
 
 from __future__ import annotations
