@@ -151,10 +151,10 @@ def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
         >>> from portattn import masks
         >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
         >>> plan = portattn.explain(q, q, q, mask=masks.causal(), kernel="tiled")
-        >>> plan.kernel.name
-        'tiled'
-        >>> print(str(plan).splitlines()[0])
-        kernel: tiled (portattn 0.1.0) (forced: tiled)
+        >>> plan.kernel.name, plan.forced
+        ('tiled', 'tiled')
+        >>> print(str(plan).splitlines()[2])
+            query : shape=(1, 2, 8, 4) dtype=float32 namespace=numpy device=cpu
         >>> plan = portattn.explain(q, q, q, return_weights=True, kernel="tiled")
         >>> print(plan.kernel)
         None
