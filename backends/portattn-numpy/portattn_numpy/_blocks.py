@@ -19,7 +19,7 @@ partial), read where the unit's batch element and head read it:
 
 Plans depend on the unit's rows and the states it reads: heads and batch elements that
 read the same states share them, and so do later calls of a mask that holds no arrays
-(``Problem.shared``). Each is made once: a thread that needs a plan another is making
+(``CallPlans.shared``). Each is made once: a thread that needs a plan another is making
 waits for it (the calling thread makes them ahead of the others, ``Tiles.prepare``).
 """
 
@@ -41,14 +41,11 @@ from ._scores import pack
 from ._units import lead_index, unit_states
 
 if TYPE_CHECKING:
+    from ._memo import CallPlans
     from ._problem import Problem
+    from ._units import Block
 
-__all__ = ["Block", "UnitBlocks", "unit_blocks"]
-
-Block = tuple[int, int, int, int, list[Any]]
-"""``(k0, k1, r0, r1, masks)``: keys ``k0:k1`` against the unit's rows ``r0:r1``, with
-``masks`` the entries to hide: ``(key offset, row offset, hidden)``, ``hidden`` queries
-by keys, True where masked."""
+__all__ = ["UnitBlocks", "unit_blocks"]
 
 
 @dataclass(frozen=True)
@@ -75,52 +72,53 @@ _shared_plans: Store[Any] = Store("blocks of units")
 _PER_HEAD = object()
 
 
-def unit_blocks(p: Problem, b: tuple[int, ...], h: int, q0: int, q1: int) -> UnitBlocks:
+def unit_blocks(p: Problem, plans: CallPlans, b: tuple[int, ...], h: int, q0: int,
+                q1: int) -> UnitBlocks:
     """The blocks of batch element ``b``, head ``h``, rows ``q0:q1``: planned here, or
-    by the thread already planning them (then waited for)."""
+    by the thread already planning them (then waited for); kept in ``plans``."""
     lead = () if p.blocks is None else lead_index(p.blocks.states, b, h)
     slot = (lead, q0, q1)
-    found = _recall(p, slot)
+    found = _recall(plans, slot)
     if found is _PER_HEAD:
         slot = ("head", *b, h, q0, q1)
-        found = _recall(p, slot)
+        found = _recall(plans, slot)
     if found is not None:
         return found
-    with p.planning:
-        claimed = p.plans.get(("planning", slot))
+    with plans.lock:
+        claimed = plans.local.get(("planning", slot))
         if claimed is None:
-            claimed = p.plans["planning", slot] = threading.Event()
+            claimed = plans.local["planning", slot] = threading.Event()
             mine = True
         else:
             mine = False
     if not mine:
         claimed.wait()
-        return unit_blocks(p, b, h, q0, q1)
+        return unit_blocks(p, plans, b, h, q0, q1)
     try:
-        mask = UnitMask(p, b, h, q0)
+        mask = UnitMask(p, plans, b, h, q0)
         found = _plan(p, mask, lead, q0, q1)
         if not mask.shared:
-            _keep(p, slot, _PER_HEAD)
-        _keep(p, slot if mask.shared else ("head", *b, h, q0, q1), found)
+            _keep(plans, slot, _PER_HEAD)
+        _keep(plans, slot if mask.shared else ("head", *b, h, q0, q1), found)
     except BaseException:
-        del p.plans["planning", slot]  # whoever waits plans it again, and meets the error
+        del plans.local["planning", slot]  # whoever waits plans it again, and meets the error
         raise
     finally:
         claimed.set()
     return found
 
 
-def _recall(p: Problem, key: tuple) -> Any:
-    if p.shared is not None:
-        return _shared_plans.find((p.shared, *key))
-    return p.plans.get(key)
+def _recall(plans: CallPlans, key: tuple) -> Any:
+    if plans.shared is not None:
+        return _shared_plans.find((plans.shared, *key))
+    return plans.local.get(key)
 
 
-def _keep(p: Problem, key: tuple, value: Any) -> None:
-    if p.shared is not None:
-        _shared_plans.put((p.shared, *key), value)
+def _keep(plans: CallPlans, key: tuple, value: Any) -> None:
+    if plans.shared is not None:
+        _shared_plans.put((plans.shared, *key), value)
     else:
-        p.plans[key] = value
+        plans.local[key] = value
 
 
 def _hidden(allowed: Any) -> Any:

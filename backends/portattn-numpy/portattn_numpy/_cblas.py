@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ._threads import blas_library_paths
+
 __all__ = ["gemm_address"]
 
 #: The ILP64 CBLAS names of ``?gemm``, by dtype, the preferred first.
@@ -34,8 +36,6 @@ SYMBOLS = {
 def gemm_address(dtype: np.dtype[Any]) -> int | None:
     """The address of ``cblas_?gemm`` with 64-bit integers for ``dtype`` in a BLAS
     library this process has loaded, or None."""
-    from ._threads import blas_library_paths
-
     names = SYMBOLS.get(np.dtype(dtype), ())
     for path in blas_library_paths():
         try:

@@ -159,25 +159,12 @@ class Config:
             return f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
         return None
 
-    def exponential_for(self, dtype: Any, bias: bool) -> str:
-        """The exponential scores of ``dtype`` go through (``bias``: with a bias)."""
-        import numpy as np
-
-        from . import _exponential
-
-        if self.exponential is None:
-            return _exponential.fastest(np.dtype(dtype), base_e=bias)
-        if bias:
-            return _exponential.IN_BASE_E.get(self.exponential, self.exponential)
-        return self.exponential
-
-    def score_tile_bytes(self) -> int:
-        """Bytes of one score tile, with the machine's default filled in."""
+    def score_tile_bytes(self, tuned: Any = None) -> int:
+        """Bytes of one score tile: :attr:`tile_bytes`, else ``tuned`` (the size ``python
+        -m portattn tune`` timed fastest here, as the kernel reads it) where it is a
+        positive integer, else :func:`machine_tile_bytes`."""
         if self.tile_bytes is not None:
             return self.tile_bytes
-        from ._kernel import NumpyFastKernel
-
-        tuned = NumpyFastKernel.tuned("tile_bytes")
         if isinstance(tuned, int) and tuned > 0:
             return tuned
         return machine_tile_bytes()

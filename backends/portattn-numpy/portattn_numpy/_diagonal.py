@@ -39,12 +39,13 @@ from ._scratch import take
 from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
-    from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
 
-    from ._blocks import Block
     from ._config import Config
-    from ._problem import Problem, Unit
+    from ._loops import Loops
+    from ._memo import CallPlans
+    from ._problem import Problem
+    from ._units import Block, Unit
 
 __all__ = ["Along", "Diagonal", "Scratch", "UnitPlan", "find", "group_rows", "plan"]
 
@@ -87,6 +88,9 @@ class Along:
 
     shape: Diagonal
     rows: tuple[tuple[int, int], ...]
+    config: Config
+    loops: Loops
+    plans: CallPlans
     name = "diagonal"
 
     def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
@@ -102,23 +106,25 @@ class Along:
         return Scratch(p, self.shape)
 
     def attend(self, p: Problem, s: Scratch, unit: Unit) -> bool:
-        return _attend(p, self.shape, s, *unit)
+        return _attend(p, self, s, *unit)
 
 
-def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Along | None:
+def plan(p: Problem, config: Config, loops: Loops, plans: CallPlans,
+         threads: int) -> Along | None:
     """The strategy for ``p`` when its mask is causal-shaped, else None."""
     if p.bias is not None or p.mask is None or p.mask.arrays:
         return None
     shape = find(p.mask, p.q_len, p.kv_len, p.query.dtype, p.tile_elements,
-                 p.config.mask_step, group_rows(p.tile_elements, p.config))
+                 config.mask_step, group_rows(p.tile_elements, config))
     if shape is None:
         return None
-    heads = math.prod(inputs.batch_shape) * inputs.num_heads
-    step = _rows_per_unit(p, shape, heads=heads, threads=threads)
-    return Along(shape, tuple(row_ranges(p.q_len, step, shape.size)))
+    heads = math.prod(p.query.shape[:-2])
+    step = _rows_per_unit(p, config, shape, heads=heads, threads=threads)
+    return Along(shape, tuple(row_ranges(p.q_len, step, shape.size)), config, loops, plans)
 
 
-def _rows_per_unit(p: Problem, shape: Diagonal, *, heads: int, threads: int) -> int:
+def _rows_per_unit(p: Problem, config: Config, shape: Diagonal, *, heads: int,
+                   threads: int) -> int:
     """As many squares as one tile holds (they are computed in one stacked product),
     fewer when the threads need more units.
 
@@ -127,9 +133,9 @@ def _rows_per_unit(p: Problem, shape: Diagonal, *, heads: int, threads: int) -> 
     few fixed calls would outweigh its work.
     """
     squares = shape.squares
-    want_units = math.ceil(2 * p.config.min_units_per_thread * threads / max(heads, 1))
+    want_units = math.ceil(2 * config.min_units_per_thread * threads / max(heads, 1))
     if want_units > 1:
-        squares = min(squares, max(p.config.min_squares, p.q_len // shape.size // want_units))
+        squares = min(squares, max(config.min_squares, p.q_len // shape.size // want_units))
     return squares * shape.size
 
 
@@ -206,9 +212,9 @@ def _same_for_all(tile: Any, rows: int, keys: int) -> Any:
 _plans: Store[UnitPlan] = Store("plans of units along the diagonal")
 
 
-def unit_plan(p: Problem, d: Diagonal, q0: int, q1: int) -> UnitPlan:
+def unit_plan(p: Problem, config: Config, d: Diagonal, q0: int, q1: int) -> UnitPlan:
     """The squares and blocks of rows ``q0:q1`` (``q0`` a multiple of the square size)."""
-    key = (p.config, p.mask, p.q_len, p.kv_len, p.block_k, d, q0, q1)
+    key = (config, p.mask, p.q_len, p.kv_len, p.block_k, d, q0, q1)
     return _plans.get(key, lambda: _unit_plan(p, d, q0, q1))
 
 
@@ -246,23 +252,24 @@ class Scratch:
         self.ones = np.ones(d.size, dt)  # the stacked squares' sums
 
 
-def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0: int,
+def _attend(p: Problem, a: Along, s: Scratch, b: tuple[int, ...], h: int, q0: int,
             q1: int, lo: int, hi: int) -> bool:
     """One unit the fast way (see ``_tiles``); False when it must be redone carefully."""
-    unit = unit_plan(p, d, q0, q1)
+    d, on_tile, loops = a.shape, a.config.on_tile, a.loops
+    unit = unit_plan(p, a.config, d, q0, q1)
     n, along, count = q1 - q0, unit.squares * d.size, unit.squares
     q, acc = s.q[:n], s.acc[:n]
     np.multiply(p.query[(*b, h, slice(q0, q1))], p.factor, out=q)
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
     start = q0 + d.key_shift  # the diagonal squares, stacked: (count, keys, queries)
-    if p.config.on_tile is not None:
+    if on_tile is not None:
         for r0 in range(0, along, d.size):
-            p.config.on_tile(b, h, q0 + r0, q0 + r0 + d.size, start + r0, start + r0 + d.size)
+            on_tile(b, h, q0 + r0, q0 + r0 + d.size, start + r0, start + r0 + d.size)
     stacked = s.stacked[:count * d.size**2].reshape(count, d.size, d.size)
     scores(p, k[start:start + along].reshape(count, d.size, -1),
            q[:along].reshape(count, d.size, -1).transpose(0, 2, 1), stacked)
-    p.exponential(stacked)
+    loops.exponential(stacked)
     np.multiply(stacked, d.keep, out=stacked)
     np.matmul(stacked.transpose(0, 2, 1), v[start:start + along].reshape(count, d.size, -1),
               out=acc[:along, :-1].reshape(count, d.size, -1))
@@ -270,25 +277,25 @@ def _attend(p: Problem, d: Diagonal, s: Scratch, b: tuple[int, ...], h: int, q0:
     acc[along:] = 0  # rows past the last square start from nothing
     blocks, rows_with_keys = unit.blocks, along  # the others keep out 0, lse -inf
     if q0 + along < q1:  # rows past the last full square follow the mask in tiles
-        tail = unit_blocks(p, b, h, q0 + along, q1)
+        tail = unit_blocks(p, a.plans, b, h, q0 + along, q1)
         if tail.blocks:
             blocks = blocks + [(k0, k1, r0 + along, r1 + along, masks)
                                for k0, k1, r0, r1, masks in tail.blocks]
             rows_with_keys = along + tail.end
-    if p.compiled is not None and blocks:  # all in one compiled call, masks included
-        accumulate_compiled(p, s.tile, 1.0, q, k, v, acc[:, :-1], acc[:, -1], blocks,
-                            first_writes=False, unit=(b, h, q0))
+    if loops.compiled is not None and blocks:  # all in one compiled call, masks included
+        accumulate_compiled(loops.compiled, on_tile, s.tile, 1.0, q, k, v, acc[:, :-1],
+                            acc[:, -1], blocks, first_writes=False, unit=(b, h, q0))
         blocks = []
     for k0, k1, r0, r1, masks in blocks:
-        if p.config.on_tile is not None:
-            p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        if on_tile is not None:
+            on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, part = k1 - k0, s.part[:r1 - r0]
         span, tile = s.tile.scores(width, r1 - r0)
         scores(p, k[k0:k1], q[r0:r1].T, tile, span)
-        tile = s.tile.weights(p, width, r1 - r0, masks, part[:, -1])
+        tile = s.tile.weights(loops, width, r1 - r0, masks, part[:, -1])
         np.matmul(tile.T, v[k0:k1], out=part[:, :-1])
         acc[r0:r1] += part
     filled = acc[:rows_with_keys]
     rows = (*b, h, slice(q0, q0 + rows_with_keys))
-    return finish_fast(p, filled, filled[:, -1], hi - lo, p.out[rows],
+    return finish_fast(loops.compiled, filled, filled[:, -1], hi - lo, p.out[rows],
                        None if p.lse is None else p.lse[rows])

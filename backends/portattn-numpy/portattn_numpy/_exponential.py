@@ -29,8 +29,8 @@ import numpy as np
 
 from . import _jit
 
-__all__ = ["BASE_2", "IN_BASE_E", "MARGIN", "ORDER", "available", "fastest", "in_place",
-           "in_rows", "prefer"]
+__all__ = ["BASE_2", "IN_BASE_E", "MARGIN", "ORDER", "available", "chosen", "fastest",
+           "in_place", "in_rows", "prefer"]
 
 #: Every exponential, the preferred first.
 ORDER = ("exp2_compiled", "exp2", "exp_compiled", "exp")
@@ -58,6 +58,17 @@ def available(dtype: Any, base_e: bool = False) -> tuple[str, ...]:
 def _compiled() -> Any:
     """The module of compiled exponentials; None where it does not load (``_jit``)."""
     return _jit.load("_compiled_exp")
+
+
+def chosen(setting: str | None, dtype: Any, bias: bool) -> str:
+    """The exponential scores of ``dtype`` go through: ``setting``
+    (``Config.exponential``), else the fastest here; with a ``bias``, which keeps scores
+    in base e, the ``exp`` of the same kind."""
+    if setting is None:
+        return fastest(np.dtype(dtype), base_e=bias)
+    if bias:
+        return IN_BASE_E.get(setting, setting)
+    return setting
 
 
 def in_place(name: str) -> Callable[[Any], None]:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from portattn.kernel import Kernel
 from portattn.masks import KINDS
 
+from ._config import current
+
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
 
@@ -45,46 +47,10 @@ class NumpyFastKernel(Kernel):
         return None
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
-        import numpy as np
+        # NumPy loads with the first call, not when portattn discovers the kernel
+        from ._call import attend
 
-        from ._config import current
-        from ._plan import hides_any_pair
-
-        if not hides_any_pair(inputs, current()):
-            # every row weighs every value: NaN or inf among them reaches exactly the
-            # rows that see them, and no pass over the values (a decode step's whole
-            # cost) is needed to know it; a mask that hides nothing (causal, one
-            # decode step) is not applied either
-            return (*_attend(inputs._replace(mask=None)), None)
-        finite = np.isfinite(inputs.value)
-        if finite.all():  # the usual case: one pass over the values to know it
-            return (*_attend(inputs), None)
-        # A masked key has weight exactly 0, but 0 * NaN is NaN: attend the values with
-        # their non-finite entries zeroed, then find the rows that attend a key that held
-        # one: zero queries give every key the mask and bias allow the same weight, so
-        # a column marking those keys gets weight in exactly those rows (also where the
-        # real weight underflowed to 0), which are NaN.
-        clean = np.where(finite, inputs.value, 0)
-        out, lse = _attend(inputs._replace(value=clean))
-        marks = (~finite).any(axis=-1, keepdims=True).astype(inputs.value.dtype)
-        bias = inputs.bias
-        hits, _ = _attend(inputs._replace(
-            query=np.zeros_like(inputs.query), value=marks, value_head_dim=1,
-            return_lse=False, softcap=None,
-            bias=None if bias is None else np.where(bias == -np.inf, bias, np.zeros_like(bias))))
-        out[np.broadcast_to(hits > 0, out.shape)] = np.nan
-        return out, lse, None
-
-
-def _attend(inputs: AttentionInputs) -> tuple[Any, Any]:
-    from ._plan import build, useful_threads
-    from ._strategy import work
-    from ._threads import get_num_threads, run_parallel
-
-    threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
-    problem, units = build(inputs, threads)
-    if units:
-        run_parallel(lambda queue: work(problem, queue), units,
-                     useful_threads(problem, units, threads),
-                     first=lambda: problem.strategy.prepare(problem, units))
-    return problem.out, problem.lse
+        config = current()  # read once, here: the worker threads see the same settings
+        # the tuned size is read on the calling thread, where a tune run sets its trial
+        tuned = None if config.tile_bytes is not None else self.tuned("tile_bytes")
+        return (*attend(inputs, config, config.score_tile_bytes(tuned)), None)

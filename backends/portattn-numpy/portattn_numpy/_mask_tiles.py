@@ -15,6 +15,7 @@ import numpy as np
 from portattn.masks import PARTIAL, Grid
 
 if TYPE_CHECKING:
+    from ._memo import CallPlans
     from ._problem import Problem
 
 __all__ = ["UnitMask", "head_view"]
@@ -24,12 +25,12 @@ __all__ = ["UnitMask", "head_view"]
 _COLUMN = 0.75
 
 
-def _columns(p: Problem) -> Any:
+def _columns(p: Problem, plans: CallPlans) -> Any:
     """Which key blocks of the call's grid are read over every query at once."""
-    found = p.plans.get("columns")
+    found = plans.local.get("columns")
     if found is None:
         partial = p.blocks.states == PARTIAL
-        found = p.plans["columns"] = partial.reshape(-1, partial.shape[-1]).mean(
+        found = plans.local["columns"] = partial.reshape(-1, partial.shape[-1]).mean(
             axis=0) >= _COLUMN
     return found
 
@@ -43,10 +44,12 @@ def head_view(full: Any, b: tuple[int, ...], h: int) -> Any:
 class UnitMask:
     """What the mask says of one unit's batch element and head: the pairs of a tile
     (``allowed``) and the block form of a part on a finer grid (``states``), noting
-    whether the mask varied where the call's block form does not (``shared``)."""
+    whether the mask varied where the call's block form does not (``shared``). What it
+    reads for every unit is kept in the call's ``plans``."""
 
-    def __init__(self, p: Problem, b: tuple[int, ...], h: int, q0: int) -> None:
-        self.p, self.b, self.h, self.q0 = p, b, h, q0
+    def __init__(self, p: Problem, plans: CallPlans, b: tuple[int, ...], h: int,
+                 q0: int) -> None:
+        self.p, self.plans, self.b, self.h, self.q0 = p, plans, b, h, q0
         self.shared = True
 
     def allowed(self, r0: int, r1: int, k0: int, k1: int) -> Any:
@@ -54,7 +57,7 @@ class UnitMask:
         p, q0 = self.p, self.q0
         step = p.blocks.block_k
         c0, c1 = k0 // step, -(-k1 // step)
-        if _columns(p)[c0:c1].all():  # read once per call, for every unit
+        if _columns(p, self.plans)[c0:c1].all():  # read once per call, for every unit
             parts = [self._column(c) for c in range(c0, c1)]
             tile = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
             return tile[q0 + r0:q0 + r1, k0 - c0 * step:k1 - c0 * step]
@@ -65,9 +68,9 @@ class UnitMask:
         """The tile of the call's key block ``c`` over every query, kept for the call."""
         p = self.p
         k0, k1 = c * p.blocks.block_k, min(p.kv_len, (c + 1) * p.blocks.block_k)
-        tile = p.plans.get(("column", c))
+        tile = self.plans.local.get(("column", c))
         if tile is None:
-            tile = p.plans["column", c] = np.asarray(
+            tile = self.plans.local["column", c] = np.asarray(
                 p.mask.tile(np, 0, p.q_len, k0, k1, p.q_len, p.kv_len))
         return np.broadcast_to(self._own(tile), (p.q_len, k1 - k0))
 

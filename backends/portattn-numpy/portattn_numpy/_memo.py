@@ -4,12 +4,14 @@ The blocks of a unit, the diagonal shape of a mask and the plan of a unit along 
 diagonal depend on the mask's structure, the shapes and the settings only, where the
 mask holds no arrays; heads, batch elements, threads and later calls of that shape
 reuse them. Their keys hold the settings (``Config``), so a block with other settings
-never sees another's plans.
+never sees another's plans. What one call keeps for itself alone (:class:`CallPlans`)
+lasts while it runs.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -17,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["MAX_BYTES", "MAX_REMEMBERED", "Store", "clear_all", "size_of"]
+__all__ = ["MAX_BYTES", "MAX_REMEMBERED", "CallPlans", "Store", "clear_all", "size_of"]
 
 T = TypeVar("T")
 MAX_REMEMBERED = 4096
@@ -62,6 +64,18 @@ class Store(Generic[T]):
     def clear(self) -> None:
         self._found.clear()
         self.nbytes = 0
+
+
+class CallPlans:
+    """What one call keeps while its threads work: the plans of its units, in a shared
+    :class:`Store` under ``shared`` (the settings, the mask's structure and the shapes)
+    where the mask holds no arrays, else in ``local``; and in ``local`` what it reads of
+    its mask once for every unit, and which thread is making which plan (``lock``)."""
+
+    def __init__(self, shared: tuple | None) -> None:
+        self.shared = shared
+        self.local: dict = {}
+        self.lock = threading.Lock()
 
 
 def size_of(value: Any, _seen: set[int] | None = None) -> int:

@@ -1,19 +1,21 @@
-"""Planning one call: NumPy views of the arrays, the mask's block form, tile sizes,
-the strategy (``_strategy``) and its units, costliest first."""
+"""Planning one call: NumPy views of the arrays, the mask's block form, tile sizes, the
+loops that compute it (``_loops``), the strategy (``_strategy``) and its units,
+costliest first."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from portattn.masks import FULL
 
-from . import _jit
-from ._config import current
-from ._exponential import BASE_2, in_place, in_rows
-from ._problem import Problem, Unit
+from . import _tiles
+from ._exponential import BASE_2, chosen
+from ._loops import Loops, loops_for
+from ._memo import CallPlans
+from ._problem import Problem
 from ._strategy import choose
 from ._units import work
 
@@ -22,8 +24,24 @@ if TYPE_CHECKING:
     from portattn.masks import BlockMask
 
     from ._config import Config
+    from ._strategy import Strategy
+    from ._tiles import Tiles
+    from ._units import Unit
 
-__all__ = ["block_sizes", "build", "hides_any_pair", "mask_blocks", "useful_threads"]
+__all__ = ["Plan", "block_sizes", "build", "hides_any_pair", "mask_blocks",
+           "useful_threads"]
+
+
+class Plan(NamedTuple):
+    """One call, planned."""
+
+    problem: Problem
+    loops: Loops
+    strategy: Strategy
+    careful: Tiles
+    """Redoes the units the strategy's fast way cannot trust."""
+    units: list[Unit]
+    """Costliest first."""
 
 
 def mask_blocks(inputs: AttentionInputs, config: Config) -> BlockMask | None:
@@ -63,12 +81,13 @@ def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads
     return rows(min(config.max_block_q, max(config.min_block_q, elements // block_k))), block_k
 
 
-def useful_threads(p: Problem, units: list[Unit], threads: int) -> int:
-    """How many of ``threads`` the units can keep busy."""
-    heads, width = p.strategy.heads, p.query.shape[-1] + p.value.shape[-1]
-    total = sum(work(len(heads(p, h)), q1 - q0, hi - lo, width)
-                for _, h, q0, q1, lo, hi in units)
-    return max(1, min(threads, total // p.config.min_scores_per_thread))
+def useful_threads(plan: Plan, config: Config, threads: int) -> int:
+    """How many of ``threads`` the plan's units can keep busy."""
+    p, heads = plan.problem, plan.strategy.heads
+    width = p.query.shape[-1] + p.value.shape[-1]
+    total = sum(work(len(heads(p, u.head)), u.q1 - u.q0, u.hi - u.lo, width)
+                for u in plan.units)
+    return max(1, min(threads, total // config.min_scores_per_thread))
 
 
 def _rows_ready(a: Any) -> bool:
@@ -84,28 +103,14 @@ def _blas_ready(a: Any) -> Any:
     return a if _rows_ready(a) else np.ascontiguousarray(a)
 
 
-def _compiled(config: Config, exponential: str, query: Any, value: Any,
-              softcap: float | None) -> Any:
-    """The compiled loops (``_compiled_blocks``) where they apply: scores in base 2
-    through the compiled ``exp2``, no softcap, NumPy's BLAS found, and heads of at least
-    one column."""
-    if not config.compiled_blocks or exponential != "exp2_compiled" or softcap is not None:
-        return None
-    if min(query.shape[-1], value.shape[-1]) < 1:
-        return None
-    module = _jit.load("_compiled_blocks")
-    return None if module is None else module.compiled_blocks(query.dtype)
-
-
-def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit]]:
-    """The problem the workers share and the units, costliest first."""
-    config = current()
+def build(inputs: AttentionInputs, config: Config, tile_bytes: int, threads: int = 1) -> Plan:
+    """The call planned with ``config`` and score tiles of ``tile_bytes``, for
+    ``threads`` threads."""
     query = np.asarray(inputs.query)  # only ever copied, tile by tile
     key, value = _blas_ready(inputs.key), _blas_ready(inputs.value)
     lq, lk, hq = inputs.q_len, inputs.kv_len, inputs.num_heads
     heads = math.prod(inputs.batch_shape) * hq
-    # read once, here: worker threads see neither a tune run's trial nor a newer file
-    tile_elements = config.score_tile_bytes() // query.itemsize
+    tile_elements = tile_bytes // query.itemsize
     block_q, block_k = block_sizes(lq, lk, tile_elements, config, heads=heads,
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
@@ -114,7 +119,7 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
     shared = None if mask is not None and mask.arrays else (
         config, None if mask is None else mask.key(), lq, lk, block_k)
     # a bias keeps the scores in base e: changing its base would cost a pass
-    exponential = config.exponential_for(query.dtype, bias=inputs.bias is not None)
+    exponential = chosen(config.exponential, query.dtype, bias=inputs.bias is not None)
     base2 = exponential in BASE_2
     to_base = math.log2(math.e) if base2 else 1.0
     problem = Problem(
@@ -123,19 +128,16 @@ def build(inputs: AttentionInputs, threads: int = 1) -> tuple[Problem, list[Unit
         lse=np.full((*lead, lq), -np.inf, query.dtype) if inputs.return_lse else None,
         factor=inputs.scale * (1.0 / inputs.softcap if inputs.softcap else to_base),
         softcap=None if inputs.softcap is None else inputs.softcap * to_base,
-        base2=base2, exponential=in_place(exponential),
-        exponential_rows=in_rows(exponential),
-        compiled=_compiled(config, exponential, query, value, inputs.softcap),
-        query_ready=_rows_ready(query),
+        base2=base2, query_ready=_rows_ready(query),
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
-        mask=mask, blocks=mask_blocks(inputs, config), shared=shared,
+        mask=mask, blocks=mask_blocks(inputs, config),
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
-        tile_elements=tile_elements, config=config,
+        tile_elements=tile_elements,
     )
-    strategy = choose(problem, inputs, threads)
-    # set once, before any worker sees the problem (dataclasses.replace costs ~10 us)
-    object.__setattr__(problem, "strategy", strategy)
+    loops = loops_for(config, exponential, query, value, inputs.softcap)
+    plans = CallPlans(shared)
+    strategy = choose(problem, config, loops, plans, threads)
     units = [u for b in np.ndindex(*inputs.batch_shape) for u in strategy.units(problem, b)]
     if problem.blocks is not None:  # units of unequal cost: the costliest first
-        units.sort(key=lambda u: (u[3] - u[2]) * (u[5] - u[4]), reverse=True)
-    return problem, units
+        units.sort(key=lambda u: (u.q1 - u.q0) * (u.hi - u.lo), reverse=True)
+    return Plan(problem, loops, strategy, _tiles.careful(config, loops, plans), units)

@@ -17,8 +17,12 @@ from . import _jit
 from ._scratch import take
 
 if TYPE_CHECKING:
-    from ._blocks import Block
+    from collections.abc import Callable
+
+    from ._compiled_blocks import CompiledBlocks
+    from ._loops import Loops
     from ._problem import Problem
+    from ._units import Block
 
 __all__ = ["ScoreTile", "accumulate_compiled", "add_bias", "finish_fast", "hide",
            "row_stride", "scores", "trustworthy"]
@@ -72,13 +76,14 @@ class ScoreTile:
             self._buffer = take(self._name, (keys * stride,), self._buffer.dtype)
         return self._buffer[:keys * stride], stride
 
-    def weights(self, p: Problem, keys: int, rows: int, masks: list[Any], sums: Any) -> Any:
+    def weights(self, loops: Loops, keys: int, rows: int, masks: list[Any],
+                sums: Any) -> Any:
         """The scores in ``scores(keys, rows)`` turned into unnormalised weights in
-        place: their exponential (``p.exponential``), 0 where ``masks`` hide them
+        place: their exponential (``loops.exponential``), 0 where ``masks`` hide them
         (:func:`hide`); each query's (column's) sum is written to ``sums``. The view.
 
         A compiled exponential does all of it in one pass over the rows
-        (``p.exponential_rows``), the hidden scores set to ``-inf`` first. NumPy's
+        (``loops.exponential_rows``), the hidden scores set to ``-inf`` first. NumPy's
         takes a pass each: the exponential over the contiguous span holding the view
         (it iterates a strided 2-D operand through copies, at twice the cost) with the
         padding zeroed first, so that leftovers never overflow into the slow path it
@@ -87,14 +92,14 @@ class ScoreTile:
         times faster than ``sum(axis=0)``).
         """
         span, view = self.scores(keys, rows)
-        if p.exponential_rows is not None:
+        if loops.exponential_rows is not None:
             hide(view, masks, -np.inf)
-            p.exponential_rows(span, row_stride(rows, span.itemsize), keys, rows, sums)
+            loops.exponential_rows(span, row_stride(rows, span.itemsize), keys, rows, sums)
             return view
         padding = span.reshape(keys, -1)[:, rows:]
         if padding.size:
             padding[...] = 0
-        p.exponential(span)
+        loops.exponential(span)
         hide(view, masks, 0.0)
         if keys > self._ones.size:
             self._ones = np.ones(keys, view.dtype)
@@ -130,35 +135,38 @@ def pack(blocks: list[Block]) -> tuple[Any, Any, Any]:
             np.concatenate(parts) if parts else np.zeros(0, bool))
 
 
-def accumulate_compiled(p: Problem, tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any,
-                        acc: Any, sums: Any, blocks: list[Block], *,
-                        first_writes: bool, unit: tuple[tuple[int, ...], int, int],
+def accumulate_compiled(compiled: CompiledBlocks, on_tile: Callable[..., Any] | None,
+                        tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any, acc: Any,
+                        sums: Any, blocks: list[Block], *, first_writes: bool,
+                        unit: tuple[tuple[int, ...], int, int],
                         packed: tuple[Any, Any, Any] | None = None) -> None:
-    """``blocks`` the fast way, in one compiled call (``p.compiled``): the weights of keys
-    ``k0:k1`` for rows ``r0:r1`` of ``alpha * q`` (0 where the block's masks hide them)
-    times the values, added to those rows of ``acc``, and their sums to ``sums``
-    (``first_writes``: the first block covers every row and writes them). ``tile``: the
-    memory of the scores, here queries by keys; ``unit``: ``(batch index, head, first
-    row)``, for the ``on_tile`` hook, called first for every block; ``packed``: the
+    """``blocks`` the fast way, in one ``compiled`` call: the weights of keys ``k0:k1``
+    for rows ``r0:r1`` of ``alpha * q`` (0 where the block's masks hide them) times the
+    values, added to those rows of ``acc``, and their sums to ``sums`` (``first_writes``:
+    the first block covers every row and writes them). ``tile``: the memory of the
+    scores, here queries by keys; ``unit``: ``(batch index, head, first row)``, for the
+    ``on_tile`` hook (``Config.on_tile``), called first for every block; ``packed``: the
     blocks already packed (:func:`pack`)."""
-    if p.config.on_tile is not None:
+    if on_tile is not None:
         b, h, q0 = unit
         for k0, k1, r0, r1, _ in blocks:
-            p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+            on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
     keys = max(k1 - k0 for k0, k1, *_ in blocks)
     span, stride = tile.span(max(r1 - r0 for _, _, r0, r1, _ in blocks), keys)
     spans, masks, hidden = pack(blocks) if packed is None else packed
-    p.compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, masks, hidden,
-                          first_writes=first_writes)
+    compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, masks, hidden,
+                        first_writes=first_writes)
 
 
-def finish_fast(p: Problem, acc: Any, sums: Any, keys: int, out: Any, lse: Any) -> bool:
+def finish_fast(compiled: CompiledBlocks | None, acc: Any, sums: Any, keys: int, out: Any,
+                lse: Any) -> bool:
     """The fast way's last step: ``out = acc / sums`` and ``lse = log(sums)`` (unless
     None) if :func:`trustworthy` (with ``keys`` keys); False, writing nothing, if not.
-    ``acc``: C-contiguous, its first columns those of ``out`` (more may follow)."""
-    if p.compiled is not None:
-        return p.compiled.finish(acc, sums, _TINY[sums.dtype] * keys, out,
-                                 _NO_LSE[sums.dtype] if lse is None else lse)
+    ``acc``: C-contiguous, its first columns those of ``out`` (more may follow).
+    ``compiled``: the compiled blocks, whose last step does it in one call, or None."""
+    if compiled is not None:
+        return compiled.finish(acc, sums, _TINY[sums.dtype] * keys, out,
+                               _NO_LSE[sums.dtype] if lse is None else lse)
     acc = acc[:, :out.shape[-1]]
     if not trustworthy(sums, acc, keys):
         return False

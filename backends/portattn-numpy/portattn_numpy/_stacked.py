@@ -22,12 +22,15 @@ from portattn.masks import FULL, HIDDEN
 
 from ._scores import scores, trustworthy
 from ._scratch import take
-from ._units import work
+from ._units import Unit, work
 
 if TYPE_CHECKING:
-    from portattn.kernel import AttentionInputs
+    from collections.abc import Callable
 
-    from ._problem import Problem, Unit
+    from ._config import Config
+    from ._loops import Loops
+    from ._memo import CallPlans
+    from ._problem import Problem
 
 __all__ = ["SHARE", "Stacked", "heads_per_unit", "plan"]
 
@@ -67,11 +70,16 @@ class Stacked:
     has_keys: Any
     """Which query rows the mask lets see any key (full rank, ``(..., Lq, 1)``), or
     None."""
+    exponential: Callable[[Any], None]
+    """The call's exponential, in place (``Loops.exponential``)."""
+    on_tile: Callable[..., Any] | None
+    """``Config.on_tile``."""
     name = "stacked"
 
     def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
         step = self.kv_heads * p.group
-        return [(b, h, 0, p.q_len, 0, p.kv_len) for h in range(0, p.query.shape[-3], step)]
+        return [Unit(b, h, 0, p.q_len, 0, p.kv_len)
+                for h in range(0, p.query.shape[-3], step)]
 
     def heads(self, p: Problem, h: int) -> range:
         return range(h, min(p.query.shape[-3], h + self.kv_heads * p.group))
@@ -86,46 +94,48 @@ class Stacked:
         return _attend(p, self, *unit)
 
 
-def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Stacked | None:
+def plan(p: Problem, config: Config, loops: Loops, plans: CallPlans,
+         threads: int) -> Stacked | None:
     """The strategy for ``p`` when its heads are small enough to stack, else None."""
-    hq = inputs.num_heads
+    hq = p.query.shape[-3]
     if not hq:  # no query heads at all: nothing to stack, and the group size is 0
         return None
     # tiles skip the tiles the mask hides, and run its full ones compiled where they can
     states = None if p.blocks is None else p.blocks.states
     skips = states is not None and bool((states == HIDDEN).any())
-    compiled = p.compiled is not None and (states is None or bool((states == FULL).any()))
+    compiled = loops.compiled is not None and (states is None or bool((states == FULL).any()))
     kv = heads_per_unit(p.q_len, p.kv_len, p.group, hq // p.group, p.tile_elements,
                         tiles_skip=skips, tiles_compiled=compiled)
     if not kv:
         return None
     # fewer heads to a unit where that gives work to threads that would idle
-    batch = math.prod(inputs.batch_shape)
+    batch = math.prod(p.query.shape[:-3])
     width = p.query.shape[-1] + p.value.shape[-1]
     busy = min(threads, work(batch * hq, p.q_len, p.kv_len, width)
-               // p.config.min_scores_per_thread)
+               // config.min_scores_per_thread)
     units_per_element = math.ceil(busy / max(batch, 1))
     if units_per_element > 1:
         kv = min(kv, math.ceil(hq // p.group / units_per_element))
-    allowed = _whole_mask(inputs, p)
+    allowed = _whole_mask(p)
     if allowed is None:
-        return Stacked(kv, None, None)
+        return Stacked(kv, None, None, loops.exponential, config.on_tile)
     # once per call: multiplying 8 heads of 256 x 256 scores by a contiguous 0/1 tile
     # took 0.06 ms, by the transposed boolean mask 0.48 ms
     keep = np.ascontiguousarray(allowed.swapaxes(-1, -2), dtype=p.query.dtype)
-    return Stacked(kv, keep, allowed.any(axis=-1, keepdims=True))
+    return Stacked(kv, keep, allowed.any(axis=-1, keepdims=True), loops.exponential,
+                   config.on_tile)
 
 
-def _whole_mask(inputs: AttentionInputs, p: Problem) -> Any:
+def _whole_mask(p: Problem) -> Any:
     """The mask over the whole problem, full rank (``(*batch|1, H|1, Lq|1, Lk|1)``)."""
-    if inputs.mask is None:
+    if p.mask is None:
         return None
     lq, lk = p.q_len, p.kv_len
-    allowed = inputs.mask.tile(np, 0, lq, 0, lk, lq, lk)
+    allowed = p.mask.tile(np, 0, lq, 0, lk, lq, lk)
     if allowed is None:  # every part covers everything
         return None
     allowed = np.asarray(allowed)
-    rank = len(inputs.batch_shape) + 3
+    rank = p.query.ndim
     return allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
 
 
@@ -144,9 +154,9 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
     way; False when they must be redone carefully."""
     kv0 = h0 // p.group
     kv = min(st.kv_heads, p.key.shape[-3] - kv0)
-    if p.config.on_tile is not None:
+    if st.on_tile is not None:
         for h in range(h0, h0 + kv * p.group):
-            p.config.on_tile(b, h, 0, p.q_len, 0, p.kv_len)
+            st.on_tile(b, h, 0, p.q_len, 0, p.kv_len)
     queries = _heads(p.query, b, h0, kv, p.group)  # (kv, group, Lq, D)
     q = np.multiply(queries, p.factor, out=take("unit.q", queries.shape, queries.dtype))
     k = p.key[(*b, slice(kv0, kv0 + kv))][:, None]     # (kv, 1, Lk, D)
@@ -156,7 +166,7 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
                                                   q.dtype))
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
-    p.exponential(tile)
+    st.exponential(tile)
     if st.keep is not None:
         tile *= _heads(st.keep, b, h0, kv, p.group)
     sums = np.add.reduce(tile, axis=-2)  # (kv, group, Lq)

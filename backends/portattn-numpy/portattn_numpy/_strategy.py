@@ -1,7 +1,7 @@
 """Strategies: the ways a call is cut into units, and a unit computed.
 
 Each strategy is a small object made for one call by its module's ``plan(problem,
-inputs, threads)``, which returns None where it does not apply:
+config, loops, plans, threads)``, which returns None where it does not apply:
 
 * ``stacked`` (``_stacked``): small heads, many whole heads to a unit;
 * ``diagonal`` (``_diagonal``): causal-shaped masks, runs of squares along the diagonal;
@@ -9,7 +9,7 @@ inputs, threads)``, which returns None where it does not apply:
 
 They are tried in that order (``Config.strategies`` can leave some out). A strategy's
 ``attend`` tries the fast way (the unshifted exponential) and says whether it could be
-trusted; a unit it cannot trust is computed again here, in tiles, the careful way.
+trusted; a unit it cannot trust is computed again in tiles, the careful way.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from ._scratch import reusing
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from portattn.kernel import AttentionInputs
-
-    from ._problem import Problem, Unit
+    from ._config import Config
+    from ._loops import Loops
+    from ._memo import CallPlans
+    from ._problem import Problem
+    from ._tiles import Tiles
+    from ._units import Unit
 
 __all__ = ["Strategy", "choose", "work"]
 
@@ -56,27 +59,28 @@ class Strategy(Protocol):
 _PLANNERS = {"stacked": _stacked.plan, "diagonal": _diagonal.plan, "tiles": _tiles.plan}
 
 
-def choose(p: Problem, inputs: AttentionInputs, threads: int) -> Strategy:
-    """The first strategy of ``p.config.strategies`` that applies (``tiles`` always does)."""
-    for name in p.config.strategies:
-        found = _PLANNERS[name](p, inputs, threads)
+def choose(p: Problem, config: Config, loops: Loops, plans: CallPlans,
+           threads: int) -> Strategy:
+    """The first strategy of ``config.strategies`` that applies (``tiles`` always does)."""
+    for name in config.strategies:
+        found = _PLANNERS[name](p, config, loops, plans, threads)
         if found is not None:
             return found
-    return _tiles.plan(p, inputs, threads)
+    return _tiles.plan(p, config, loops, plans, threads)
 
 
-def work(p: Problem, units: Iterable[Unit]) -> None:
-    """Compute every unit taken from ``units`` (one worker thread)."""
-    redo_carefully, tile_scratch = _tiles.redo_carefully, _tiles.tile_scratch
-    strategy, config = p.strategy, p.config
+def work(p: Problem, config: Config, strategy: Strategy, careful: Tiles,
+         units: Iterable[Unit]) -> None:
+    """Compute every unit taken from ``units`` (one worker thread); the units the fast
+    way cannot trust are redone by ``careful``."""
     # overflow is detected by value, masked rows by design
     with np.errstate(all="ignore"), reusing():
         scratch = strategy.scratch(p)
-        careful = None
+        careful_scratch = None
         for unit in units:
             trusted = config.try_fast and strategy.attend(p, scratch, unit)
             if config.on_unit is not None and config.try_fast:
                 config.on_unit(strategy.name, trusted)
             if not trusted:
-                careful = careful or tile_scratch(p)
-                redo_carefully(p, careful, unit, strategy.heads(p, unit[1]))
+                careful_scratch = careful_scratch or careful.careful_scratch(p)
+                careful.redo_carefully(p, careful_scratch, unit, strategy.heads(p, unit.head))

@@ -9,7 +9,7 @@ exponential (``_exponential``). Two ways through a unit:
   over its whole normal range, so this is as accurate as subtracting the max as long
   as nothing overflows and each row's largest term stays a normal number. Afterwards
   the row sums tell whether that held; if not, the unit is computed again the careful
-  way (``_strategy.work``).
+  way (``Tiles.redo_carefully``, called by ``_strategy.work``).
 * careful: the online softmax of flash attention (running row max, rescaled sums).
   The untrusted units of every strategy are redone this way, in tiles.
 
@@ -37,19 +37,24 @@ from ._scratch import take
 from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
-    from portattn.kernel import AttentionInputs
+    from ._config import Config
+    from ._loops import Loops
+    from ._memo import CallPlans
+    from ._problem import Problem
+    from ._units import Block, Unit
 
-    from ._blocks import Block
-    from ._problem import Problem, Unit
-
-__all__ = ["Tiles", "plan", "redo_carefully", "tile_scratch"]
+__all__ = ["Tiles", "careful", "plan"]
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Query tiles of ``block_q`` rows, each against the keys its rows reach."""
+    """Query tiles of ``block_q`` rows, each against the keys its rows reach; also how
+    the units of every strategy are redone carefully (:meth:`redo_carefully`)."""
 
     rows: tuple[tuple[int, int], ...]
+    config: Config
+    loops: Loops
+    plans: CallPlans
     name = "tiles"
 
     def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
@@ -57,7 +62,7 @@ class Tiles:
 
     def prepare(self, p: Problem, units: list[Unit]) -> None:
         for unit in units:  # in the order the workers take them
-            unit_blocks(p, *unit[:4])
+            unit_blocks(p, self.plans, *unit[:4])
 
     def heads(self, p: Problem, h: int) -> range:
         return range(h, h + 1)
@@ -66,11 +71,28 @@ class Tiles:
         return _Scratch(p, "unit")
 
     def attend(self, p: Problem, s: _Scratch, unit: Unit) -> bool:
-        return _attend(p, s, *unit, careful=False)
+        return _attend(p, self, s, *unit, careful=False)
+
+    def careful_scratch(self, p: Problem) -> _Scratch:
+        """Buffers to redo any strategy's units in tiles, carefully."""
+        return _Scratch(p, "careful")
+
+    def redo_carefully(self, p: Problem, s: _Scratch, unit: Unit, heads: range) -> None:
+        """A unit of any strategy (``heads``: its query heads), again in tiles,
+        carefully."""
+        b, _, q0, q1, _, _ = unit
+        tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
+        for tile in units_for(p, b, heads, tiles):
+            _attend(p, self, s, *tile, careful=True)
 
 
-def plan(p: Problem, inputs: AttentionInputs, threads: int) -> Tiles:
-    return Tiles(tuple(row_ranges(p.q_len, p.block_q)))
+def plan(p: Problem, config: Config, loops: Loops, plans: CallPlans, threads: int) -> Tiles:
+    return Tiles(tuple(row_ranges(p.q_len, p.block_q)), config, loops, plans)
+
+
+def careful(config: Config, loops: Loops, plans: CallPlans) -> Tiles:
+    """Tiles that only redo the units of another strategy, carefully."""
+    return Tiles((), config, loops, plans)
 
 
 class _Scratch:
@@ -87,31 +109,19 @@ class _Scratch:
         self.rows = take(f"{role}.rows", (5, tq), dt)
 
 
-def tile_scratch(p: Problem) -> _Scratch:
-    """Buffers to redo any strategy's units in tiles, carefully."""
-    return _Scratch(p, "careful")
-
-
-def redo_carefully(p: Problem, s: _Scratch, unit: Unit, heads: range) -> None:
-    """A unit of any strategy (``heads``: its query heads), again in tiles, carefully."""
-    b, _, q0, q1, _, _ = unit
-    tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
-    for tile in units_for(p, b, heads, tiles):
-        _attend(p, s, *tile, careful=True)
-
-
-def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
+def _attend(p: Problem, t: Tiles, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
             lo: int, hi: int, *, careful: bool) -> bool:
     """One tile; the fast way returns False, writing nothing, when it is not trusted."""
     n = q1 - q0
-    plan = unit_blocks(p, b, h, q0, q1)
+    plan = unit_blocks(p, t.plans, b, h, q0, q1)
     blocks = plan.blocks
     if not blocks:
         return True  # out is already 0 and lse -inf
     query = p.query[(*b, h, slice(q0, q1))]
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    if not careful and p.compiled is not None:
+    compiled = t.loops.compiled
+    if not careful and compiled is not None:
         # every block in one compiled call, masks included; where BLAS can read the
         # queries in place, the product scales them
         q, alpha = ((query, p.factor) if p.query_ready
@@ -121,16 +131,17 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
         if not first_writes:
             acc[:] = 0
             sums[:] = 0
-        accumulate_compiled(p, s.tile, alpha, q, k, v, acc, sums, blocks,
-                            first_writes=first_writes, unit=(b, h, q0), packed=plan.packed)
+        accumulate_compiled(compiled, t.config.on_tile, s.tile, alpha, q, k, v, acc, sums,
+                            blocks, first_writes=first_writes, unit=(b, h, q0),
+                            packed=plan.packed)
     else:
         q = np.multiply(query, p.factor, out=s.q[:n])
-        _accumulate(p, s, q, k, v, b, h, q0, q1, blocks, careful=careful)
+        _accumulate(p, t, s, q, k, v, b, h, q0, q1, blocks, careful=careful)
     first, end = plan.first, plan.end  # the other rows keep out 0 and lse -inf
     if not careful:
         rows = (*b, h, slice(q0 + first, q0 + end))
-        return finish_fast(p, s.acc[first:end], s.rows[0, first:end], hi - lo, p.out[rows],
-                           None if p.lse is None else p.lse[rows])
+        return finish_fast(compiled, s.acc[first:end], s.rows[0, first:end], hi - lo,
+                           p.out[rows], None if p.lse is None else p.lse[rows])
     shift = s.rows[2, first:end]
     if p.base2:
         shift *= np.log(2.0)
@@ -138,8 +149,9 @@ def _attend(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: in
     return True
 
 
-def _accumulate(p: Problem, s: _Scratch, q: Any, k: Any, v: Any, b: tuple[int, ...],
-                h: int, q0: int, q1: int, blocks: list[Block], *, careful: bool) -> None:
+def _accumulate(p: Problem, t: Tiles, s: _Scratch, q: Any, k: Any, v: Any,
+                b: tuple[int, ...], h: int, q0: int, q1: int, blocks: list[Block], *,
+                careful: bool) -> None:
     """The blocks' weights times values into ``s.acc``, their sums into ``s.rows[0]``,
     by NumPy's calls; ``q`` are the scaled queries."""
     n = q1 - q0
@@ -153,9 +165,10 @@ def _accumulate(p: Problem, s: _Scratch, q: Any, k: Any, v: Any, b: tuple[int, .
         sums[:] = 0
     m[:] = -np.inf
     bias = None if p.bias is None else head_view(p.bias, b, h)
+    on_tile, loops = t.config.on_tile, t.loops
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
-        if p.config.on_tile is not None:
-            p.config.on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
+        if on_tile is not None:
+            on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
         width, rows = k1 - k0, slice(r0, r1)
         span, tile = s.tile.scores(width, r1 - r0)
         scores(p, k[k0:k1], q[rows].T, tile, span)
@@ -164,13 +177,13 @@ def _accumulate(p: Problem, s: _Scratch, q: Any, k: Any, v: Any, b: tuple[int, .
         if careful:
             hide(tile, masks, -np.inf)
             _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], scale[rows],
-                   p.exponential)
+                   loops.exponential)
             masks = []  # hidden already
         if i == 0 and first_covers_all:
-            tile = s.tile.weights(p, width, r1 - r0, masks, sums)
+            tile = s.tile.weights(loops, width, r1 - r0, masks, sums)
             np.matmul(tile.T, v[k0:k1], out=acc)
             continue
-        tile = s.tile.weights(p, width, r1 - r0, masks, part_sums[rows])
+        tile = s.tile.weights(loops, width, r1 - r0, masks, part_sums[rows])
         np.matmul(tile.T, v[k0:k1], out=part[rows])
         acc[rows] += part[rows]
         sums[rows] += part_sums[rows]

@@ -1,4 +1,4 @@
-"""Units: ``(batch index, head, q0, q1, lo, hi)``, with the keys their rows reach.
+"""Units, the pieces of work a call is cut into, and the keys their rows reach.
 
 The mask's block form (``Problem.blocks``: which tiles of a fine grid are hidden, full
 or partial, per batch element and head where the mask varies) decides that range
@@ -9,7 +9,7 @@ created; their rows keep output 0 and lse ``-inf``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -18,9 +18,28 @@ from portattn.masks import HIDDEN
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ._problem import Problem, Unit
+    from ._problem import Problem
 
-__all__ = ["KEY_ROW_SCORES", "lead_index", "row_ranges", "units_for", "unit_states", "work"]
+__all__ = ["KEY_ROW_SCORES", "Block", "Unit", "lead_index", "row_ranges", "units_for",
+           "unit_states", "work"]
+
+
+class Unit(NamedTuple):
+    """Query rows ``q0:q1`` of one head of one batch element against keys ``lo:hi``
+    (for stacked heads, ``head`` is the first of the run)."""
+
+    batch: tuple[int, ...]
+    head: int
+    q0: int
+    q1: int
+    lo: int
+    hi: int
+
+
+Block = tuple[int, int, int, int, list[Any]]
+"""``(k0, k1, r0, r1, masks)``: keys ``k0:k1`` against a unit's rows ``r0:r1``, with
+``masks`` the entries to hide: ``(key offset, row offset, hidden)``, ``hidden`` queries
+by keys, True where masked (``_blocks`` plans them)."""
 
 #: Reading one key's and value's rows costs about as much as this many scores: a
 #: decode step has few scores but a whole cache to read. (Decode steps over 4096 keys:
@@ -90,7 +109,7 @@ def units_for(p: Problem, b: tuple[int, ...], heads: Iterable[int],
     if p.blocks is None:
         for q0, q1 in ranges:
             if q1 > q0 and p.kv_len:
-                units += [(b, h, q0, q1, 0, p.kv_len) for h in heads]
+                units += [Unit(b, h, q0, q1, 0, p.kv_len) for h in heads]
         return units
     by_lead: dict[tuple[int, ...], list[int]] = {}
     for h in heads:  # heads that read the same states share their reach
@@ -101,5 +120,5 @@ def units_for(p: Problem, b: tuple[int, ...], heads: Iterable[int],
         for lead, shared in by_lead.items():
             reach = _reach(p, lead, q0, q1)
             if reach is not None:
-                units += [(b, h, *reach) for h in shared]
+                units += [Unit(b, h, *reach) for h in shared]
     return units

@@ -41,12 +41,10 @@ def test_the_gemm_of_numpys_wheels_is_found(dtype):
 
 
 def test_a_library_without_those_names_gives_none(monkeypatch):
-    from portattn_numpy import _threads
-
     libc = ctypes.util.find_library("c")
     if libc is None:
         pytest.skip("no C library to look into")
-    monkeypatch.setattr(_threads, "blas_library_paths", lambda: [libc, "/no/such/lib.so"])
+    monkeypatch.setattr(_cblas, "blas_library_paths", lambda: [libc, "/no/such/lib.so"])
     _cblas.gemm_address.cache_clear()
     try:
         assert _cblas.gemm_address(np.dtype(np.float32)) is None

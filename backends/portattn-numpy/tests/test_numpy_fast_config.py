@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from portattn_numpy import Config, _config, configured
+from portattn_numpy import Config, NumpyFastKernel, _config, configured
 
 from portattn import attention, masks
 
@@ -122,34 +122,18 @@ def test_queries_come_in_tall_tiles_and_fill_the_tile_behind_short_key_ranges():
 
 @pytest.mark.parametrize(("chosen", "want"), [(256 << 10, 256 << 10), ("big", None),
                                               (None, None)])
-def test_the_tile_size_tune_chose_is_used(chosen, want, tmp_path, monkeypatch):
-    import json
-
-    from portattn_numpy._plan import build
-
-    import portattn
-    from portattn import _tune
-
-    path = tmp_path / "tune.json"
-    monkeypatch.setenv(_tune.TUNE_ENV, str(path))
-    _tune.refresh()
-    settings = {} if chosen is None else {"numpy_fast": {"tile_bytes": {"chosen": chosen}}}
-    path.write_text(json.dumps({
-        "format": _tune.FORMAT, "created": "2026-12-01T00:00:00+00:00",
-        "machine": _tune.machine(), "entries": [], "settings": settings,
-        "versions": {"portattn": portattn.__version__,
-                     **{e.distribution: e.version for e in portattn.kernels()}}}))
+def test_the_tile_size_tune_chose_is_used(chosen, want, monkeypatch, tiles, threads):
+    # what ``python -m portattn tune`` chose, as every kernel reads it
+    monkeypatch.setattr(NumpyFastKernel, "tuned", classmethod(
+        lambda cls, setting: chosen if setting == "tile_bytes" else None))
+    threads(1)
     q = np.zeros((1, 1, 4096, 64), np.float32)
-    try:
-        with configured(tile_bytes=None):  # the default: tune's choice, else the machine's
-            problem, _ = build(portattn.explain(q, q, q).inputs)
-    finally:
-        _tune.refresh()
-    expected = _config.machine_tile_bytes() if want is None else want
-    assert problem.tile_elements == expected // 4  # a bad value leaves the default
+    with configured(tile_bytes=None):  # the default: tune's choice, else the machine's
+        attention(q, q, q, kernel="numpy_fast")
+    expected = _config.machine_tile_bytes() if want is None else want  # a bad value: default
     # one head of 4096 queries and keys on one thread: query tiles of preferred_block_q
     # rows (at least min_units_per_thread of them), keys filling the rest of the tile
     config = _config.Config()
     rows = min(config.preferred_block_q, 4096 // config.min_units_per_thread)
-    assert problem.block_q == rows
-    assert problem.block_k == min(config.max_block_k, expected // 4 // rows)
+    assert {q1 - q0 for _, _, q0, q1, _, _ in tiles} == {rows}
+    assert max(k1 - k0 for *_, k0, k1 in tiles) == min(config.max_block_k, expected // 4 // rows)

@@ -96,9 +96,10 @@ def test_each_compiled_name_computes_its_own_exponential(name, exact):
 
 
 def _planned(q, **kwargs):
-    """``(base2, exponential)`` of a call's problem."""
-    problem, _ = build(portattn.explain(q, q, q, kernel="numpy_fast", **kwargs).inputs)
-    return problem.base2, problem.exponential
+    """``(base2, exponential)`` of a call's plan."""
+    inputs = portattn.explain(q, q, q, kernel="numpy_fast", **kwargs).inputs
+    plan = build(inputs, _config.current(), 2 << 20)
+    return plan.problem.base2, plan.loops.exponential
 
 
 @pytest.mark.parametrize(("exponential", "base2", "with_bias"), [

@@ -4,12 +4,12 @@ and the weights made in it."""
 from __future__ import annotations
 
 import importlib.util
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from portattn_numpy import configured
 from portattn_numpy._exponential import in_place, in_rows
+from portattn_numpy._loops import Loops
 from portattn_numpy._scores import ScoreTile, row_stride
 
 from portattn import masks
@@ -19,11 +19,10 @@ _NEEDS_NUMBA = pytest.mark.skipif(importlib.util.find_spec("numba") is None,
 
 
 @pytest.fixture(params=["exp2", pytest.param("exp2_compiled", marks=_NEEDS_NUMBA)])
-def problem(request):
-    """The two fields of a call's Problem that ``ScoreTile.weights`` reads: NumPy's
-    exp2 (a pass each) or the compiled one (one pass)."""
-    return SimpleNamespace(exponential=in_place(request.param),
-                           exponential_rows=in_rows(request.param))
+def loops(request):
+    """The loops ``ScoreTile.weights`` runs: NumPy's exp2 (a pass each) or the compiled
+    one (one pass)."""
+    return Loops(in_place(request.param), in_rows(request.param), compiled=None)
 
 
 @pytest.mark.parametrize(("rows", "dtype", "stride"), [
@@ -51,18 +50,18 @@ def test_views_lie_in_their_span(keys, rows):
     np.testing.assert_array_equal(span.reshape(keys, -1)[:, :rows], view)
 
 
-def test_a_larger_tile_grows_the_buffer(problem):
+def test_a_larger_tile_grows_the_buffer(loops):
     tile = ScoreTile("test.grow", 16, 128, np.float32)
     span, view = tile.scores(64, 512)
     assert view.shape == (64, 512)
     assert span.size == 64 * row_stride(512, 4)
     view[...] = 1.0
     sums = np.empty(512, np.float32)
-    assert tile.weights(problem, 64, 512, [], sums).sum() == 2.0 * 64 * 512
+    assert tile.weights(loops, 64, 512, [], sums).sum() == 2.0 * 64 * 512
     np.testing.assert_array_equal(sums, 2.0 * 64)
 
 
-def test_weights_are_exp_of_the_view_with_hidden_entries_zero_and_their_sums(problem):
+def test_weights_are_exp_of_the_view_with_hidden_entries_zero_and_their_sums(loops):
     rng = np.random.default_rng(0)
     tile = ScoreTile("test", 64, 512, np.float32)
     hidden = rng.random((6, 10)) < 0.5  # rows 100:106 by keys 3:13
@@ -73,7 +72,7 @@ def test_weights_are_exp_of_the_view_with_hidden_entries_zero_and_their_sums(pro
         scores = rng.standard_normal((64, 512)).astype(np.float32)
         view[...] = scores
         sums = np.empty(512, np.float32)
-        weights = tile.weights(problem, 64, 512, [(3, 100, hidden), (20, 0, wide)], sums)
+        weights = tile.weights(loops, 64, 512, [(3, 100, hidden), (20, 0, wide)], sums)
         assert np.shares_memory(weights, view)
         expected = np.exp2(scores)
         expected[3:13, 100:106][hidden.T] = 0  # the tile is keys by rows
@@ -81,19 +80,19 @@ def test_weights_are_exp_of_the_view_with_hidden_entries_zero_and_their_sums(pro
         np.testing.assert_allclose(weights, expected, rtol=1e-6)
         np.testing.assert_allclose(sums, expected.sum(axis=0), rtol=1e-5)
         after = span.reshape(64, -1)[:, 512:]
-        if problem.exponential_rows is None:  # zeroed before NumPy's exp2: never inf
+        if loops.exponential_rows is None:  # zeroed before NumPy's exp2: never inf
             np.testing.assert_array_equal(after, 1.0)
         else:  # one pass over the rows alone
             np.testing.assert_array_equal(after, padding)
 
 
-def test_sums_may_go_to_a_strided_column(problem):
+def test_sums_may_go_to_a_strided_column(loops):
     tile = ScoreTile("test", 32, 16, np.float64)
     _, view = tile.scores(32, 16)
     view[...] = np.linspace(-4, 4, 32 * 16).reshape(32, 16)
     expected = np.exp2(view)
     table = np.zeros((16, 3))  # the diagonal's accumulator: values, then the sums
-    tile.weights(problem, 32, 16, [], table[:, -1])
+    tile.weights(loops, 32, 16, [], table[:, -1])
     np.testing.assert_allclose(table[:, -1], expected.sum(axis=0), rtol=1e-14)
     np.testing.assert_array_equal(table[:, :-1], 0)
 

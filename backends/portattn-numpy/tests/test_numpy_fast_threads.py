@@ -8,7 +8,14 @@ import time
 
 import numpy as np
 import pytest
-from portattn_numpy import THREADS_ENV, _threads, configured, get_num_threads, set_num_threads
+from portattn_numpy import (
+    THREADS_ENV,
+    _call,
+    _threads,
+    configured,
+    get_num_threads,
+    set_num_threads,
+)
 
 from portattn import attention
 
@@ -235,7 +242,7 @@ def _units_and_threads(monkeypatch, q_shape, kv_len):
     q = rng.standard_normal(q_shape).astype(np.float32)
     k = rng.standard_normal((*q_shape[:2], kv_len, q_shape[3])).astype(np.float32)
     units, asked = [], []
-    real = _threads.run_parallel
+    real = _call.run_parallel
 
     def run_parallel(worker, work, count, first=None):
         asked.append(min(count, len(work)))
@@ -243,7 +250,7 @@ def _units_and_threads(monkeypatch, q_shape, kv_len):
 
     with monkeypatch.context() as patch, configured(
             on_unit=lambda *_: units.append(threading.get_ident())):
-        patch.setattr(_threads, "run_parallel", run_parallel)
+        patch.setattr(_call, "run_parallel", run_parallel)
         attention(q, k, k, kernel="numpy_fast")
     assert len(set(units)) <= asked[0]
     return len(units), asked[0]
