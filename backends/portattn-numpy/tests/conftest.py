@@ -1,5 +1,6 @@
 """Shared fixtures for the numpy_fast tests, and the ``backend``/``xp`` harness of
-portattn.testing."""
+portattn.testing (importing it also sets ``PORTATTN_TUNE_FILE=""``: dispatch follows
+the declared priorities, whatever this machine's tune file says)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,6 @@ from portattn.testing.plugin import backend, xp
 
 __all__ = ["backend", "check", "exponential", "path", "results_of", "threads", "tiles",
            "tiny_tiles", "xp"]
-
-
-@pytest.fixture(autouse=True)
-def _no_tune_file(monkeypatch):
-    """Dispatch by its declared priorities: a tune file of this machine's user (``python
-    -m portattn tune``) would make these tests depend on its timings."""
-    from portattn import _tune
-
-    monkeypatch.setenv(_tune.TUNE_ENV, "")
-    _tune.refresh()
-    yield
-    _tune.refresh()
 
 
 @pytest.fixture(autouse=True)
