@@ -57,12 +57,60 @@ def _overriding(variable: ContextVar[Any], value: Any) -> Iterator[None]:
 
 
 def use_kernel(name: str | None) -> contextlib.AbstractContextManager[None]:
-    """Within the block, every call runs kernel ``name`` (like ``kernel=name``)."""
+    """Within the block, every call runs kernel ``name``, as if passed ``kernel=name``.
+
+    A ``kernel=`` argument still wins over the block, and the block over the
+    ``PORTATTN_KERNEL`` environment variable. The setting is a context variable: it
+    holds for this thread (or task) and for the calls nested in the block.
+
+    Args:
+        name: the kernel's name, as :func:`kernels` lists it; None lifts the choice of
+            an outer block (``PORTATTN_KERNEL`` then applies again).
+
+    Returns:
+        A context manager. Each call inside the block checks the name, and raises
+        :class:`~portattn.errors.UnknownKernelError` when no kernel has it or
+        :class:`~portattn.errors.KernelNotUsableError` when that kernel cannot run
+        the call.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
+        >>> with portattn.use_kernel("reference"):
+        ...     plan = portattn.explain(q, q, q)
+        >>> plan.kernel.name, plan.forced
+        ('reference', 'reference')
+    """
     return _overriding(_forced, name)
 
 
 def disable_kernels(*names: str) -> contextlib.AbstractContextManager[None]:
-    """Within the block, dispatch skips the named kernels."""
+    """Within the block, dispatch skips the named kernels.
+
+    Nested blocks add to the kernels an outer block disabled. Unlike
+    ``PORTATTN_DISABLE_KERNELS``, which keeps a plugin from being imported at all,
+    the kernels stay loaded; :func:`explain` gives ``disabled by
+    portattn.disable_kernels()`` as their reason. Names no kernel has are ignored.
+
+    Args:
+        *names: kernel names, as :func:`kernels` lists them.
+
+    Returns:
+        A context manager; the setting holds for this thread (or task) and for the
+        calls nested in the block.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
+        >>> with portattn.disable_kernels("tiled"):
+        ...     plan = portattn.explain(q, q, q)
+        >>> dict((entry.name, why) for entry, why in plan.candidates)["tiled"]
+        ('disabled by portattn.disable_kernels()',)
+        >>> plan.kernel.name != "tiled"
+        True
+    """
     return _overriding(_disabled, _disabled.get() | frozenset(names))
 
 
@@ -113,7 +161,27 @@ def _elsewhere(kernel: Kernel, inputs: AttentionInputs) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Plan:
-    """What dispatch would do for one call; ``str(plan)`` reads like a report."""
+    """What dispatch would do for one call, as :func:`explain` returns it.
+
+    ``kernel`` is the chosen kernel's :class:`KernelEntry` (None when no kernel can
+    run the call), ``candidates`` every kernel asked, in priority order, each with
+    the reasons it cannot run the call (empty when it can), ``inputs`` the call's
+    :class:`~portattn.kernel.AttentionInputs` and ``forced`` the kernel name forced
+    by ``kernel=``, :func:`use_kernel` or ``PORTATTN_KERNEL`` (None when none was).
+    ``str(plan)`` reads like a report of all of it.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
+        >>> plan = portattn.explain(q, q, q, kernel="tiled")
+        >>> plan.kernel.name, plan.forced, plan.inputs.q_len
+        ('tiled', 'tiled', 8)
+        >>> [why for entry, why in plan.candidates if entry.name == "tiled"]
+        [()]
+        >>> str(plan).splitlines()[0].endswith("(forced: tiled)")
+        True
+    """
 
     kernel: KernelEntry | None
     candidates: tuple[tuple[KernelEntry, tuple[str, ...]], ...]
@@ -150,7 +218,24 @@ class Plan:
             return (f"{self.kernel.name}.notes raised {type(e).__name__}: {e}",)
 
     def error(self) -> Exception:
-        """What :func:`portattn.attention` raises when no kernel was chosen."""
+        """What :func:`portattn.attention` raises when no kernel was chosen.
+
+        Returns:
+            A :class:`~portattn.errors.KernelNotUsableError` with the forced kernel's
+            reasons when a kernel was forced, else a
+            :class:`~portattn.errors.NoKernelError` listing every kernel's reasons.
+
+        Example:
+            >>> import numpy as np
+            >>> import portattn
+            >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
+            >>> plan = portattn.explain(q, q, q, return_weights=True, kernel="tiled")
+            >>> error = plan.error()
+            >>> type(error).__name__
+            'KernelNotUsableError'
+            >>> print(str(error).splitlines()[0])
+            kernel 'tiled' cannot run attention with these inputs:
+        """
         if self.forced is not None:
             why = next(w for e, w in self.candidates if e.name == self.forced)
             msg = (f"kernel {self.forced!r} cannot run attention with these inputs:\n"

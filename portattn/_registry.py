@@ -42,7 +42,22 @@ KNOWN_PLUGINS = {
 
 @dataclass(frozen=True)
 class KernelEntry:
-    """One installed kernel and where it came from."""
+    """One installed kernel and where it came from, as :func:`kernels` lists it.
+
+    ``name`` is the entry point's name, ``kernel`` an instance of the
+    :class:`~portattn.kernel.Kernel` subclass (None when the plugin could not be
+    loaded or was disabled by ``PORTATTN_DISABLE_KERNELS``), ``distribution`` and
+    ``version`` the distribution that provides it. ``str(entry)`` reads
+    ``name (distribution version)``, as in errors and :func:`explain`.
+
+    Example:
+        >>> import portattn
+        >>> entry = next(e for e in portattn.kernels() if e.name == "tiled")
+        >>> entry.distribution, entry.kernel.name, entry.status
+        ('portattn', 'tiled', None)
+        >>> entry.priority == entry.kernel.priority
+        True
+    """
 
     name: str
     kernel: Kernel | None
@@ -53,10 +68,12 @@ class KernelEntry:
 
     @property
     def priority(self) -> int:
+        """The kernel's priority; the lowest possible one when it is not loaded."""
         return self.kernel.priority if self.kernel is not None else -(2**31)
 
     @property
     def provenance(self) -> str:
+        """``"distribution version"``, e.g. ``"portattn-numpy 0.1.0"``."""
         return f"{self.distribution} {self.version}"
 
     def __str__(self) -> str:
@@ -198,12 +215,49 @@ def forced_by_environment() -> str | None:
 
 
 def kernels() -> list[KernelEntry]:
-    """Every installed kernel, in dispatch order, with distribution and version."""
+    """Every installed kernel, in dispatch order, with distribution and version.
+
+    The entry points of the group ``portattn.kernels`` are read once, on first use
+    (this function or the first dispatch); :func:`refresh_kernels` reads them again.
+    Kernels that failed to load or are disabled stay in the list, with a ``status``
+    that says why.
+
+    Returns:
+        A new list of :class:`KernelEntry`, highest priority first (ties by name).
+
+    Example:
+        >>> import portattn
+        >>> entries = portattn.kernels()
+        >>> {"reference", "tiled"} <= {e.name for e in entries}
+        True
+        >>> priorities = [e.priority for e in entries]
+        >>> priorities == sorted(priorities, reverse=True)
+        True
+    """
     return list(kernel_entries())
 
 
 def refresh_kernels() -> list[KernelEntry]:
-    """Forget what was discovered; read the entry points and the environment again."""
+    """Forget what was discovered; read the entry points and the environment again.
+
+    Use it after installing a plugin, or after changing ``PORTATTN_KERNEL`` or
+    ``PORTATTN_DISABLE_KERNELS``, in a running process. Each kernel's availability
+    is checked again too.
+
+    Returns:
+        The kernels found now, as :func:`kernels` returns them.
+
+    Example:
+        >>> import os
+        >>> from unittest import mock
+        >>> import portattn
+        >>> with mock.patch.dict(os.environ, {"PORTATTN_DISABLE_KERNELS": "tiled"}):
+        ...     entries = portattn.refresh_kernels()
+        >>> [e.status for e in entries if e.name == "tiled"]
+        ['disabled by PORTATTN_DISABLE_KERNELS']
+        >>> [e.status for e in portattn.refresh_kernels() if e.name == "tiled"]
+        [None]
+    """
     global _discovered
     for entry in _discovered[0] if _discovered else ():
         if entry.kernel is not None and "_availability" in type(entry.kernel).__dict__:

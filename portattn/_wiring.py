@@ -22,8 +22,27 @@ _attached: dict[str, Any] = {}
 
 
 def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
-    """The installed autograd wiring for ``namespace``, or None (loaded once; a plain
-    dict lookup after that, which ``torch.compile`` traces without a graph break)."""
+    """The installed autograd wiring for ``namespace``, or None.
+
+    The entry point is loaded on the first call for a namespace; later calls are a
+    plain dict lookup, which ``torch.compile`` traces without a graph break.
+
+    Args:
+        namespace: the library's short name, as
+            :attr:`AttentionInputs.namespace <portattn.kernel.AttentionInputs.namespace>`
+            gives it (``"torch"``, ``"jax"``, ...).
+
+    Returns:
+        The callable ``attach(inputs) -> (out, lse)`` registered under that name in
+        the entry-point group ``portattn.autograd``; None when no plugin registers
+        one, or when it fails to load (with a
+        :class:`~portattn.errors.PluginWarning`).
+
+    Example:
+        >>> from portattn.autograd import attach_for
+        >>> attach_for("numpy") is None  # NumPy has no autograd to wire
+        True
+    """
     if namespace not in _attached:
         _attached[namespace] = _load(namespace)
     return _attached[namespace]
