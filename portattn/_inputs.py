@@ -97,10 +97,45 @@ def needs_grad(arrays: tuple[Any, ...]) -> bool:
 
 
 class AttentionInputs(NamedTuple):
-    """Everything a kernel needs to know about one call (validated, immutable).
+    """Everything a kernel needs to know about one call, validated and immutable.
+
+    Dispatch builds one per call and hands it to
+    :meth:`~portattn.kernel.Kernel.not_supported_reasons` and
+    :meth:`~portattn.kernel.Kernel.run`; ``portattn.explain(...).inputs`` shows it.
+
+    - ``query``, ``key``, ``value``: the arrays in the kernels' layout,
+      ``(*batch, H, L, D)``, whatever ``layout`` the caller used;
+    - ``mask``: the mask bound to the call (a boolean array arrives as ``dense``),
+      or None; ``bias``: broadcastable to ``(*batch, Hq, Lq, Lk)`` with full rank,
+      or None;
+    - ``scale`` (the default ``1/sqrt(D)`` filled in), ``softcap``, ``dropout_p``,
+      ``return_lse``, ``return_weights``: the options of :func:`portattn.attention`;
+    - ``xp``, ``namespace``, ``device``, ``device_obj``, ``dtype``: the array
+      namespace, the library's short name (``"numpy"``), the device kind (``"cpu"``,
+      ``"cuda"``), the device object (None when unknown) and the dtype's name;
+    - ``batch_shape``, ``num_heads``, ``num_kv_heads``, ``q_len``, ``kv_len``,
+      ``head_dim``, ``value_head_dim``: the sizes;
+    - ``requires_grad``: autograd wants gradients through the call;
+      ``mask_kinds``: the mask's :attr:`~portattn.masks.Mask.kinds`.
 
     A named tuple rather than a frozen dataclass: it is built on every call, and
     dispatch overhead matters for short sequences.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import masks
+        >>> q = np.zeros((1, 4, 8, 4), dtype=np.float32)
+        >>> kv = np.zeros((1, 2, 8, 4), dtype=np.float32)
+        >>> inputs = portattn.explain(q, kv, kv, mask=masks.causal(), kernel="tiled").inputs
+        >>> inputs.batch_shape, inputs.num_heads, inputs.num_kv_heads, inputs.group_size
+        ((1,), 4, 2, 2)
+        >>> inputs.namespace, inputs.device, inputs.dtype, inputs.scale
+        ('numpy', 'cpu', 'float32', 0.5)
+        >>> sorted(inputs.mask_kinds)
+        ['causal']
+        >>> inputs.blocks(4, 4).merged.tolist()  # 0 hidden, 1 partial, 2 full
+        [[1, 0], [2, 1]]
     """
 
     query: Any
@@ -142,6 +177,7 @@ class AttentionInputs(NamedTuple):
 
     @property
     def group_size(self) -> int:
+        """Query heads per key/value head, ``num_heads // num_kv_heads``."""
         return self.num_heads // self.num_kv_heads
 
     @property

@@ -77,6 +77,23 @@ class Band:
     Rows and keys are array indices (``0 <= i < Lq``, ``0 <= j < Lk``); alignment and
     any shift are already folded in. ``None`` leaves a side unbounded. Top-left causal
     is ``Band(None, 0)``; bottom-right causal is ``Band(None, Lk - Lq)``.
+    :meth:`Mask.band` gives a mask's causal and sliding-window parts as one band, and
+    ``a & b`` intersects two bands. Tile bounds are half-open: rows ``[q0, q1)``,
+    keys ``[k0, k1)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> band = (masks.causal() & masks.sliding_window(2)).band(4, 6)
+        >>> band
+        Band(lower=0, upper=2)
+        >>> band.key_range(0, 2, 6), band.covers(2, 4, 4, 5), band.hides(0, 2, 4, 6)
+        ((0, 4), True, True)
+        >>> band.tile(np, 0, 2, 0, 6).astype(int)
+        array([[1, 1, 1, 0, 0, 0],
+               [0, 1, 1, 1, 0, 0]])
+        >>> band & masks.Band(None, 1)
+        Band(lower=0, upper=1)
     """
 
     lower: int | None = None
@@ -188,7 +205,18 @@ def _min(a: int | None, b: int | None) -> int | None:
 class Grid:
     """Tiles to classify: query rows ``[q_edges[a], q_edges[a + 1])`` against keys
     ``[k_edges[b], k_edges[b + 1])``, for a call of ``q_len`` queries and ``kv_len``
-    keys. Edges are increasing NumPy integer arrays; the tiles need not start at 0."""
+    keys. Edges are increasing NumPy integer arrays; the tiles need not start at 0.
+
+    What :meth:`Mask.block_states` receives; :func:`block_mask` builds a uniform one.
+
+    Example:
+        >>> from portattn import masks
+        >>> grid = masks.Grid.uniform(8, 8, 4, 4)
+        >>> grid.q_edges.tolist(), grid.k_last.tolist()
+        ([0, 4, 8], [3, 7])
+        >>> masks.causal().block_states(grid).tolist()  # 0 hidden, 1 partial, 2 full
+        [[1, 0], [2, 1]]
+    """
 
     q_edges: Any
     k_edges: Any
@@ -211,18 +239,22 @@ class Grid:
 
     @property
     def q_first(self) -> Any:
+        """First row of each query block."""
         return self.q_edges[:-1]
 
     @property
     def q_last(self) -> Any:
+        """Last row of each query block (inclusive)."""
         return self.q_edges[1:] - 1
 
     @property
     def k_first(self) -> Any:
+        """First key of each key block."""
         return self.k_edges[:-1]
 
     @property
     def k_last(self) -> Any:
+        """Last key of each key block (inclusive)."""
         return self.k_edges[1:] - 1
 
     def reduce_q(self, op: Any, values: Any) -> Any:
@@ -231,6 +263,7 @@ class Grid:
         return _reduce_blocks(op, values, self.q_edges)
 
     def reduce_k(self, op: Any, values: Any) -> Any:
+        """:meth:`reduce_q` over each key block."""
         return _reduce_blocks(op, values, self.k_edges)
 
 
@@ -245,9 +278,25 @@ def _reduce_blocks(op: Any, values: Any, edges: Any) -> Any:
 
 
 def tile_states(hidden: Any, full: Any, xp: Any = None) -> Any:
-    """:data:`HIDDEN` where ``hidden``, else :data:`FULL` where ``full``, else
-    :data:`PARTIAL`, as int8; in ``xp`` (NumPy by default, or a namespace with
-    NumPy's ``where``, such as ``jax.numpy`` for states built on the device)."""
+    """Tile states from two boolean arrays: what a kind's ``block_states`` returns.
+
+    Args:
+        hidden: True for tiles where no pair is allowed.
+        full: True for tiles where every pair is allowed (``hidden`` wins).
+        xp: NumPy by default, or a namespace with NumPy's ``where`` and ``astype``,
+            such as ``jax.numpy`` for states built on the device.
+
+    Returns:
+        An int8 array of the broadcast shape, holding :data:`HIDDEN` where
+        ``hidden``, else :data:`FULL` where ``full``, else :data:`PARTIAL`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.tile_states(np.array([True, False, False]),
+        ...                   np.array([True, True, False])).tolist()
+        [0, 2, 1]
+    """
     if xp is None:
         import numpy as xp
     return xp.where(hidden, HIDDEN, xp.where(full, FULL, PARTIAL)).astype(xp.int8)
@@ -286,9 +335,32 @@ def interval_states(q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any, q_exact: Any = T
 
 
 def combine_states(states: list[Any], union: bool, xp: Any = None) -> Any:
-    """The states of an intersection (smallest) or union (largest) of parts; None
-    entries stand for :data:`PARTIAL` everywhere, and so is an empty result. ``xp``
-    as in :func:`tile_states`."""
+    """The tile states of an intersection or a union of parts.
+
+    Args:
+        states: each part's states (broadcastable arrays), or None for a part whose
+            tiles are unknown (partial everywhere).
+        union: False for an intersection (the smallest state of the parts), True for
+            a union (the largest).
+        xp: as in :func:`tile_states`.
+
+    Returns:
+        The combined int8 states; None (every tile partial) when no part's states
+        are known.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> a, b = np.array([0, 1, 2], dtype=np.int8), np.array([2, 2, 1], dtype=np.int8)
+        >>> masks.combine_states([a, b], union=False).tolist()
+        [0, 1, 1]
+        >>> masks.combine_states([a, b], union=True).tolist()
+        [2, 2, 2]
+        >>> masks.combine_states([a, None], union=True).tolist()
+        [1, 1, 2]
+        >>> masks.combine_states([None], union=False) is None
+        True
+    """
     if xp is None:
         import numpy as xp
     known = [s for s in states if s is not None]
@@ -304,9 +376,55 @@ def combine_states(states: list[Any], union: bool, xp: Any = None) -> Any:
 
 
 class Mask:
-    """Base of every mask; combine masks with ``&`` and ``|``. Defaults describe a
-    part that allows every pair as far as the structure tells (subclasses narrow
-    them)."""
+    """Base of every mask kind; masks combine with ``&`` (:class:`Intersection`) and
+    ``|`` (:class:`Union`).
+
+    The constructors in :mod:`portattn.masks` (:func:`causal`, :func:`key_lengths`,
+    ...) make masks; kernels read them through this protocol. A kind is a frozen
+    dataclass deriving from it. Tiles are half-open, rows ``[q0, q1)`` and keys
+    ``[k0, k1)``, of a call with ``lq`` queries and ``lk`` keys; ``xp`` is the call's
+    array namespace. A kind sets or overrides:
+
+    - ``kind``: its name (the class attribute a kernel's ``masks`` declaration
+      names, see :data:`KINDS`);
+    - :meth:`tile`: the boolean tile, ``(q1 - q0, k1 - k0)`` or of full rank
+      ``(*batch, H, tq, tk)`` with broadcastable 1s (required);
+    - :meth:`allows`: the same question pair by pair, on indices that may only be
+      known on the device (required);
+    - :meth:`restrict`: the mask of a sub-problem in its own coordinates (required);
+    - :meth:`bind`: check the mask against the call's shapes and normalise it (the
+      default keeps it as it is);
+    - :meth:`block_states`: the state of every tile of a :class:`Grid`, read by
+      :func:`block_mask` (the default, None, counts every tile as partial);
+    - :meth:`key_range`, :meth:`covers`, :meth:`hides`: one tile's needs, known
+      without reading data (the default range is every key; the default
+      :meth:`covers` and :meth:`hides` ask :meth:`block_states` about the tile);
+    - :meth:`band`: for positional kinds (:data:`POSITIONAL`), the band they allow;
+    - :attr:`arrays` and :meth:`with_arrays`: for kinds that hold arrays;
+    - :meth:`structure` and :meth:`key`: equality and hashing, and the key under
+      which block forms are remembered.
+
+    :attr:`parts`, :attr:`kinds` and :meth:`parts_of` need no override.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.causal() & masks.sliding_window(2)
+        >>> sorted(mask.kinds), [p.kind for p in mask.parts_of("sliding_window")]
+        (['causal', 'sliding_window'], ['sliding_window'])
+        >>> mask.hides(0, 2, 4, 6, 4, 6), mask.covers(2, 4, 4, 5, 4, 6)
+        (True, True)
+        >>> mask.tile(np, 0, 2, 0, 6, 4, 6).astype(int)
+        array([[1, 1, 1, 0, 0, 0],
+               [0, 1, 1, 1, 0, 0]])
+        >>> print(masks.text(mask, 4, 6))
+        ###...
+        .###..
+        ..###.
+        ...###
+        >>> mask == masks.causal() & masks.sliding_window(2)
+        True
+    """
 
     kind: ClassVar[str] = ""
 
@@ -494,7 +612,26 @@ class _Combination(Mask):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Intersection(_Combination):
-    """Pairs allowed by every one of ``members`` (what ``a & b`` builds)."""
+    """Pairs allowed by every one of ``members``, made by ``a & b``.
+
+    Intersections flatten: ``a & b & c`` has three :attr:`~Mask.parts`. Its
+    causal and sliding-window parts fold into one :meth:`~Mask.band`.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.causal() & masks.sliding_window(1) & masks.chunks(4)
+        >>> type(mask).__name__, len(mask.parts)
+        ('Intersection', 3)
+        >>> mask.band(6, 6)
+        Band(lower=-1, upper=0)
+        >>> print(masks.text(mask, 6, 6))
+        #.....
+        ##....
+        .##...
+        ..##..
+        ....#.
+        ....##
+    """
 
     kind: ClassVar[str] = "intersection"
     union: ClassVar[bool] = False
@@ -553,10 +690,24 @@ class Intersection(_Combination):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Union(_Combination):
-    """Pairs allowed by any one of ``members`` (what ``a | b`` builds), e.g. a window
-    with sink tokens, ``sliding_window(w) | sink_tokens(4)``, or a prefix-LM,
-    ``causal() | prefix(lengths)``. A single part of an intersection: its kinds are
-    ``"union"`` and those of its members."""
+    """Pairs allowed by any one of ``members``, made by ``a | b``.
+
+    For example a window with sink tokens, ``sliding_window(w) | sink_tokens(4)``, or
+    a prefix-LM, ``causal() | prefix(lengths)``. Unions flatten like intersections,
+    and a union is a single part of an intersection: its kinds are ``"union"`` and
+    those of its members.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.sliding_window(1) | masks.sink_tokens(1)
+        >>> sorted(mask.kinds), len(mask.members)
+        (['sink_tokens', 'sliding_window', 'union'], 2)
+        >>> print(masks.text(mask, 4, 6))
+        ###...
+        #.##..
+        #..##.
+        #...##
+    """
 
     kind: ClassVar[str] = "union"
     union: ClassVar[bool] = True
@@ -602,7 +753,26 @@ def replaced(mask: Mask, **changes: Any) -> Mask:
 
 
 def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> Any:
-    """Check ``array`` broadcasts to ``target``; prepend 1s to reach its rank."""
+    """Check that ``array`` broadcasts to ``target``; give it ``target``'s rank.
+
+    Args:
+        xp: the array namespace of ``array``.
+        array: a bias or a boolean mask.
+        target: the call's full shape, ``(*batch, Hq, Lq, Lk)``.
+        what: the argument's name, for the error message.
+
+    Returns:
+        ``array`` reshaped with leading 1s up to ``len(target)`` dims (no copy).
+
+    Raises:
+        ValueError: ``array`` does not broadcast to ``target``.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.expand_to_rank(np, np.zeros((8, 8)), (2, 4, 8, 8), "bias").shape
+        (1, 1, 8, 8)
+    """
     shape = tuple(array.shape)
     ok = len(shape) <= len(target) and all(
         s in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
@@ -614,8 +784,26 @@ def expand_to_rank(xp: Any, array: Any, target: tuple[int, ...], what: str) -> A
 
 
 def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
-    """Rows ``q0:q1`` and columns ``k0:k1`` of a full-rank array (a bound dense mask, a
-    bias), keeping its 1-sized (broadcast) axes as they are."""
+    """One tile of a full-rank array (a bound dense mask, a bias).
+
+    Args:
+        array: ``(..., Lq | 1, Lk | 1)``.
+        q0: first row of the tile.
+        q1: end of the rows (exclusive).
+        k0: first column of the tile.
+        k1: end of the columns (exclusive).
+
+    Returns:
+        ``array[..., q0:q1, k0:k1]``, but a size-1 (broadcast) axis stays whole.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.slice_tile(np.zeros((1, 2, 8, 8)), 0, 4, 4, 8).shape
+        (1, 2, 4, 4)
+        >>> masks.slice_tile(np.zeros((1, 2, 1, 8)), 0, 4, 4, 8).shape
+        (1, 2, 1, 4)
+    """
     rows = slice(None) if array.shape[-2] == 1 else slice(q0, q1)
     cols = slice(None) if array.shape[-1] == 1 else slice(k0, k1)
     return array[..., rows, cols]
