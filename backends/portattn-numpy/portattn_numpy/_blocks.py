@@ -242,8 +242,8 @@ def _block(p: Problem, mask: UnitMask, states: Any, edges: Any, k0: int,
 #: Share of the columns a row of tiles must see, and of those it must see partially, to
 #: be planned as a row of its own.
 _WIDE = 0.75
-#: What one call of a mask's ``tile`` costs besides its pairs, in pairs: a union with
-#: global tokens took 0.35 ms a call and 5 ns a pair.
+#: What one call of a mask's ``tile`` costs besides its pairs, in pairs: a call's fixed
+#: cost is worth tens of thousands of pairs (a union with global tokens).
 _CALL = 1 << 16
 
 

@@ -8,17 +8,13 @@ BLAS, added into the unit's accumulator by the product itself (``beta = 1``). BL
 NumPy's own library, called by address (``_cblas``).
 
 Unlike the other tiles (``_scores``), these are kept queries by keys: ``q @ k.T``, then
-``weights @ v`` with no operand transposed. In a unit of 1024 rows of (1, 8, 2048, 64)
-float32, OpenBLAS's AVX-512 kernels ran those products at 96% of their 2048 x 2048
-sgemm rate, against 88% for the products keys by queries; the unit took 0.94x the
-time, and 0.98x with OpenBLAS's AVX2 kernels.
+``weights @ v`` with no operand transposed, the shapes OpenBLAS's kernels run closest
+to their square-matrix rate.
 
-NumPy's way, a unit of 1024 rows of (1, 8, 2048, 64) float32 makes about 25 calls,
-and after each the worker takes the GIL back, waiting when another worker holds it. On
-a 2-core machine the Python between them took 1.7% of a unit, and units ran 1.5%
-slower on two threads than on one (two processes running one thread each: 1%, the
-cores sharing caches and memory). With the unit's blocks in one call and its last
-step in another, the call took 0.97-0.99x the time (see the README).
+NumPy's way, a unit makes a few dozen calls, and after each the worker takes the GIL
+back, waiting when another worker holds it: the Python between the calls, and the
+waiting, grow with the threads. Here a unit's blocks take one call and its last step
+another.
 """
 
 from __future__ import annotations
@@ -103,7 +99,7 @@ def _compile_accumulate(dtype: Any) -> Any:
                                                   masks[m, 4], masks[m, 5])
                 for r in range(height):
                     # a row's slices, indexed from 0 up, and a select: it vectorises
-                    # (0.1-0.15 ns an entry; 1 ns indexing the whole arrays)
+                    # (indexing the whole arrays, it did not)
                     at, flags = (row + r) * stride + key, start + r * width
                     scores, hides = span[at:at + width], hidden[flags:flags + width]
                     for j in range(width):

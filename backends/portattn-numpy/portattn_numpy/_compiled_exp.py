@@ -4,11 +4,9 @@ tile's rows with each column's sum in the same pass (``exp2_rows``: the weights 
 ``_compiled_blocks``), compiled with Numba (``pip install
 portattn-numpy[jit]``); importing this module without Numba raises ``ImportError``.
 
-NumPy vectorises float32 ``exp2`` only with AVX-512. With AVX2 alone its float32
-``exp2`` is a scalar loop (2.5 ns an entry) and its ``exp`` 1.3 ns, next to about
-2.9 ns of matrix products per score at head dim 64; its float64 ``exp`` takes 5 ns.
-These loops, compiled for the machine they run on, take 0.26-0.35 ns (float32) and
-1.0-1.3 ns (float64) there.
+NumPy vectorises float32 ``exp2`` only with AVX-512 (with AVX2 alone it is a scalar
+loop), and its ``exp``, float64's above all, costs a good share of a call next to the
+matrix products. These loops are compiled, and vectorised, for the machine they run on.
 
 ``2**t = 2**k * 2**f`` with ``k = round(t)`` and ``|f| <= 1/2``, where ``t`` is ``x``
 for ``exp2`` and ``x log2(e)`` for ``exp``. ``2**f = e**r`` with ``r = f ln(2)``,
@@ -118,8 +116,8 @@ def _rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
 
     The inner loops run over rows themselves (not over an ``out`` that may alias them)
     and sum into a fresh array: LLVM then vectorises them with no overlap check. Rows
-    go four at a time, so the sums are read and written once per four rows (a 1024 x
-    512 float32 tile: 61 us, against 82 us a row at a time).
+    go four at a time, so the sums are read and written once per four rows, not once
+    per row.
     """
     summing = sums.shape[0] > 0
     total = np.zeros(rows if summing else 0, span.dtype)
@@ -156,12 +154,11 @@ def exp2_row_sums(span: Any, stride: int, keys: int, sums: Any, first: bool,
     and their row sums in one pass.
 
     Compiled on its own, not inlined, so that the sums may be reassociated: LLVM then
-    keeps each in the vector lanes (a horizontal sum in a second pass took a third as
-    long as the exponential). That is safe for ``exp2``: the rounding ``(t + C) - C``
+    keeps each in the vector lanes (a horizontal sum in a second pass would read the
+    row again). That is safe for ``exp2``: the rounding ``(t + C) - C``
     is not folded to ``t`` without ``nsz`` (it differs at ``t = -0``). ``exp``'s
     two-part reduction would be regrouped, so ``c`` must be of base 2. One call takes
-    the whole tile: a call per row cost about 10 ns a row, a sixth of the time of a row
-    of 512 float32 keys (AVX-512).
+    the whole tile: a call per row would pay a call's fixed cost for each short row.
     """
     for j in range(sums.shape[0]):
         row = span[j * stride:j * stride + keys]

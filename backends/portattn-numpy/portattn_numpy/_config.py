@@ -33,13 +33,8 @@ def machine_tile_bytes() -> int:
     """Twice one core's L2 cache, within [2 MiB, 8 MiB] (2 MiB when the machine does
     not say).
 
-    Measured at (1, 8, N, 64) float32: on a 1 MiB-L2 machine with AVX2, 256 x 1024
-    score tiles (1 MiB) ran 3-4% faster than 128 x 1024, larger ones no faster; on a
-    1 MiB-L2 machine with AVX-512, 512 x 1024 (2 MiB) ran 3.5-4% faster than 256 x 1024
-    without a mask at N = 2048 and 8192 (in turns), as fast with a causal mask; on a
-    512 KiB-L2 machine with AVX2 (the compiled exponential), 2 MiB ran 4-5% faster than
-    1 MiB at N = 2048 and 8192, 4 MiB no faster. Larger query blocks make fewer and
-    wider products; the tile then lives in L2 and L3.
+    Larger query blocks make fewer and wider products; the tile then lives in L2 and
+    L3. Tiles past twice the L2 measured no faster on the machines tried.
     """
     l2 = _l2_bytes()
     return min(8 << 20, max(2 << 20, 2 * l2))
@@ -84,14 +79,12 @@ class Config:
     min_block_q: int = 16
     preferred_block_q: int = 1024
     """Query rows per tile where the keys fill the rest of it (a 2 MiB float32 tile:
-    1024 x 512). Against 512 x 1024 on 2 threads (median of calls in turns), (1, 8, N,
-    64) float32 ran 0.4-1.3% faster at N = 2048, 1.5-1.8% at 8192 and 7% under a
-    sliding window of 512 at 4096: half as many units, each with its fixed calls."""
+    1024 x 512). Taller tiles than wide ones make half as many units, each with its
+    fixed calls."""
     max_block_q: int = 2048
     """Query rows per tile at most. Queries fill the tile behind its key block, so short
-    key ranges get tall tiles: at (1, 8, 4096, 64) float32 over 128, 256 and 512 keys
-    they ran 13-14%, 5-8% and 2-3% faster than with at most 512 rows (2 threads, median
-    of calls in turns)."""
+    key ranges get tall tiles: the shorter the keys, the more a tile's fixed calls
+    weigh against its products."""
     max_block_k: int = 1024
     """Keys per block at most (longer blocks measured no faster)."""
     mask_step: int = 128
@@ -106,7 +99,7 @@ class Config:
     min_squares: int = 4
     """Fewest diagonal squares in a unit: fewer and its fixed calls outweigh its work."""
     min_scores_per_thread: int = 1 << 18
-    """Work a thread must get before handing it work pays (~0.5 ms), counted in scores
+    """Work a thread must get before handing it work pays, counted in scores
     (``_units.work``: key and value rows read count too)."""
     exponential: str | None = None
     """``"exp2_compiled"``, ``"exp_compiled"`` (both need Numba), ``"exp2"`` or

@@ -12,8 +12,8 @@ its own in a block of its own. Compared with tiles that follow the staircase, th
 few NumPy calls per unit instead of several per square, and masking by a multiply
 instead of a scattered copy; with several threads every call also costs a round trip
 of the GIL, so the count matters. Compared with a block per square, the shared blocks
-are the ``tiles`` strategy's shape: alone, BLAS ran their products 10-15% faster than
-those of 128 rows, and it packs the keys once for all their rows.
+are the ``tiles`` strategy's shape: BLAS runs such tall products faster than those of
+one square's rows, and packs the keys once for all their rows.
 
 :func:`find` decides from the mask's block form and the tiles of its diagonal squares
 whether a call has this shape; what it finds and the plan of each unit are kept across
@@ -158,8 +158,7 @@ def find(mask: Mask | None, q_len: int, kv_len: int, dtype: Any, tile_elements: 
 def group_rows(tile_elements: int, config: Config) -> int:
     """Rows of a group of squares: those of a score tile of the widest key block
     (``Config.max_block_k``), at most ``Config.max_block_q``. (Groups of the ``tiles``
-    strategy's taller tiles, ``Config.preferred_block_q``, ran no faster: causal
-    (1, 8, N, 64) float32 took 0.98-1.03 the time at N = 2048 and 8192.)"""
+    strategy's taller tiles, ``Config.preferred_block_q``, measured no faster.)"""
     return min(config.max_block_q, tile_elements // config.max_block_k)
 
 

@@ -3,13 +3,12 @@ installed (``_compiled_exp``), else NumPy's ``exp2``, unless another one is much
 faster on this machine; with a bias, which keeps scores in base e, the ``exp`` of the
 same kind.
 
-NumPy vectorises its two for different CPUs. On x86-64 with AVX-512, float32 ``exp2``
-takes about 0.2 ns an entry and ``exp`` 0.45 ns; with AVX2 only, ``exp2`` is a scalar
-loop (2.5 ns) and ``exp`` a vectorised one (1.3 ns), and the compiled ``exp2`` takes
-0.3 ns (float64: 5 ns for NumPy's, 1.2 ns compiled). Every score goes through one of
-them, next to about 2.9 ns of matrix products per float32 score at head dim 64, so
-the wrong one costs 10-45% of a call. Scores in base 2 only need ``log2(e)`` folded
-into the queries, so any of them works where there is no bias.
+NumPy vectorises its two for different CPUs: on x86-64 with AVX-512 its ``exp2`` is
+the faster, with AVX2 only its ``exp2`` is a scalar loop and its ``exp`` a vectorised
+one; the compiled ``exp2`` is vectorised on either. Every score goes through one of
+them, next to only a few matrix-product operations per score, so the wrong one costs
+a good share of a call. Scores in base 2 only need ``log2(e)`` folded into the
+queries, so any of them works where there is no bias.
 
 The candidates are timed once per process, dtype and base, in turns, on an array that
 takes well under a millisecond. A later one in :data:`ORDER` replaces an earlier one

@@ -2,7 +2,7 @@
 and their sums, and checking the fast way's sums.
 
 Shared by the strategies (``_tiles``, ``_diagonal``, ``_stacked``). Tiles are kept
-keys by queries (``k @ q.T`` ran faster than ``q @ k.T`` in OpenBLAS's AVX2 kernels for
+keys by queries (OpenBLAS's AVX2 kernels run ``k @ q.T`` faster than ``q @ k.T`` for
 these thin shapes), except those of the compiled blocks (``_compiled_blocks``).
 """
 
@@ -34,8 +34,7 @@ _NO_LSE = {dt: np.empty(0, dt) for dt in _TINY}
 
 
 #: Bytes between rows of a score tile that BLAS writes slowly: at a multiple of 2 KiB
-#: its stores collide in the caches (a 512 x 1024 float32 tile: the score product ran
-#: at 89-91% of one core's sgemm, 97-99% with its rows one cache line apart).
+#: its stores collide in the caches (rows one cache line further apart do not).
 _COLLIDING = 2048
 _CACHE_LINE = 64
 
@@ -178,7 +177,7 @@ def finish_fast(compiled: CompiledBlocks | None, acc: Any, sums: Any, keys: int,
 
 def add_bias(tile: Any, bias: Any) -> None:
     """Add a (queries by keys) ``bias`` block to a (keys by queries) tile: compiled
-    where Numba is installed (``_compiled_bias``, 4x NumPy's transposed ``add``)."""
+    where Numba is installed (``_compiled_bias``: NumPy's transposed ``add`` is slow)."""
     compiled = _jit.load("_compiled_bias")
     if compiled is None:
         np.add(tile, bias.T, out=tile)

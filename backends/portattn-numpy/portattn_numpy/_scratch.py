@@ -1,18 +1,16 @@
 """Memory the workers reuse from call to call.
 
 A fresh large array comes from the operating system, and its first touch costs a page
-fault per 4 KiB page, zeroing included: in calls of (1, 16, 256, 128), whose heads are
-stacked into new arrays, the kernel's page faults took about a quarter of the time. So
-each thread keeps its scratch buffers, by name and dtype, grown to the largest size
-asked for, and held while the thread lives. The strategies share the names
-``unit.*`` (a thread runs one strategy at a time), and the units redone carefully
-beside them use ``careful.*``: what a thread holds is what one call needed of it, about
-two score tiles (a few MiB).
+fault per 4 KiB page, zeroing included: in calls of small heads, stacked into new
+arrays, page faults would take a good share of the time. So each thread keeps its
+scratch buffers, by name and dtype, grown to the largest size asked for, and held
+while the thread lives. The strategies share the names ``unit.*`` (a thread runs one
+strategy at a time), and the units redone carefully beside them use ``careful.*``:
+what a thread holds is what one call needed of it, about two score tiles (a few MiB).
 
 Buffers of a MiB or more start on a 2 MiB boundary and ask the system for 2 MiB pages
-(``madvise``, Linux), as NumPy does for its own arrays of 4 MiB or more: with a score
-tile of 2 MiB on huge pages, calls of (1, 8, 2048, 64) and (1, 8, 8192, 64) ran about
-1% faster (the median of calls in turns, over 4 KiB pages).
+(``madvise``, Linux), as NumPy does for its own arrays of 4 MiB or more: fewer TLB
+misses as BLAS and the exponential sweep each score tile.
 """
 
 from __future__ import annotations

@@ -38,12 +38,8 @@ __all__ = ["SHARE", "Stacked", "heads_per_unit", "plan"]
 #: tiles_skip]`` of a tile: less where tiles skip work the mask's block form hides
 #: (causal, sliding window, lengths, documents; stacking computes every pair), and less
 #: where tiles run their unmasked blocks in one compiled call a unit
-#: (``_compiled_blocks``; a mask with no full tile, random dense ones, leaves them none). At
-#: (B, 8, L, 64) float32 with 2 MiB tiles (20 calls a round, in turns, B = 1 and 4,
-#: OpenBLAS's AVX2 and AVX-512 kernels), tiles with compiled blocks took 0.93-1.00x the
-#: time of stacking at L = 256 and 362, 1.02-1.04x at 181 and 1.06-1.29x at 128 and 64;
-#: causal, 0.93-0.95x at 181 and 0.98-1.48x at 128. With NumPy's calls, tiles took
-#: 1.05-1.07x at 256 and 362.
+#: (``_compiled_blocks``; a mask with no full tile, random dense ones, leaves them none):
+#: the shares where tiles and stacking measured about as fast.
 SHARE = {(False, False): 4, (False, True): 16, (True, False): 16, (True, True): 32}
 
 
@@ -119,8 +115,8 @@ def plan(p: Problem, config: Config, loops: Loops, plans: CallPlans,
     allowed = _whole_mask(p)
     if allowed is None:
         return Stacked(kv, None, None, loops.exponential, config.on_tile)
-    # once per call: multiplying 8 heads of 256 x 256 scores by a contiguous 0/1 tile
-    # took 0.06 ms, by the transposed boolean mask 0.48 ms
+    # once per call: multiplying by a contiguous 0/1 tile is several times faster than
+    # by the transposed boolean mask
     keep = np.ascontiguousarray(allowed.swapaxes(-1, -2), dtype=p.query.dtype)
     return Stacked(kv, keep, allowed.any(axis=-1, keepdims=True), loops.exponential,
                    config.on_tile)

@@ -106,8 +106,8 @@ _blas_before: list[int] = []
 
 @contextlib.contextmanager
 def _blas_single_threaded() -> Iterator[None]:
-    """BLAS on one thread within the block (threadpoolctl's own ``limit`` took 7.5 us a
-    call here, setting the loaded libraries directly 2.5 us).
+    """BLAS on one thread within the block (setting the loaded libraries directly, a
+    fraction of what threadpoolctl's own ``limit`` costs a call).
 
     The setting is the process's, so concurrent calls share one hold: the first sets
     it, the last restores it. (Each call restoring its own would let another call's

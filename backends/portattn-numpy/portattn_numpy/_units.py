@@ -42,9 +42,8 @@ Block = tuple[int, int, int, int, list[Any]]
 by keys, True where masked (``_blocks`` plans them)."""
 
 #: Reading one key's and value's rows costs about as much as this many scores: a
-#: decode step has few scores but a whole cache to read. (Decode steps over 4096 keys:
-#: 8 heads at head dim 128 ran 1.5x faster on two threads than on one, 8 heads at head
-#: dim 64, half the bytes, no faster; this value splits the first and not the second.)
+#: decode step has few scores but a whole cache to read. (Set so that a decode step over
+#: a long cache of wide heads is shared by two threads, and one of half the bytes is not.)
 KEY_ROW_SCORES = 8
 #: Work is counted in scores at head dim 64 (``D + Dv = 128``).
 _WIDTH = 128
