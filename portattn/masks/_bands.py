@@ -65,7 +65,26 @@ class _Positional(Mask):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Causal(_Positional):
-    """Query at absolute position ``p`` attends keys ``j <= p``."""
+    """Query at absolute position ``p`` attends keys ``j <= p``; made by
+    :func:`~portattn.masks.causal`.
+
+    ``alignment`` places query ``i`` at ``p = i + Lk - Lq`` (``"bottom_right"``) or
+    ``p = i`` (``"top_left"``); ``shift`` moves it further, which is how
+    :meth:`~Mask.restrict` keeps a sub-problem aligned with the whole.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.causal()
+        >>> mask.band(4, 6), masks.causal("top_left").band(4, 6)
+        (Band(lower=None, upper=2), Band(lower=None, upper=0))
+        >>> part = mask.restrict(np, 0, 2, 0, 3, 4, 6)  # queries [0, 2), keys [0, 3)
+        >>> part
+        causal(bottom_right, shift=1)
+        >>> print(masks.text(part, 2, 3))
+        ###
+        ###
+    """
 
     kind: ClassVar[str] = "causal"
     alignment: str = "bottom_right"
@@ -89,7 +108,22 @@ class Causal(_Positional):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class SlidingWindow(_Positional):
-    """Query at (bottom-right aligned) position ``p`` attends ``p-left <= j <= p+right``."""
+    """Query at (bottom-right aligned) position ``p`` attends ``p-left <= j <= p+right``;
+    made by :func:`~portattn.masks.sliding_window`.
+
+    ``None`` leaves a side unbounded; ``shift`` is as for :class:`Causal`.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.sliding_window(1, 1)
+        >>> mask.band(4, 4), mask.key_range(0, 2, 4, 4)
+        (Band(lower=-1, upper=1), (0, 3))
+        >>> print(masks.text(mask & masks.causal(), 4, 4))
+        #...
+        ##..
+        .##.
+        ..##
+    """
 
     kind: ClassVar[str] = "sliding_window"
     left: int | None

@@ -45,6 +45,15 @@ class BlockTables:
     ``full_kv_indices[..., a, :full_kv_num_blocks[..., a]]`` its full ones, in
     increasing order (entries past the count are padding). The ``q_`` tables are the
     transpose, for each key block its query blocks (a backward's dK/dV pass).
+    Made by :meth:`BlockMask.tables`.
+
+    Example:
+        >>> from portattn import masks
+        >>> tables = masks.block_mask(masks.causal(), 8, 8, 4, 4).tables()
+        >>> tables.kv_num_blocks.tolist(), tables.kv_indices.tolist()
+        ([1, 1], [[0, 1], [1, 0]])
+        >>> tables.full_kv_num_blocks.tolist(), tables.full_kv_indices[1, :1].tolist()
+        ([0, 1], [0])
     """
 
     kv_num_blocks: Any
@@ -66,6 +75,20 @@ class BlockMask:
     :data:`HIDDEN`, :data:`PARTIAL` and :data:`FULL`, whose leading axes broadcast
     against ``(*batch, H)`` (none when every batch element and head sees the same
     tiles). ``mask`` is the bound mask whose ``tile`` masks the partial tiles.
+    Made by :func:`block_mask` or
+    :meth:`AttentionInputs.blocks <portattn.kernel.AttentionInputs.blocks>`.
+
+    Example:
+        >>> from portattn import masks
+        >>> blocks = masks.block_mask(masks.causal(), 8, 8, 4, 4)
+        >>> blocks
+        BlockMask(Lq=8, Lk=8, tiles of 4x4: 2x2, 75.0% visible, 50.0% partial)
+        >>> blocks.states.tolist()  # 0 hidden, 1 partial, 2 full
+        [[1, 0], [2, 1]]
+        >>> blocks.kv_blocks(1)  # (key block, full) visited by query block 1
+        [(0, True), (1, False)]
+        >>> blocks.q_range(1), blocks.kv_range(0)
+        ((4, 8), (0, 4))
     """
 
     q_len: int
@@ -77,10 +100,12 @@ class BlockMask:
 
     @property
     def num_q_blocks(self) -> int:
+        """Query blocks, ``ceil(q_len / block_q)``."""
         return int(self.states.shape[-2])
 
     @property
     def num_kv_blocks(self) -> int:
+        """Key blocks, ``ceil(kv_len / block_k)``."""
         return int(self.states.shape[-1])
 
     def q_range(self, a: int) -> tuple[int, int]:
@@ -179,8 +204,35 @@ def _transposed(a: Any) -> Any:
 
 def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
                block_k: int) -> BlockMask:
-    """The block form of a bound ``mask`` (None: every tile full), built once: per
-    mask object for masks holding arrays, per structure and shape for the others."""
+    """The block form of a mask on a grid of ``block_q x block_k`` tiles.
+
+    Built once: per mask object for masks that hold arrays, per structure and shape
+    for the others (the last 128 of them). Kernels usually call
+    :meth:`AttentionInputs.blocks <portattn.kernel.AttentionInputs.blocks>`, which
+    passes the call's bound mask.
+
+    Args:
+        mask: the mask bound to the call (:meth:`Mask.bind`; causal and
+            sliding-window masks are the same bound or not), or None (every pair
+            allowed).
+        q_len: the call's queries, ``Lq``.
+        kv_len: the call's keys, ``Lk``.
+        block_q: rows per tile (the last block may be shorter).
+        block_k: keys per tile (the last block may be shorter).
+
+    Returns:
+        A :class:`BlockMask`, read-only; with ``mask=None`` every tile is
+        :data:`FULL`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.block_mask(masks.causal(), 8, 8, 4, 4).states.tolist()
+        [[1, 0], [2, 1]]
+        >>> lengths = masks.key_lengths(np.array([3, 8])).bind(np, (2,), 2, 8, 8)
+        >>> masks.block_mask(lengths, 8, 8, 4, 4).states[:, 0].tolist()  # per sequence
+        [[[1, 0], [1, 0]], [[2, 2], [2, 2]]]
+    """
     key = (q_len, kv_len, block_q, block_k)
     if mask is not None and mask.arrays:
         own = mask.__dict__.get("_block_masks")

@@ -19,7 +19,24 @@ __all__ = ["check_array", "check_bounds", "check_integer_array", "check_range", 
 
 
 def signed(xp: Any, lengths: Any) -> Any:
-    """``lengths`` in a signed integer dtype (unsigned ones wrap around on subtraction)."""
+    """``lengths`` in a signed integer dtype: unsigned ones wrap around on subtraction.
+
+    Args:
+        xp: the array namespace of ``lengths``.
+        lengths: an integer array.
+
+    Returns:
+        ``lengths`` itself when its dtype is signed; else a copy in int32 (8 and 16
+        bits) or int64 (32 and 64 bits).
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.signed(np, np.array([3, 5], dtype=np.uint8)).dtype
+        dtype('int32')
+        >>> masks.signed(np, np.array([3, 5], dtype=np.int16)).dtype
+        dtype('int16')
+    """
     if not xp.isdtype(lengths.dtype, "unsigned integer"):
         return lengths
     bits = xp.iinfo(lengths.dtype).bits
@@ -27,8 +44,18 @@ def signed(xp: Any, lengths: Any) -> Any:
 
 
 def jax_tracer_type() -> type | None:
-    """JAX's tracer class when JAX is imported (``jax.core`` itself may not be in
-    ``sys.modules``: recent JAX loads it lazily)."""
+    """JAX's tracer class, when JAX is imported; never imports JAX itself.
+
+    Returns:
+        ``jax.core.Tracer``, or None when JAX is not imported (``jax.core`` itself
+        may not be in ``sys.modules``: recent JAX loads it lazily).
+
+    Example:
+        >>> import sys
+        >>> from portattn import masks
+        >>> masks.jax_tracer_type() is None or "jax" in sys.modules
+        True
+    """
     import sys
 
     jax = sys.modules.get("jax")
@@ -37,8 +64,21 @@ def jax_tracer_type() -> type | None:
 
 
 def values_readable(a: Any) -> bool:
-    """Whether ``a``'s values can be read now: not a lazy Dask graph, not a JAX tracer,
-    not a tensor being compiled by torch.compile. Reading may sync a GPU."""
+    """Whether ``a``'s values can be read now. Reading may still wait for a GPU.
+
+    Args:
+        a: an array of any library.
+
+    Returns:
+        False for a lazy Dask array, a JAX tracer, or a torch tensor while
+        torch.compile traces; True otherwise.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.values_readable(np.arange(3))
+        True
+    """
     from array_api_compat import is_dask_array
 
     if is_dask_array(a):
@@ -52,8 +92,18 @@ def values_readable(a: Any) -> bool:
 
 
 def torch_compiling() -> bool:
-    """Inside torch.compile's tracing. False while torch is still being imported (in
-    another thread): its module exists then without ``compiler`` yet."""
+    """Whether torch.compile is tracing now; never imports torch.
+
+    Returns:
+        ``torch.compiler.is_compiling()``; False when torch is not imported, or is
+        still being imported in another thread (its module then has no
+        ``compiler`` yet).
+
+    Example:
+        >>> from portattn import masks
+        >>> masks.torch_compiling()
+        False
+    """
     torch = sys.modules.get("torch")
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return is_compiling is not None and bool(is_compiling())
@@ -77,8 +127,30 @@ def host_copy(a: Any) -> Any:
 
 
 def check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
-    """Lengths must lie in ``[0, limit]``, checked wherever the values are readable
-    (traced and lazy arrays are not checked: there a length is clipped to the range)."""
+    """Check that lengths lie in ``[0, limit]``, wherever the values are readable.
+
+    Traced and lazy arrays are not checked: there a length out of range acts as if
+    clipped to it.
+
+    Args:
+        xp: the array namespace of ``lengths``.
+        lengths: an integer array.
+        limit: the largest length allowed (``Lk`` or ``Lq``).
+        kind: ``"key_lengths"`` (the limit is ``Lk``) or another kind's name (the
+            limit is ``Lq``), for the error message.
+
+    Raises:
+        ValueError: a length lies outside ``[0, limit]``.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.check_range(np, np.array([3, 8]), 8, "key_lengths")
+        >>> masks.check_range(np, np.array([3, 9]), 8, "key_lengths")
+        Traceback (most recent call last):
+        ...
+        ValueError: key_lengths lengths must lie in [0, Lk=8]; got key_lengths with min=3, max=9
+    """
     length_name = "Lk" if kind == "key_lengths" else "Lq"
     check_bounds(xp, lengths, limit, f"{kind} lengths", length_name, what=kind)
 
@@ -119,5 +191,20 @@ def check_array(a: Any, kind: str, what: str, name: str | None = None) -> None:
 
 
 def dtype_text(dtype: Any) -> str:
+    """A dtype's short name, for messages: ``float32`` whatever the library.
+
+    Args:
+        dtype: a dtype of any library.
+
+    Returns:
+        Its ``name`` when that is a string (NumPy, JAX), else the last dotted part
+        of ``str(dtype)`` (``torch.float32`` gives ``float32``).
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> masks.dtype_text(np.dtype("uint8"))
+        'uint8'
+    """
     name = getattr(dtype, "name", None)
     return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
