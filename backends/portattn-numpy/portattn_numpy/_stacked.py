@@ -25,8 +25,6 @@ from ._scratch import take
 from ._units import Unit, work
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ._config import Config
     from ._loops import Loops
     from ._memo import CallPlans
@@ -66,10 +64,8 @@ class Stacked:
     has_keys: Any
     """Which query rows the mask lets see any key (full rank, ``(..., Lq, 1)``), or
     None."""
-    exponential: Callable[[Any], None]
-    """The call's exponential, in place (``Loops.exponential``)."""
-    on_tile: Callable[..., Any] | None
-    """``Config.on_tile``."""
+    config: Config
+    loops: Loops
     name = "stacked"
 
     def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
@@ -114,12 +110,11 @@ def plan(p: Problem, config: Config, loops: Loops, plans: CallPlans,
         kv = min(kv, math.ceil(hq // p.group / units_per_element))
     allowed = _whole_mask(p)
     if allowed is None:
-        return Stacked(kv, None, None, loops.exponential, config.on_tile)
+        return Stacked(kv, None, None, config, loops)
     # once per call: multiplying by a contiguous 0/1 tile is several times faster than
     # by the transposed boolean mask
     keep = np.ascontiguousarray(allowed.swapaxes(-1, -2), dtype=p.query.dtype)
-    return Stacked(kv, keep, allowed.any(axis=-1, keepdims=True), loops.exponential,
-                   config.on_tile)
+    return Stacked(kv, keep, allowed.any(axis=-1, keepdims=True), config, loops)
 
 
 def _whole_mask(p: Problem) -> Any:
@@ -150,9 +145,10 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
     way; False when they must be redone carefully."""
     kv0 = h0 // p.group
     kv = min(st.kv_heads, p.key.shape[-3] - kv0)
-    if st.on_tile is not None:
+    on_tile = st.config.on_tile
+    if on_tile is not None:
         for h in range(h0, h0 + kv * p.group):
-            st.on_tile(b, h, 0, p.q_len, 0, p.kv_len)
+            on_tile(b, h, 0, p.q_len, 0, p.kv_len)
     queries = _heads(p.query, b, h0, kv, p.group)  # (kv, group, Lq, D)
     q = np.multiply(queries, p.factor, out=take("unit.q", queries.shape, queries.dtype))
     k = p.key[(*b, slice(kv0, kv0 + kv))][:, None]     # (kv, 1, Lk, D)
@@ -162,7 +158,7 @@ def _attend(p: Problem, st: Stacked, b: tuple[int, ...], h0: int, q0: int, q1: i
                                                   q.dtype))
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
-    st.exponential(tile)
+    st.loops.exponential(tile)
     if st.keep is not None:
         tile *= _heads(st.keep, b, h0, kv, p.group)
     sums = np.add.reduce(tile, axis=-2)  # (kv, group, Lq)

@@ -1,7 +1,8 @@
 """Strategies: the ways a call is cut into units, and a unit computed.
 
 Each strategy is a small object made for one call by its module's ``plan(problem,
-config, loops, plans, threads)``, which returns None where it does not apply:
+config, loops, plans, threads)``, which returns None where it does not apply; it holds
+the call's settings and loops (and plans, where it plans units by their blocks):
 
 * ``stacked`` (``_stacked``): small heads, many whole heads to a unit;
 * ``diagonal`` (``_diagonal``): causal-shaped masks, runs of squares along the diagonal;
