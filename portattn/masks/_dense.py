@@ -42,7 +42,26 @@ def pair_states(allowed: Any, grid: Grid) -> Any:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Dense(Mask):
-    """An explicit boolean array (True = attend); full rank once bound to a call."""
+    """An explicit boolean array (True = attend); made by
+    :func:`~portattn.masks.dense`, and what a boolean ``mask=`` array becomes.
+
+    ``allowed`` broadcasts to ``(*batch, Hq, Lq, Lk)`` and has that rank once bound
+    to a call. Its block form reads every pair; a single tile's :meth:`~Mask.covers`
+    and :meth:`~Mask.hides` do not read it and answer False.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.dense(np.tril(np.ones((4, 4), dtype=bool)))
+        >>> print(masks.text(mask, 4, 4))
+        #...
+        ##..
+        ###.
+        ####
+        >>> bound = mask.bind(np, (1,), 2, 4, 4)  # batch (1,), 2 heads, Lq=Lk=4
+        >>> bound.allowed.shape, bound.tile(np, 0, 2, 0, 4, 4, 4).shape
+        ((1, 1, 4, 4), (1, 1, 2, 4))
+    """
 
     kind: ClassVar[str] = "dense"
     allowed: Any
@@ -100,7 +119,26 @@ class Function(Mask):
     ``h`` the query head, ``q_idx`` and ``kv_idx`` the query and key indices of the
     whole call. ``fn`` receives integer arrays of the call's library that broadcast
     against each other and returns a boolean array (write it with operators and the
-    library's functions: ``(q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])``)."""
+    library's functions: ``(q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])``).
+    Made by :func:`~portattn.masks.function`.
+
+    Its block form calls ``fn`` on every pair, once per grid, and is remembered on
+    the mask; :meth:`~Mask.restrict` moves ``q_origin`` and ``k_origin``, so ``fn``
+    still sees the whole call's indices.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> def causal_fn(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> mask = masks.function(causal_fn)
+        >>> part = mask.restrict(np, 2, 4, 0, 4, 4, 4)  # queries [2, 4), every key
+        >>> part
+        function(causal_fn, q_origin=2)
+        >>> print(masks.text(part, 2, 4))
+        ###.
+        ####
+    """
 
     kind: ClassVar[str] = "function"
     fn: Callable[..., Any]

@@ -93,9 +93,30 @@ def _extremes(ids: Any) -> tuple[Any, Any, Any]:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Documents(Mask):
-    """Pairs whose segment ids are equal and non-negative: ``query_ids`` is
-    ``(*batch, Lq)`` or ``(Lq,)`` (shared by the batch), ``key_ids`` likewise with
-    ``Lk``."""
+    """Pairs whose segment ids are equal and non-negative; made by
+    :func:`~portattn.masks.documents` or
+    :func:`~portattn.masks.documents_from_cu_seqlens`.
+
+    ``query_ids`` is ``(*batch, Lq)`` or ``(Lq,)`` (shared by the batch), ``key_ids``
+    likewise with ``Lk``; a negative id is padding. Once bound to a call whose ids can
+    be read, ``host`` holds their copies and ``plan`` their extremes per position,
+    from which the block form skips the tiles across documents.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.documents(np.array([0, 0, 0, 1, 1, -1]))
+        >>> print(masks.text(mask & masks.causal(), 6, 6))
+        #.....
+        ##....
+        ###...
+        ...#..
+        ...##.
+        ......
+        >>> bound = mask.bind(np, (1,), 1, 6, 6)  # batch (1,), 1 head, Lq=Lk=6
+        >>> masks.block_mask(bound, 6, 6, 3, 3).states[0, 0].tolist()
+        [[2, 0], [0, 1]]
+    """
 
     kind: ClassVar[str] = "documents"
     query_ids: Any

@@ -126,7 +126,26 @@ class _Ranges(Mask):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class KeyRanges(_Ranges):
-    """Batch element ``b`` attends keys ``start[b] <= j < stop[b]`` only."""
+    """Batch element ``b`` attends keys ``start[b] <= j < stop[b]`` only; made by
+    :func:`~portattn.masks.key_ranges`.
+
+    ``start`` and ``stop`` are integer arrays with the batch shape. Once bound to a
+    call whose values can be read, ``host`` holds their copies and ``summary`` their
+    extremes, ``(min start, max start, min stop, max stop)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.key_ranges(np.array([1, 0]), np.array([4, 6]))
+        >>> print(masks.text(mask, 2, 6, batch=0))
+        .###..
+        .###..
+        >>> bound = mask.bind(np, (2,), 1, 2, 6)  # batch (2,), 1 head, Lq=2, Lk=6
+        >>> bound.summary
+        (0, 1, 4, 6)
+        >>> bound.covers(0, 2, 1, 4, 2, 6)  # every sequence keeps keys [1, 4)
+        True
+    """
 
     kind: ClassVar[str] = "key_ranges"
     start: Any
@@ -157,7 +176,21 @@ class KeyRanges(_Ranges):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class QueryRanges(_Ranges):
-    """Queries outside ``start[b] <= i < stop[b]`` are padding: fully masked rows."""
+    """Queries outside ``start[b] <= i < stop[b]`` are padding, rows that attend
+    nothing; made by :func:`~portattn.masks.query_ranges`.
+
+    ``start``, ``stop``, ``host`` and ``summary`` are as for :class:`KeyRanges`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.query_ranges(np.array([0, 1]), np.array([2, 4]))
+        >>> print(masks.text(mask, 4, 6, batch=0))
+        ######
+        ######
+        ......
+        ......
+    """
 
     kind: ClassVar[str] = "query_ranges"
     start: Any
@@ -191,7 +224,29 @@ class SequenceWindow(Mask):
     """Query ``i`` of batch element ``b`` sits at ``p = i + key_lengths[b] -
     query_lengths[b] (+ shift)`` and attends keys ``p - left <= j <= p + right``
     (``None``: unbounded). ``left=None, right=0`` is causal. Padding is not part of
-    it: :func:`portattn.masks.sequence_causal` adds the two length masks."""
+    it: :func:`~portattn.masks.sequence_window` and
+    :func:`~portattn.masks.sequence_causal` make it intersected with the two length
+    masks.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.sequence_window(1, 0, query_lengths=np.array([2, 4]),
+        ...                              key_lengths=np.array([3, 6]))
+        >>> [part.kind for part in mask.parts]
+        ['sequence_window', 'query_lengths', 'key_lengths']
+        >>> window = mask.parts_of("sequence_window")[0]
+        >>> print(masks.text(window, 4, 6, batch=0))
+        ##....
+        .##...
+        ..##..
+        ...##.
+        >>> print(masks.text(mask, 4, 6, batch=0))
+        ##....
+        .##...
+        ......
+        ......
+    """
 
     kind: ClassVar[str] = "sequence_window"
     query_lengths: Any

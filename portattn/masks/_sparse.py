@@ -48,7 +48,24 @@ def _positions(xp: Any, first: int, last: int, device: Any) -> Any:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class SinkTokens(Aligned):
-    """Keys at positions ``j < count`` are visible to every query."""
+    """Keys at positions ``j < count`` are visible to every query; made by
+    :func:`~portattn.masks.sink_tokens`.
+
+    Alone it hides every other key: it is meant for a union, such as StreamingLLM's
+    ``sliding_window(w) | sink_tokens(n)``.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.sliding_window(1) | masks.sink_tokens(2)
+        >>> print(masks.text(mask, 5, 5))
+        ##...
+        ##...
+        ###..
+        ####.
+        ##.##
+        >>> masks.sink_tokens(2).key_range(0, 5, 5, 5)
+        (0, 2)
+    """
 
     kind: ClassVar[str] = "sink_tokens"
     count: int
@@ -84,7 +101,22 @@ class SinkTokens(Aligned):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Chunks(Aligned):
-    """Query at position ``p`` attends key ``j`` when ``p // size == j // size``."""
+    """Query at position ``p`` attends key ``j`` when ``p // size == j // size``; made
+    by :func:`~portattn.masks.chunks`.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.chunks(3)
+        >>> mask.key_range(3, 5, 6, 6)  # queries 3 and 4 see the second chunk
+        (3, 6)
+        >>> print(masks.text(mask & masks.causal(), 6, 6))
+        #.....
+        ##....
+        ###...
+        ...#..
+        ...##.
+        ...###
+    """
 
     kind: ClassVar[str] = "chunks"
     size: int
@@ -131,7 +163,20 @@ class Chunks(Aligned):
 class GlobalTokens(Aligned):
     """The tokens at ``positions`` attend every key, and every query attends them.
     ``positions`` is ``(n,)`` or ``(*batch, n)`` integers; negative entries are unused
-    (so batch elements may have different numbers of global tokens)."""
+    (so batch elements may have different numbers of global tokens). Made by
+    :func:`~portattn.masks.global_tokens`, usually joined to a local pattern with ``|``.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> mask = masks.global_tokens(np.array([0])) | masks.sliding_window(0)
+        >>> print(masks.text(mask, 5, 5))
+        #####
+        ##...
+        #.#..
+        #..#.
+        #...#
+    """
 
     kind: ClassVar[str] = "global_tokens"
     positions: Any
@@ -229,7 +274,24 @@ class BlockLayout(Aligned):
     """Query at position ``p >= 0`` attends key ``j`` when
     ``layout[..., p // block_q, j // block_k]``. ``layout`` is boolean, ``(R, C)`` or
     broadcastable to ``(*batch, H, R, C)``, with ``R = ceil(Lk / block_q)`` and
-    ``C = ceil(Lk / block_k)`` (rows and columns for positions ``0 .. Lk - 1``)."""
+    ``C = ceil(Lk / block_k)`` (rows and columns for positions ``0 .. Lk - 1``).
+    Made by :func:`~portattn.masks.block_layout`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> layout = np.array([[True, False], [True, True]])
+        >>> mask = masks.block_layout(layout, 3)
+        >>> mask.block_q, mask.block_k
+        (3, 3)
+        >>> print(masks.text(mask, 6, 6))
+        ###...
+        ###...
+        ###...
+        ######
+        ######
+        ######
+    """
 
     kind: ClassVar[str] = "block_layout"
     layout: Any
