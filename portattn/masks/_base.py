@@ -380,8 +380,8 @@ class Mask:
     ``|`` (:class:`Union`).
 
     The constructors in :mod:`portattn.masks` (:func:`causal`, :func:`key_lengths`,
-    ...) make masks; kernels read them through this protocol. A kind is a frozen
-    dataclass deriving from it. Tiles are half-open, rows ``[q0, q1)`` and keys
+    ...) make masks; kernels read them through this protocol. Each built-in kind is
+    a frozen dataclass deriving from it. Tiles are half-open, rows ``[q0, q1)`` and keys
     ``[k0, k1)``, of a call with ``lq`` queries and ``lk`` keys; ``xp`` is the call's
     array namespace. A kind sets or overrides:
 
