@@ -83,7 +83,16 @@ class _PaddingLengths(_Lengths):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class KeyLengths(_PaddingLengths):
-    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding."""
+    """Keys ``j >= lengths[b]`` of batch element ``b`` are padding. Made by
+    :func:`~portattn.masks.key_lengths`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.key_lengths(np.array([3, 6])), 2, 6, batch=0))
+        ###...
+        ###...
+    """
 
     kind: ClassVar[str] = "key_lengths"
     lengths: Any
@@ -102,7 +111,18 @@ class KeyLengths(_PaddingLengths):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class QueryLengths(_PaddingLengths):
-    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked."""
+    """Queries ``i >= lengths[b]`` are padding: their rows are fully masked. Made by
+    :func:`~portattn.masks.query_lengths`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.query_lengths(np.array([2, 4])), 4, 6, batch=0))
+        ######
+        ######
+        ......
+        ......
+    """
 
     kind: ClassVar[str] = "query_lengths"
     lengths: Any
@@ -123,7 +143,19 @@ class QueryLengths(_PaddingLengths):
 class Prefix(_Lengths, Aligned):
     """The first ``lengths[b]`` positions of batch element ``b`` attend each other:
     query at (bottom-right aligned) position ``0 <= p < lengths[b]`` and key
-    ``j < lengths[b]``. A prefix-LM is ``causal() | prefix(lengths)``."""
+    ``j < lengths[b]``. A prefix-LM is ``causal() | prefix(lengths)``. Made by
+    :func:`~portattn.masks.prefix`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> print(masks.text(masks.causal() | masks.prefix(np.array([3])), 5, 5))
+        ###..
+        ###..
+        ###..
+        ####.
+        #####
+    """
 
     kind: ClassVar[str] = "prefix"
     lengths: Any
