@@ -162,7 +162,7 @@ def test_tensors_changed_in_place_or_new_give_new_tables():
 
     def grid(of):
         g = plan_for(q, q, mask=masks.documents(of)).grid(16, 16)
-        g.rows, g.bits  # built now, from the values the tensor holds now
+        _ = (g.rows, g.bits)  # built now, from the values the tensor holds now
         return g
 
     first = grid(ids)
