@@ -28,7 +28,7 @@ from portattn_jax._flash_kernel import flash_plan  # noqa: E402
 
 import portattn  # noqa: E402
 from portattn import masks  # noqa: E402
-from portattn._inputs import describe  # noqa: E402
+from portattn.kernel import describe  # noqa: E402
 
 FIGURES: dict[str, float] = {}
 DOCS_LENGTH, DOCS, WINDOW_LENGTH, GLOBALS = 4096, 8, 16384, 16

@@ -222,8 +222,32 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              dropout_p: float = 0.0, alibi_slopes: Any = None,
              sinks: Any = None, layout: str = "bhld",
              assume_finite: bool = False) -> AttentionInputs:
-    """Validate one call's arguments and describe it. The arrays are in the kernels'
-    layout already; ``layout`` is the caller's, for error messages."""
+    """Validate one call's arguments and describe it: the :class:`AttentionInputs` a
+    kernel's ``run`` and ``not_supported_reasons`` receive (what
+    :func:`portattn.attention` builds before dispatch), for testing a kernel directly.
+
+    Args:
+        query, key, value: The arrays, in the kernels' layout ``(*batch, H, L, D)``.
+        mask, bias, scale, softcap, return_lse, return_weights, dropout_p,
+            alibi_slopes, sinks, assume_finite: As for :func:`portattn.attention`.
+        layout: The caller's layout, named in error messages only.
+
+    Returns:
+        The call's :class:`AttentionInputs`.
+
+    Raises:
+        ValueError, TypeError: Arguments :func:`portattn.attention` would refuse.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import masks
+        >>> from portattn.kernel import describe
+        >>> q = np.zeros((1, 4, 8, 16), np.float32)
+        >>> kv = np.zeros((1, 2, 8, 16), np.float32)
+        >>> inputs = describe(q, kv, kv, mask=masks.causal())
+        >>> inputs.num_heads, inputs.num_kv_heads, inputs.q_len, inputs.dtype
+        (4, 2, 8, 'float32')
+    """
     arrays = {"query": query, "key": key, "value": value}
     xp = _common_namespace(arrays)
     dev = _common_device(arrays)

@@ -26,10 +26,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from . import _settings
-from ._inputs import AttentionInputs
+from ._inputs import AttentionInputs, describe
 from .masks import Band, Mask
 
-__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask"]
+__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "describe"]
 
 ANY = "*"
 """Wildcard for ``namespaces`` and ``devices``."""

@@ -7,8 +7,8 @@ import pytest
 from portattn_dask import DaskBlockwiseKernel
 
 import portattn
-from portattn._inputs import describe
 from portattn.errors import KernelNotUsableError, NoKernelError
+from portattn.kernel import describe
 from portattn.testing import assert_close, conformance_cases, oracle
 from portattn.testing.plugin import require_library
 

@@ -20,7 +20,7 @@ jnp = require_library("jax.numpy")
 from portattn_jax._device_states import device_states  # noqa: E402
 from portattn_jax._flash_tables import device_tables, host_tables, per_element  # noqa: E402
 
-from portattn._inputs import describe  # noqa: E402
+from portattn.kernel import describe  # noqa: E402
 
 SHAPES = Shapes(batch=(2,), hq=4, hkv=2, lq=40, lk=40, d=8, dv=8)
 NAMES = sorted(catalogue(np.asarray))

@@ -21,7 +21,7 @@ from portattn_jax._flash_call import backward_all, forward_all  # noqa: E402
 from portattn_jax._flash_kernel import flash_plan, flat_arguments, per_batch  # noqa: E402
 from textbook import allowed_of, textbook  # noqa: E402
 
-from portattn._inputs import describe  # noqa: E402
+from portattn.kernel import describe  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -195,7 +195,7 @@ def test_numpy_inputs_do_not_import_jax():
     # Dispatch asks every kernel about every call; for NumPy arrays this one must answer
     # without importing JAX (1 s or more).
     code = ("import sys, numpy as np\n"
-            "from portattn._inputs import describe\n"
+            "from portattn.kernel import describe\n"
             "from portattn_jax import JaxDpaKernel\n"
             "x = np.ones((1, 2, 3, 4))\n"
             "assert JaxDpaKernel.available() is None\n"

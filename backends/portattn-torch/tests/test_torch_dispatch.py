@@ -99,7 +99,7 @@ def test_no_torch_import_for_numpy_dispatch():
     # Dispatch asks these kernels about every NumPy call; answering must not import torch.
     code = (
         "import sys, numpy as np\n"
-        "from portattn._inputs import describe\n"
+        "from portattn.kernel import describe\n"
         "from portattn_torch import TorchSDPADLPackKernel, TorchSDPAKernel\n"
         "q = np.zeros((1, 2, 4, 8))\n"
         "inputs = describe(q, q, q, softcap=2.0)\n"

@@ -22,7 +22,7 @@ torch = require_library("torch")
 import portattn  # noqa: E402
 import portattn.autograd  # noqa: E402
 from portattn import masks  # noqa: E402
-from portattn._inputs import AttentionInputs, describe  # noqa: E402
+from portattn.kernel import AttentionInputs, describe  # noqa: E402
 
 # torch.compile imports modules of torch's that use its own deprecated APIs
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

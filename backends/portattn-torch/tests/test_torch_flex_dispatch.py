@@ -19,7 +19,7 @@ from portattn_torch import TorchFlexKernel, _flex_compile  # noqa: E402
 
 import portattn  # noqa: E402
 from portattn import masks  # noqa: E402
-from portattn._inputs import describe  # noqa: E402
+from portattn.kernel import describe  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -20,7 +20,7 @@ from portattn_torch._sdpa_kernel import sdpa_attention  # noqa: E402
 
 import portattn  # noqa: E402
 from portattn import masks  # noqa: E402
-from portattn._inputs import describe  # noqa: E402
+from portattn.kernel import describe  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 

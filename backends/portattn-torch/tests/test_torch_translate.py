@@ -14,7 +14,7 @@ from portattn_torch._translate import sdpa_mask  # noqa: E402
 
 import portattn  # noqa: E402
 from portattn import masks  # noqa: E402
-from portattn._inputs import describe  # noqa: E402
+from portattn.kernel import describe  # noqa: E402
 from portattn.testing import assert_close, oracle  # noqa: E402
 
 F = torch.nn.functional

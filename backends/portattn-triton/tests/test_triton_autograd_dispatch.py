@@ -13,7 +13,7 @@ from portattn_triton import TritonFlashKernel
 
 import portattn
 from portattn import masks
-from portattn._inputs import describe
+from portattn.kernel import describe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from textbook import GRAD_TOLERANCE, textbook
