@@ -318,7 +318,9 @@ def _lookup(entries: list[KernelEntry], name: str) -> KernelEntry:
     installed = ", ".join(sorted(e.name for e in entries))
     msg = f"unknown kernel {name!r}; installed kernels: {installed}"
     if name in KNOWN_PLUGINS:
-        msg += f"\n{name} comes with `pip install {KNOWN_PLUGINS[name]}`"
+        plugin = KNOWN_PLUGINS[name]
+        msg += (f"\n{name} comes with {plugin}: from portattn's source tree, "
+                f"`pip install ./backends/{plugin}`")
     raise UnknownKernelError(msg)
 
 

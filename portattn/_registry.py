@@ -29,13 +29,17 @@ CORE = "portattn"
 DISABLE_ENV = "PORTATTN_DISABLE_KERNELS"
 FORCE_ENV = "PORTATTN_KERNEL"
 
-#: Kernels provided by portattn's own plugin distributions, for install hints.
+#: Kernels provided by portattn's own plugin distributions, for install hints when one
+#: is not installed (so not known from entry points); a test keeps it equal to the
+#: plugins' declared entry points.
 KNOWN_PLUGINS = {
     "numpy_fast": "portattn-numpy",
     "torch_sdpa": "portattn-torch",
     "torch_sdpa_dlpack": "portattn-torch",
+    "torch_flex": "portattn-torch",
     "triton_flash": "portattn-triton",
     "jax_dpa": "portattn-jax",
+    "jax_flash": "portattn-jax",
     "dask_blockwise": "portattn-dask",
 }
 

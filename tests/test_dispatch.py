@@ -61,8 +61,23 @@ def test_unknown_kernel_lists_installed_and_install_hint(only_builtins, monkeypa
     monkeypatch.setitem(_registry.KNOWN_PLUGINS, "fancy", "portattn-fancy")
     with pytest.raises(UnknownKernelError, match="installed kernels: reference, tiled"):
         portattn.attention(Q, K, V, kernel="nope")
-    with pytest.raises(UnknownKernelError, match="pip install portattn-fancy"):
+    with pytest.raises(UnknownKernelError,
+                       match=r"portattn-fancy: .*`pip install \./backends/portattn-fancy`"):
         portattn.attention(Q, K, V, kernel="fancy")
+
+
+def test_install_hints_name_every_plugin_kernel():
+    # the hints are the only list of plugin kernels not read from entry points
+    from pathlib import Path
+
+    import tomllib
+
+    declared = {}
+    for project in (Path(__file__).parents[1] / "backends").glob("*/pyproject.toml"):
+        meta = tomllib.loads(project.read_text())["project"]
+        for name in meta.get("entry-points", {}).get("portattn.kernels", {}):
+            declared[name] = meta["name"]
+    assert declared == _registry.KNOWN_PLUGINS
 
 
 def test_disable_kernels_context(only_builtins):
