@@ -104,9 +104,8 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
         dq_block = None
         for b, full in blocks.kv_blocks(a):  # the tiles the forward visited
             k0, k1 = blocks.kv_range(b)
-            s, t = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, masked=not full,
-                          keep_tanh=True)
-            p = xp.exp(s - m)
+            tile = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, masked=not full)
+            p, t = tile.weights(xp, m), tile.tanh
             dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(p), do), axis=-3)
             ds = p * (xp.matmul(do, xp.matrix_transpose(v[..., k0:k1, :])) - d)
             if bias is not None:

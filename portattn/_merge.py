@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from array_api_compat import array_namespace
 
 from ._inputs import dtype_name
+from ._portable import with_empty_rows
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -22,6 +22,28 @@ def merge(outputs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
     of attention over key block ``i``. With ``w_i = exp(lse_i - lse)`` and
     ``lse = log(sum_i exp(lse_i))``, the merged output is ``sum_i w_i * out_i``. Rows
     masked in every block stay 0 with lse ``-inf``.
+
+    Args:
+        outputs: The outputs ``(..., Hq, Lq, Dv)`` of attention over each key block.
+        lses: Their log-sum-exps ``(..., Hq, Lq)``, one per output.
+
+    Returns:
+        ``(out, lse)`` of attention over all the blocks together.
+
+    Raises:
+        ValueError: No outputs, a different number of lses, or shapes that differ.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal((1, 2, 8, 4), dtype=np.float32) for _ in range(3))
+        >>> halves = [portattn.attention(q, k[..., s, :], v[..., s, :], return_lse=True)
+        ...           for s in (slice(0, 4), slice(4, 8))]
+        >>> out, lse = portattn.merge(*zip(*halves))
+        >>> full, full_lse = portattn.attention(q, k, v, return_lse=True)
+        >>> bool(np.allclose(out, full, atol=1e-6)), bool(np.allclose(lse, full_lse, atol=1e-6))
+        (True, True)
     """
     outputs, lses = list(outputs), list(lses)
     if not outputs or len(outputs) != len(lses):
@@ -39,7 +61,7 @@ def merge(outputs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
     ct = xp.float32 if dtype_name(out_dtype) in ("float16", "bfloat16") else out_dtype
     stacked = xp.stack([xp.astype(lse, ct) for lse in lses], axis=0)
     top = xp.max(stacked, axis=0)
-    top = xp.where(top == -math.inf, xp.zeros_like(top), top)
+    top = xp.where(xp.isinf(top) & (top < 0), xp.zeros_like(top), top)  # no inf constant
     weights = xp.exp(stacked - top)
     total = xp.sum(weights, axis=0)
     has_mass = total > 0
@@ -49,5 +71,5 @@ def merge(outputs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
         term = xp.astype(out, ct) * weights[i, ..., None]
         acc = term if acc is None else acc + term
     merged = xp.astype(acc / safe[..., None], out_dtype)
-    lse = xp.where(has_mass, top + xp.log(safe), xp.full_like(total, -math.inf))
+    lse = with_empty_rows(xp, top + xp.log(safe), has_mass)
     return merged, lse

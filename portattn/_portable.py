@@ -3,12 +3,17 @@
 Grouped-query attention never repeats K/V: queries are viewed as
 ``(*batch, Hkv, G, L, D)`` and keys/values as ``(*batch, Hkv, 1, L, D)``, so one
 matmul broadcasts each K/V head over its group of G query heads.
+
+No infinity is made here that the result does not hold: a hidden score is the lowest
+finite value of its dtype (its weight is 0, see :meth:`Scores.weights`), so with
+``jax.debug_infs`` only the inputs' infinities and the ``-inf`` lse of rows that
+attend nothing show.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .kernel import ANY, Kernel
 from .masks import KINDS, slice_tile, values_readable
@@ -62,16 +67,38 @@ def group_tile(xp: Any, tile: Any, num_kv_heads: int) -> Any:
     return xp.reshape(tile, (*batch, num_kv_heads, heads // num_kv_heads, tq, tk))
 
 
-def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int,
-           *, masked: bool = True, keep_tanh: bool = False) -> Any:
-    """Scaled, soft-capped, biased and masked scores of one tile (grouped layout).
+class Scores(NamedTuple):
+    """One tile's scores: ``s`` with hidden entries at the dtype's lowest finite value,
+    ``allowed`` the tile's mask in grouped layout (None: every pair allowed), ``tanh``
+    of the capped scores for the softcap's derivative (None without one)."""
 
-    Masked entries are ``-inf``; ``masked=False`` for a tile the block form says is
-    full. ``q`` and ``k`` are grouped, in the compute dtype, and ``q`` is already
-    multiplied by the scale (cheaper than scaling the scores). With ``keep_tanh`` the
-    result is ``(scores, tanh)``: the backward's softcap derivative needs ``tanh`` of
-    the capped entries (None without a softcap).
-    """
+    s: Any
+    allowed: Any = None
+    tanh: Any = None
+
+    def weights(self, xp: Any, m: Any) -> Any:
+        """``exp(s - m)`` for a finite row maximum ``m``, 0 where the mask hides a pair.
+
+        Hidden pairs are exponentiated at 0 and then zeroed: exp of a far negative
+        number (``-inf`` included) underflows, which CPUs compute several times slower,
+        and a score the mask allows may be the lowest value too (a bias of it)."""
+        if self.allowed is None:
+            return xp.exp(self.s - m)
+        p = xp.exp(xp.where(self.allowed, self.s - m, 0.0))
+        return xp.where(self.allowed, p, 0.0)
+
+    def visible(self, xp: Any) -> Any:
+        """Pairs the scores let through: allowed, and not ``-inf`` (a bias may hide)."""
+        shown = xp.logical_not(is_minus_inf(xp, self.s))
+        return shown if self.allowed is None else self.allowed & shown
+
+
+def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k1: int,
+           *, masked: bool = True) -> Scores:
+    """Scaled, soft-capped, biased and masked :class:`Scores` of one tile (grouped
+    layout); ``masked=False`` for a tile the block form says is full. ``q`` and ``k``
+    are grouped, in the compute dtype, and ``q`` is already multiplied by the scale
+    (cheaper than scaling the scores)."""
     xp = inputs.xp
     s = xp.matmul(q, xp.matrix_transpose(k))
     t = None
@@ -84,27 +111,41 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
     if inputs.alibi_slopes is not None:
         s = s + alibi_tile(inputs, q0, q1, k0, k1, s.dtype)
     mask = inputs.mask
-    if mask is not None and masked:
-        allowed = mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, inputs.device_obj)
-        s = xp.where(group_tile(xp, allowed, inputs.num_kv_heads), s, -math.inf)
-    return (s, t) if keep_tanh else s
+    if mask is None or not masked:
+        return Scores(s, None, t)
+    allowed = group_tile(xp, mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len,
+                                       inputs.device_obj), inputs.num_kv_heads)
+    # the scores' rank: JAX's numpy_rank_promotion("raise") refuses to broadcast up to it
+    allowed = xp.reshape(allowed, (1,) * (s.ndim - allowed.ndim) + tuple(allowed.shape))
+    return Scores(xp.where(allowed, s, lowest(xp, s.dtype)), allowed, t)
 
 
 def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: Any,
-                    q0: int, q1: int, k0: int, k1: int, masked: bool = True) -> Any:
+                    q0: int, q1: int, k0: int, k1: int, masked: bool = True) -> Scores:
     """:func:`scores` of queries and keys split by :func:`split_nonfinite`, with NaN put
     back where a row that held a non-finite entry meets such a key unmasked: the same
     scores, but autograd's ``dS @ K`` and ``dS^T @ Q`` never see ``0 * NaN`` from a
     hidden key or a padded query."""
-    s = scores(inputs, q, k, q0, q1, k0, k1, masked=masked)
+    tile = scores(inputs, q, k, q0, q1, k0, k1, masked=masked)
     if bad_q is None and bad_k is None:
-        return s
-    xp = inputs.xp
+        return tile
+    xp, s = inputs.xp, tile.s
     bad = xp.zeros((), dtype=s.dtype, device=inputs.device_obj)
     bad = bad + (0 if bad_q is None else bad_q) + (
         0 if bad_k is None else xp.matrix_transpose(bad_k))
-    return xp.where((bad > 0) & (s > -math.inf), xp.asarray(math.nan, dtype=s.dtype,
-                                                            device=inputs.device_obj), s)
+    nan = xp.asarray(math.nan, dtype=s.dtype, device=inputs.device_obj)
+    return tile._replace(s=xp.where((bad > 0) & tile.visible(xp), nan, s))
+
+
+def lowest(xp: Any, dtype: Any) -> float:
+    """The lowest finite value of ``dtype``: a hidden score (``exp`` of it less any
+    row maximum is 0, and it is no infinity)."""
+    return float(xp.finfo(dtype).min)
+
+
+def is_minus_inf(xp: Any, x: Any) -> Any:
+    """``x == -inf``, without an infinite constant to compare with."""
+    return xp.isinf(x) & (x < 0)
 
 
 def alibi_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int,
@@ -139,13 +180,14 @@ def add_sinks(inputs: AttentionInputs, acc: Any, m: Any, denom: Any) -> tuple[An
 
 
 def safe_max(xp: Any, s: Any) -> Any:
-    """Row maximum, with ``-inf`` rows (fully masked) replaced by 0 so ``s - m`` is finite."""
+    """Row maximum, with ``-inf`` rows (a bias hid everything) replaced by 0 so ``s - m``
+    is finite."""
     return finite_or_zero(xp, xp.max(s, axis=-1, keepdims=True))
 
 
 def finite_or_zero(xp: Any, m: Any) -> Any:
     """``m`` with ``-inf`` (a row with nothing allowed yet) replaced by 0."""
-    return xp.where(m == -math.inf, xp.zeros_like(m), m)
+    return xp.where(is_minus_inf(xp, m), xp.zeros_like(m), m)
 
 
 def split_nonfinite(xp: Any, v: Any) -> tuple[Any, Any]:
@@ -154,7 +196,7 @@ def split_nonfinite(xp: Any, v: Any) -> tuple[Any, Any]:
 
     A masked key has weight exactly 0, but ``0 * NaN`` is NaN: multiplying by the clean
     values keeps masked positions out of the result, and :func:`attend_values` makes
-    the rows that do attend a non-finite value NaN (the rule in the README)."""
+    the rows that do attend a non-finite value NaN (the rule in docs/semantics.md)."""
     finite = xp.isfinite(v)
     if values_readable(v) and bool(xp.all(finite)):  # the usual case: nothing to do
         return v, None
@@ -163,15 +205,15 @@ def split_nonfinite(xp: Any, v: Any) -> tuple[Any, Any]:
     return clean, cast(xp, bad, v.dtype)
 
 
-def attend_values(xp: Any, p: Any, clean: Any, bad: Any, s: Any) -> Any:
-    """``p @ v`` for values split by :func:`split_nonfinite`; ``s`` are the scores the
-    weights ``p`` came from."""
+def attend_values(xp: Any, p: Any, clean: Any, bad: Any, tile: Scores) -> Any:
+    """``p @ v`` for values split by :func:`split_nonfinite`; ``tile`` are the scores
+    the weights ``p`` came from."""
     pv = xp.matmul(p, clean)
     if bad is None:
         return pv
-    # A row attends every key its scores do not hide (-inf), also one whose weight
+    # A row attends every key its scores do not hide, also one whose weight
     # underflowed to 0: in exact arithmetic that weight times NaN is NaN too.
-    attended = xp.matmul(cast(xp, s > -math.inf, p.dtype), bad) > 0
+    attended = xp.matmul(cast(xp, tile.visible(xp), p.dtype), bad) > 0
     return xp.where(attended, xp.full_like(pv, math.nan), pv)
 
 
@@ -180,8 +222,15 @@ def finish(xp: Any, acc: Any, m: Any, denom: Any) -> tuple[Any, Any]:
     has_mass = denom > 0
     safe = xp.where(has_mass, denom, xp.ones_like(denom))
     out = acc / safe
-    lse = xp.where(has_mass, m + xp.log(safe), xp.full_like(denom, -math.inf))
-    return out, lse[..., 0]
+    return out, with_empty_rows(xp, m + xp.log(safe), has_mass)[..., 0]
+
+
+def with_empty_rows(xp: Any, lse: Any, has_mass: Any) -> Any:
+    """``lse`` with ``-inf`` in the rows without mass; an infinity is made only when
+    there are such rows, or their values cannot be read (under a compiler)."""
+    if values_readable(has_mass) and bool(xp.all(has_mass)):
+        return lse
+    return xp.where(has_mass, lse, -math.inf)
 
 
 def is_empty(inputs: AttentionInputs) -> bool:

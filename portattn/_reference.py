@@ -53,12 +53,12 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     q, bad_q = split_nonfinite(xp, q)
     k, bad_k = split_nonfinite(xp, k)
-    s = scores_of_clean(inputs, q, bad_q, k, bad_k, 0, lq, 0, lk)
-    m = safe_max(xp, s)
-    p = xp.exp(s - m)
+    tile = scores_of_clean(inputs, q, bad_q, k, bad_k, 0, lq, 0, lk)
+    m = safe_max(xp, tile.s)
+    p = tile.weights(xp, m)
     denom = xp.sum(p, axis=-1, keepdims=True)
     weights, lse = finish(xp, *add_sinks(inputs, p, m, denom))
-    out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad, s)), inputs.query.dtype)
+    out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad, tile)), inputs.query.dtype)
     return (
         out,
         ungroup(xp, lse, trailing=1) if inputs.return_lse else None,

@@ -106,15 +106,15 @@ def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[
     acc = denom = m = m_safe = None
     for b, full in blocks.kv_blocks(a):
         k0, k1 = blocks.kv_range(b)
-        s = scores_of_clean(inputs, q, bad_q, k[..., k0:k1, :],
-                            None if bad_k is None else bad_k[..., k0:k1, :], q0, q1, k0, k1,
-                            masked=not full)
-        m_tile = xp.max(s, axis=-1, keepdims=True)
+        tile = scores_of_clean(inputs, q, bad_q, k[..., k0:k1, :],
+                               None if bad_k is None else bad_k[..., k0:k1, :], q0, q1, k0,
+                               k1, masked=not full)
+        m_tile = xp.max(tile.s, axis=-1, keepdims=True)
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
         m_safe = finite_or_zero(xp, m_new)
-        p = xp.exp(s - m_safe)
+        p = tile.weights(xp, m_safe)
         pv = attend_values(xp, p, v[..., k0:k1, :], None if bad is None else bad[..., k0:k1, :],
-                           s)
+                           tile)
         row_sum = xp.sum(p, axis=-1, keepdims=True)
         if acc is None:
             acc, denom = pv, row_sum

@@ -76,6 +76,22 @@ def test_fully_masked_everything_is_zero_not_nan(backend):
     assert np.isneginf(to_numpy(lse)).all()
 
 
+@pytest.mark.parametrize("kernel", ["tiled", "reference"])
+def test_a_bias_at_the_lowest_value_is_a_score_not_a_mask(backend, kernel):
+    # An additive mask of the dtype's lowest value (transformers' convention) over every
+    # key a structured mask allows: those keys share the row evenly, as in torch's SDPA,
+    # and the keys the mask hides stay out.
+    q, k, v = make(backend, [(1, 2, 6, 8)] * 3, "float32")
+    lowest = float(np.finfo(np.float32).min)
+    bias = np.zeros((6, 6), np.float32)
+    bias[2, :] = lowest
+    out = portattn.attention(q, k, v, mask=masks.causal(), kernel=kernel,
+                             bias=backend.asarray(bias, "float32"))
+    want = to_numpy(v)[..., :3, :].mean(axis=-2)  # row 2 sees keys 0..2, all at the bias
+    np.testing.assert_allclose(to_numpy(out)[..., 2, :], want, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(to_numpy(out)).all()
+
+
 SDPA_CASES = {
     "plain": {},
     "is_causal": {"is_causal": True},
