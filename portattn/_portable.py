@@ -217,17 +217,18 @@ def attend_values(xp: Any, p: Any, clean: Any, bad: Any, tile: Scores) -> Any:
     return xp.where(attended, xp.full_like(pv, math.nan), pv)
 
 
-def finish(xp: Any, acc: Any, m: Any, denom: Any) -> tuple[Any, Any]:
-    """Normalise an accumulated output; ``(out, lse)`` with 0 / ``-inf`` on empty rows."""
+def finish(xp: Any, acc: Any, m: Any, denom: Any) -> tuple[Any, Any, Any]:
+    """Normalise an accumulated output: ``(out, lse, has_mass)``, out 0 on empty rows;
+    their lse is finite until :func:`with_empty_rows` (once per call: it may sync)."""
     has_mass = denom > 0
     safe = xp.where(has_mass, denom, xp.ones_like(denom))
-    out = acc / safe
-    return out, with_empty_rows(xp, m + xp.log(safe), has_mass)[..., 0]
+    return acc / safe, (m + xp.log(safe))[..., 0], has_mass[..., 0]
 
 
 def with_empty_rows(xp: Any, lse: Any, has_mass: Any) -> Any:
     """``lse`` with ``-inf`` in the rows without mass; an infinity is made only when
-    there are such rows, or their values cannot be read (under a compiler)."""
+    there are such rows, or their values cannot be read (under a compiler). Reading
+    them is a host sync on a device: once per call."""
     if values_readable(has_mass) and bool(xp.all(has_mass)):
         return lse
     return xp.where(has_mass, lse, -math.inf)

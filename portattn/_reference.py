@@ -18,6 +18,7 @@ from ._portable import (
     scores_of_clean,
     split_nonfinite,
     ungroup,
+    with_empty_rows,
 )
 
 if TYPE_CHECKING:
@@ -57,11 +58,12 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     m = safe_max(xp, tile.s)
     p = tile.weights(xp, m)
     denom = xp.sum(p, axis=-1, keepdims=True)
-    weights, lse = finish(xp, *add_sinks(inputs, p, m, denom))
+    weights, lse, has_mass = finish(xp, *add_sinks(inputs, p, m, denom))
     out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad, tile)), inputs.query.dtype)
     return (
         out,
-        ungroup(xp, lse, trailing=1) if inputs.return_lse else None,
+        ungroup(xp, with_empty_rows(xp, lse, has_mass), trailing=1)
+        if inputs.return_lse else None,
         cast(xp, ungroup(xp, weights), inputs.query.dtype) if inputs.return_weights else None,
     )
 

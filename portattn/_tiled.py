@@ -26,6 +26,7 @@ from ._portable import (
     scores_of_clean,
     split_nonfinite,
     ungroup,
+    with_empty_rows,
 )
 from ._wiring import attach_for
 
@@ -82,22 +83,27 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
         k, bad_k = split_nonfinite(xp, k)
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     blocks = inputs.blocks(block_q, block_k)
-    outs, lses = [], []
+    outs, lses, masses = [], [], []
     for a in range(blocks.num_q_blocks):
         q0, q1 = blocks.q_range(a)
         q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
         bad_q = None if bad_query is None else group_queries(
             xp, cast(xp, bad_query[..., q0:q1, :], ct), hkv)
-        out, lse = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, blocks, a)
+        out, lse, has_mass = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, blocks, a)
         outs.append(out)
         lses.append(lse)
-    out = ungroup(xp, xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0])
-    lse = ungroup(xp, xp.concat(lses, axis=-1) if len(lses) > 1 else lses[0], trailing=1)
-    return cast(xp, out, inputs.query.dtype), lse
+        masses.append(has_mass)
+    out = ungroup(xp, _joined(xp, outs, -2))
+    lse = with_empty_rows(xp, _joined(xp, lses, -1), _joined(xp, masses, -1))
+    return cast(xp, out, inputs.query.dtype), ungroup(xp, lse, trailing=1)
+
+
+def _joined(xp: Any, parts: list[Any], axis: int) -> Any:
+    return xp.concat(parts, axis=axis) if len(parts) > 1 else parts[0]
 
 
 def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[Any, Any],
-                 v: Any, bad: Any, blocks: BlockMask, a: int) -> tuple[Any, Any]:
+                 v: Any, bad: Any, blocks: BlockMask, a: int) -> tuple[Any, Any, Any]:
     """Query block ``a`` against the key tiles it visits; ``queries`` and ``keys`` are
     ``(values, rows that held a non-finite entry or None)``."""
     xp = inputs.xp
@@ -125,9 +131,6 @@ def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[
         m = m_new
     if acc is None:  # the mask leaves this query block no keys at all
         shape = (*q.shape[:-1], v.shape[-1])
-        if inputs.sinks is None:
-            zeros = xp.zeros(shape, dtype=q.dtype, device=inputs.device_obj)
-            return zeros, xp.full(shape[:-1], -math.inf, dtype=q.dtype, device=inputs.device_obj)
         acc = xp.zeros(shape, dtype=q.dtype, device=inputs.device_obj)
         m_safe = denom = xp.zeros((*shape[:-1], 1), dtype=q.dtype, device=inputs.device_obj)
     return finish(xp, *add_sinks(inputs, acc, m_safe, denom))

@@ -255,13 +255,14 @@ def _held(arrays: tuple[Any, ...]) -> _Held | None:
 
     if not all(isinstance(a, torch.Tensor) and not a.is_inference() for a in arrays):
         return None
-    held = {s.data_ptr(): s.nbytes() for s in (a.untyped_storage() for a in arrays)}
-    if sum(held.values()) > HELD_BYTES:  # what it keeps alive: whole storages
+    storages = [a.untyped_storage() for a in arrays]
+    # what a shared grid keeps alive: whole storages, each counted once
+    if sum({s.data_ptr(): s.nbytes() for s in storages}.values()) > HELD_BYTES:
         return None
-    storages = tuple(StorageWeakRef(a.untyped_storage()) for a in arrays)
-    key = tuple((s.cdata, a.storage_offset(), tuple(a.shape), a.stride(), a.dtype,
-                 a._version) for s, a in zip(storages, arrays, strict=True))
-    return _Held(key, storages)
+    refs = tuple(StorageWeakRef(s) for s in storages)
+    key = tuple((r.cdata, a.storage_offset(), tuple(a.shape), a.stride(), a.dtype,
+                 a._version) for r, a in zip(refs, arrays, strict=True))
+    return _Held(key, refs)
 
 
 class Grid:
