@@ -1,0 +1,239 @@
+"""``portattn.distributed.attention``, ``shard`` and ``unshard``: validation, and the
+engine that runs a call (a plugin found by the arrays' namespace, or a
+:class:`~portattn.distributed.LocalGroup`)."""
+
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from array_api_compat import array_namespace
+from array_api_compat import device as device_of
+
+from .._inputs import namespace_name
+from ..errors import PluginWarning
+from ..masks import Mask, dense
+from ._layout import LAYOUTS, Layout
+from ._strategies import STRATEGIES, backward, forward
+from .engine import GROUP
+
+if TYPE_CHECKING:
+    from ._plan import Problem
+
+__all__ = ["attention", "shard", "unshard"]
+
+_engines: dict[str, Any] = {}
+
+
+def _engine(namespace: str) -> Any:
+    if namespace not in _engines:
+        found = [ep for ep in entry_points(group=GROUP) if ep.name == namespace]
+        engine = None
+        if found:
+            try:
+                engine = found[0].load()
+            except Exception as e:  # a broken plugin is a warning, then "no engine"
+                msg = (f"portattn: the distributed engine {found[0].name} = "
+                       f"{found[0].value!r} could not be loaded ({type(e).__name__}: {e})")
+                warnings.warn(msg, PluginWarning, stacklevel=3)
+        _engines[namespace] = engine
+    return _engines[namespace]
+
+
+def _is_local(group: Any) -> bool:
+    return all(hasattr(group, n) for n in ("start_shift", "finish_shift", "all_gather",
+                                           "reduce_scatter", "rank", "size"))
+
+
+def _rank_and_size(group: Any, namespace: str) -> tuple[Any, int, int]:
+    """``(engine, rank, size)``; the engine is None for a communicator passed as
+    ``group`` (no autograd: forward only)."""
+    if _is_local(group):
+        return None, group.rank, group.size
+    engine = _engine(namespace)
+    if engine is None:
+        msg = (f"no distributed engine for {namespace} arrays is installed, and "
+               f"group={group!r} is not a portattn.distributed.LocalGroup (engines: "
+               f"portattn-torch for torch.distributed)")
+        raise TypeError(msg)
+    rank, size = engine.rank_and_size(group)
+    return engine, rank, size
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        msg = f"{name} must be one of {', '.join(map(repr, choices))}; got {name}={value!r}"
+        raise ValueError(msg)
+
+
+def _layout(kind: str, local: int, length: int | None, size: int, what: str) -> Layout:
+    if length is None:
+        length = local * size
+    layout = Layout(kind, length, size)
+    if layout.shard_length != local:
+        msg = (f"{what}.shape[-2]={local} is not the shard length of {what}_length="
+               f"{length} over {size} ranks with layout={kind!r} (expected "
+               f"{layout.shard_length}; portattn.distributed.shard makes the shards)")
+        raise ValueError(msg)
+    return layout
+
+
+def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any = None,
+            layout: str = "contiguous", query_length: int | None = None,
+            key_length: int | None = None, scale: float | None = None,
+            softcap: float | None = None) -> Problem:
+    """The :class:`~portattn.distributed.engine.Problem` of one rank's call, validated,
+    with ``mask`` bound to the whole sequence."""
+    from ._plan import Problem
+
+    xp = array_namespace(query, key, value)
+    _check_choice("layout", layout, LAYOUTS)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if len(x.shape) < 3:
+            msg = f"{name} must be (..., heads, length, dim); got {name}.shape={tuple(x.shape)}"
+            raise ValueError(msg)
+    if key.shape[-2] != value.shape[-2]:
+        msg = (f"key and value shards must have the same length; got key.shape[-2]="
+               f"{key.shape[-2]}, value.shape[-2]={value.shape[-2]}")
+        raise ValueError(msg)
+    queries = _layout(layout, query.shape[-2], query_length, size, "query")
+    keys = _layout(layout, key.shape[-2], key_length, size, "key")
+    if mask is not None and not isinstance(mask, Mask):
+        mask = dense(mask)
+    bound = mask
+    if mask is not None:
+        bound = mask.bind(xp, tuple(query.shape[:-3]), query.shape[-3], queries.length,
+                          keys.length, device_of(query))
+    return Problem(xp, rank, queries, keys, bound, scale, softcap, given=mask)
+
+
+def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = None,
+              strategy: str = "ring", layout: str = "contiguous",
+              query_length: int | None = None, key_length: int | None = None,
+              scale: float | None = None, softcap: float | None = None,
+              return_lse: bool = False) -> Any:
+    """Exact attention over a sequence split across the ranks of ``group``.
+
+    Every rank passes its shard of the queries, keys and values (made by
+    :func:`shard` with the same ``layout``) and receives its shard of the output, the
+    same rows as :func:`portattn.attention` of the whole sequence would give. Masks
+    are given in global positions, as for one call of the whole sequence; pairs of
+    shards the mask hides are never computed. Each visible pair runs through
+    :func:`portattn.attention`, so the best kernel for it runs, and the partial
+    results merge exactly by their log-sum-exp.
+
+    Args:
+        query: this rank's shard ``(..., Hq, Sq, D)``.
+        key: this rank's shard ``(..., Hkv, Sk, D)``.
+        value: this rank's shard ``(..., Hkv, Sk, Dv)``.
+        group: a ``torch.distributed`` process group (with portattn-torch), or a
+            :class:`LocalGroup` (threads in one process; forward only).
+        mask: a :mod:`portattn.masks` mask in global positions, or a boolean array
+            ``(..., Lq, Lk)``.
+        strategy: ``"ring"`` (K/V shards pass rank to rank, overlapped with compute;
+            memory for two shards) or ``"all_gather"`` (one collective; memory for the
+            whole K/V: short sequences, few K/V heads).
+        layout: ``"contiguous"`` or ``"zigzag"`` (balances causal masks), as given to
+            :func:`shard`.
+        query_length: the whole sequence's queries, when padding made the shards longer
+            (defaults to ``Sq * size``).
+        key_length: the same for keys.
+        scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``.
+        softcap: scores become ``softcap * tanh(s / softcap)``.
+        return_lse: also return this rank's rows of the log-sum-exp ``(..., Hq, Sq)``
+            (float32 for half precision); gradients flow through it.
+
+    Returns:
+        ``out`` ``(..., Hq, Sq, Dv)``, or ``(out, lse)`` with ``return_lse``. Padding
+        rows hold 0 and lse ``-inf``.
+
+    Raises:
+        ValueError: an unknown ``strategy`` or ``layout``, or shards whose lengths do
+            not fit the layout.
+        TypeError: ``group`` is neither a group of an installed engine nor a
+            :class:`LocalGroup`.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import distributed, masks
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))
+        >>> def rank_work(group):
+        ...     shards = [distributed.shard(x, group, layout="zigzag") for x in (q, k, v)]
+        ...     out = distributed.attention(*shards, group=group, mask=masks.causal(),
+        ...                                 layout="zigzag", query_length=10, key_length=10)
+        ...     return distributed.unshard(out, group, length=10, layout="zigzag")
+        >>> outs = distributed.run_local(rank_work, 3)
+        >>> expected = portattn.attention(q, k, v, mask=masks.causal())
+        >>> bool(np.allclose(outs[0], expected)), outs[0].shape
+        (True, (1, 2, 10, 4))
+    """
+    _check_choice("strategy", strategy, STRATEGIES)
+    xp = array_namespace(query, key, value)
+    engine, rank, size = _rank_and_size(group, namespace_name(xp))
+    prob = problem(query, key, value, rank=rank, size=size, mask=mask, layout=layout,
+                   query_length=query_length, key_length=key_length, scale=scale,
+                   softcap=softcap)
+    if engine is None:
+        out, lse = forward(group, prob, query, key, value, strategy)
+    else:
+        out, lse = engine.attention(prob, query, key, value, group, strategy)
+    out = xp.astype(out, query.dtype)
+    return (out, lse) if return_lse else out
+
+
+def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: Any,
+              lse: Any, dout: Any, dlse: Any = None,
+              strategy: str = "ring") -> tuple[Any, Any, Any]:
+    """Gradients of this rank's shards (the portable backward over a communicator)."""
+    return backward(group, prob, query, key, value, out, lse, dout, dlse, strategy)
+
+
+def shard(x: Any, group: Any, *, axis: int = -2, layout: str = "contiguous",
+          length: int | None = None) -> Any:
+    """This rank's shard of the whole array ``x`` (positions along ``axis``), padded
+    with zeros to the layout's shard length.
+
+    Args:
+        x: the whole sequence (every rank passes the same).
+        group: as for :func:`attention`, or a ``(rank, size)`` pair.
+        axis: the sequence axis.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        length: positions of ``x`` to shard (defaults to ``x.shape[axis]``).
+
+    Returns:
+        ``x`` restricted to this rank's positions, ``Layout.shard_length`` long.
+    """
+    rank, size = _group_position(x, group)
+    n = x.shape[axis] if length is None else length
+    return Layout(layout, n, size).shard(x, rank, axis=axis)
+
+
+def unshard(x: Any, group: Any, *, length: int, axis: int = -2,
+            layout: str = "contiguous") -> Any:
+    """The whole array from every rank's shard ``x`` (an all-gather; padding
+    dropped): the inverse of :func:`shard`. Not differentiable.
+
+    Args:
+        x: this rank's shard.
+        group: as for :func:`attention`.
+        length: positions of the whole sequence.
+        axis: the sequence axis.
+        layout: as given to :func:`shard`.
+    """
+    if _is_local(group):
+        shards = group.all_gather(x)
+        size = group.size
+    else:
+        engine, _, size = _rank_and_size(group, namespace_name(array_namespace(x)))
+        shards = engine.all_gather(x, group)
+    return Layout(layout, length, size).unshard(shards, axis=axis)
+
+
+def _group_position(x: Any, group: Any) -> tuple[int, int]:
+    if isinstance(group, tuple) and len(group) == 2:
+        return group
+    _, rank, size = _rank_and_size(group, namespace_name(array_namespace(x)))
+    return rank, size

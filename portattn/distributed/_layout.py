@@ -1,0 +1,197 @@
+"""Where each position of a sequence lives when it is split over ranks.
+
+A :class:`Layout` cuts a sequence of ``length`` positions into chunks of equal size and
+gives each rank the same number of chunks, so every rank's shard has the same length
+(``shard_length``) and collectives move equal blocks. The last chunks are padded when
+``length`` does not divide: no length is refused.
+
+- ``"contiguous"``: rank ``r`` holds chunk ``r`` of ``size`` chunks.
+- ``"zigzag"``: the sequence is cut into ``2 * size`` chunks and rank ``r`` holds chunks
+  ``r`` and ``2 * size - 1 - r`` (head-tail balancing): under a causal mask every rank
+  then sees the same number of (query, key) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from array_api_compat import array_namespace
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["LAYOUTS", "Layout", "Segment"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+class Segment(NamedTuple):
+    """Global positions ``[start, stop)`` held at local rows ``[offset, offset + stop -
+    start)`` of a rank's shard."""
+
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def local(self) -> slice:
+        return slice(self.offset, self.offset + self.stop - self.start)
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sequence of ``length`` positions is split over ``size`` ranks.
+
+    Example:
+        >>> from portattn.distributed import Layout
+        >>> layout = Layout("zigzag", length=10, size=2)
+        >>> layout.shard_length, layout.chunk_sizes()
+        (6, [3, 3, 2, 2])
+        >>> layout.segments(0)
+        (Segment(start=0, stop=3, offset=0), Segment(start=8, stop=10, offset=3))
+        >>> layout.positions(0), layout.positions(1)
+        ([0, 1, 2, 8, 9, -1], [3, 4, 5, 6, 7, -1])
+    """
+
+    kind: str
+    length: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUTS:
+            msg = f"layout must be one of {', '.join(map(repr, LAYOUTS))}; got layout={self.kind!r}"
+            raise ValueError(msg)
+        for name in ("length", "size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "size"):
+                msg = (f"{name} must be an int >= {int(name == 'size')}; got "
+                       f"{name}={value!r}")
+                raise ValueError(msg)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return 2 if self.kind == "zigzag" else 1
+
+    @property
+    def chunk(self) -> int:
+        """Rows per chunk in a shard; a chunk holds this many positions or one fewer
+        (the rest is padding)."""
+        return math.ceil(self.length / (self.size * self.chunks_per_rank))
+
+    def chunk_sizes(self) -> list[int]:
+        """Positions of each chunk, in sequence order. They differ by at most one; the
+        longer ones go first to the ranks' first chunks, then to their second ones,
+        so no rank holds two before every rank holds one."""
+        n = self.size * self.chunks_per_rank
+        base, extra = divmod(self.length, n)
+        ranked = [c for r in range(self.size) for c in self.chunk_ids(r)[:1]]
+        ranked += [c for r in range(self.size) for c in self.chunk_ids(r)[1:]]
+        sizes = [base] * n
+        for c in ranked[:extra]:
+            sizes[c] += 1
+        return sizes
+
+    @property
+    def shard_length(self) -> int:
+        """Rows of every rank's shard, padding included."""
+        return self.chunk * self.chunks_per_rank
+
+    def chunk_ids(self, rank: int) -> tuple[int, ...]:
+        self._check_rank(rank)
+        if self.kind == "zigzag":
+            return (rank, 2 * self.size - 1 - rank)
+        return (rank,)
+
+    def segments(self, rank: int) -> tuple[Segment, ...]:
+        """The non-empty global ranges ``rank`` holds, in local order."""
+        sizes = self.chunk_sizes()
+        out = []
+        for slot, c in enumerate(self.chunk_ids(rank)):
+            start = sum(sizes[:c])
+            stop = start + sizes[c]
+            if stop > start:
+                out.append(Segment(start, stop, slot * self.chunk))
+        return tuple(out)
+
+    def positions(self, rank: int) -> list[int]:
+        """The global position of each local row of ``rank``'s shard; -1 for padding."""
+        pos = [-1] * self.shard_length
+        for seg in self.segments(rank):
+            pos[seg.local] = range(seg.start, seg.stop)
+        return pos
+
+    def shard(self, x: Any, rank: int, *, axis: int = -2) -> Any:
+        """``rank``'s shard of the whole array ``x`` (positions along ``axis``), padded
+        with zeros to ``shard_length``."""
+        xp = array_namespace(x)
+        axis = _axis(x, axis)
+        if x.shape[axis] != self.length:
+            msg = (f"x.shape[{axis}]={x.shape[axis]} does not match the layout's "
+                   f"length={self.length}")
+            raise ValueError(msg)
+        pieces = []
+        filled = 0
+        for seg in self.segments(rank):
+            if seg.offset > filled:
+                pieces.append(_zeros(xp, x, axis, seg.offset - filled))
+            pieces.append(_take(x, axis, seg.start, seg.stop))
+            filled = seg.offset + len(seg)
+        if self.shard_length > filled or not pieces:
+            pieces.append(_zeros(xp, x, axis, self.shard_length - filled))
+        return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
+
+    def unshard(self, shards: Sequence[Any], *, axis: int = -2) -> Any:
+        """The whole array from every rank's shard (in rank order), padding dropped."""
+        shards = list(shards)
+        if len(shards) != self.size:
+            msg = f"unshard needs one shard per rank ({self.size}); got {len(shards)}"
+            raise ValueError(msg)
+        xp = array_namespace(*shards)
+        axis = _axis(shards[0], axis)
+        placed = []
+        for rank, s in enumerate(shards):
+            if s.shape[axis] != self.shard_length:
+                msg = (f"shards[{rank}].shape[{axis}]={s.shape[axis]} does not match the "
+                       f"layout's shard_length={self.shard_length}")
+                raise ValueError(msg)
+            placed += [(seg.start, _take(s, axis, seg.local.start, seg.local.stop))
+                       for seg in self.segments(rank)]
+        placed.sort(key=lambda p: p[0])
+        if not placed:
+            return _take(shards[0], axis, 0, 0)
+        return xp.concat([p for _, p in placed], axis=axis)
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            msg = f"rank must be an int in [0, {self.size}); got rank={rank!r}"
+            raise ValueError(msg)
+
+
+def _axis(x: Any, axis: int) -> int:
+    ndim = len(x.shape)
+    if not -ndim <= axis < ndim:
+        msg = f"axis={axis} is out of range for an array of {ndim} dimensions"
+        raise ValueError(msg)
+    return axis % ndim
+
+
+def _take(x: Any, axis: int, start: int, stop: int) -> Any:
+    index = (slice(None),) * axis + (slice(start, stop),)
+    return x[index]
+
+
+def _zeros(xp: Any, x: Any, axis: int, n: int) -> Any:
+    shape = list(x.shape)
+    shape[axis] = n
+    return xp.zeros(tuple(shape), dtype=x.dtype, device=_device(x))
+
+
+def _device(x: Any) -> Any:
+    from array_api_compat import device
+
+    return device(x)

@@ -1,0 +1,115 @@
+"""The strategies, written once against a :class:`Communicator` (an engine's
+collectives), so every engine runs the same schedule.
+
+- ``"ring"``: K/V shards travel rank to rank (``size - 1`` shifts, each started before
+  the current block's compute so the two overlap). The backward sends K/V round again
+  and the dK/dV accumulators with them (``size`` shifts: they end at their owner).
+- ``"all_gather"``: every rank gathers every K/V shard at once (one collective; memory
+  for the whole K/V), and the backward reduce-scatters dK/dV.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ._compute import Partials, SegmentSum, compute_dtype, pair_grads
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ._plan import Problem
+
+__all__ = ["STRATEGIES", "Communicator", "backward", "forward"]
+
+STRATEGIES = ("ring", "all_gather")
+
+
+class Communicator(Protocol):
+    """The collectives an engine provides, between the ``size`` ranks of a group."""
+
+    rank: int
+    size: int
+
+    def start_shift(self, arrays: Sequence[Any]) -> Any:
+        """Start sending ``arrays`` to rank ``rank + 1`` and receiving the same shapes
+        from ``rank - 1`` (modulo ``size``); return a handle."""
+
+    def finish_shift(self, handle: Any) -> list[Any]:
+        """Wait for a shift; return the arrays received."""
+
+    def all_gather(self, x: Any) -> list[Any]:
+        """Every rank's ``x``, in rank order."""
+
+    def reduce_scatter(self, parts: Sequence[Any]) -> Any:
+        """The sum over ranks of their ``parts[rank]``."""
+
+
+def forward(comm: Communicator, problem: Problem, query: Any, key: Any,
+            value: Any, strategy: str) -> tuple[Any, Any]:
+    """``(out, lse)`` of this rank's query shard over every rank's keys, in the
+    compute dtype (float32 for half precision)."""
+    partials = Partials(problem, query)
+    size, rank = problem.size, problem.rank
+    if strategy == "all_gather":
+        keys, values = comm.all_gather(key), comm.all_gather(value)
+        for source in range(size):
+            for pair in problem.pairs(source):
+                partials.add(pair, keys[source], values[source])
+    else:
+        kv = [key, value]
+        for step in range(size):
+            pending = comm.start_shift(kv) if step < size - 1 else None
+            for pair in problem.pairs((rank - step) % size):
+                partials.add(pair, *kv)
+            if pending is not None:
+                kv = comm.finish_shift(pending)
+    return partials.result(value.shape[-1])
+
+
+def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: Any,
+             out: Any, lse: Any, dout: Any, dlse: Any,
+             strategy: str) -> tuple[Any, Any, Any]:
+    """Gradients of this rank's query, key and value shards, each in its dtype."""
+    xp, size, rank = problem.xp, problem.size, problem.rank
+    ct = compute_dtype(xp, query.dtype)
+    qsegs, klayout = problem.queries.segments(rank), problem.keys
+    dq = SegmentSum(xp, ct)
+
+    def visit(source: int, k: Any, v: Any) -> tuple[SegmentSum, SegmentSum]:
+        dk, dv = SegmentSum(xp, ct), SegmentSum(xp, ct)
+        for pair in problem.pairs(source):
+            gq, gk, gv = pair_grads(problem, pair, query, k, v, out, lse, dout, dlse)
+            dq.add(pair.query, gq)
+            dk.add(pair.key, gk)
+            dv.add(pair.key, gv)
+        return dk, dv
+
+    def whole(parts: SegmentSum, source: int, like: Any) -> Any:
+        return parts.shard(klayout.segments(source), klayout.shard_length, like)
+
+    if strategy == "all_gather":
+        keys, values = comm.all_gather(key), comm.all_gather(value)
+        dks, dvs = [], []
+        for source in range(size):
+            dk, dv = visit(source, keys[source], values[source])
+            dks.append(whole(dk, source, key))
+            dvs.append(whole(dv, source, value))
+        dkey, dvalue = comm.reduce_scatter(dks), comm.reduce_scatter(dvs)
+    else:
+        kv = [key, value]
+        carried = None
+        for step in range(size):
+            source = (rank - step) % size
+            pending = comm.start_shift(kv) if step < size - 1 else None
+            dk, dv = visit(source, *kv)
+            dk, dv = whole(dk, source, key), whole(dv, source, value)
+            if carried is not None:
+                arrived = comm.finish_shift(carried)
+                dk, dv = dk + arrived[0], dv + arrived[1]
+            carried = comm.start_shift([dk, dv])
+            if pending is not None:
+                kv = comm.finish_shift(pending)
+        dkey, dvalue = comm.finish_shift(carried)
+    dquery = dq.shard(qsegs, problem.queries.shard_length, query)
+    return (xp.astype(dquery, query.dtype), xp.astype(dkey, key.dtype),
+            xp.astype(dvalue, value.dtype))

@@ -1,0 +1,25 @@
+"""What an engine plugin builds on: the call's :class:`Problem` and the portable
+schedule (:func:`forward`, :func:`backward`) run over the engine's
+:class:`Communicator`.
+
+An engine registers in the entry-point group ``portattn.distributed`` under the name of
+its array namespace::
+
+    [project.entry-points."portattn.distributed"]
+    torch = "portattn_torch._distributed"
+
+The object it names has ``rank_and_size(group) -> (rank, size)``,
+``all_gather(x, group) -> list`` and ``attention(problem, query, key, value, group,
+strategy) -> (out, lse)``, the last with the library's autograd attached (its
+backward calls :func:`backward`).
+"""
+
+from __future__ import annotations
+
+from ._plan import Pair, Problem, visible_work
+from ._strategies import STRATEGIES, Communicator, backward, forward
+
+__all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "backward", "forward",
+           "visible_work"]
+
+GROUP = "portattn.distributed"
