@@ -106,10 +106,14 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
             if carried is not None:
                 arrived = comm.finish_shift(carried)
                 dk, dv = dk + arrived[0], dv + arrived[1]
+            if size == 1:  # nothing travels: the block is home
+                dkey, dvalue = dk, dv
+                break
             carried = comm.start_shift([dk, dv])
             if pending is not None:
                 kv = comm.finish_shift(pending)
-        dkey, dvalue = comm.finish_shift(carried)
+        else:
+            dkey, dvalue = comm.finish_shift(carried)
     dquery = dq.shard(qsegs, problem.queries.shard_length, query)
     return (xp.astype(dquery, query.dtype), xp.astype(dkey, key.dtype),
             xp.astype(dvalue, value.dtype))

@@ -1,0 +1,199 @@
+"""portattn.distributed over torch.distributed: 2 and 4 gloo processes on loopback,
+forward and gradients (query, key, value, and through the lse) against one float64
+call of the whole sequence, for each mask kind, GQA, softcap, Lq != Lk, both
+strategies and both layouts.
+
+Each world size is one spawn that runs every case (starting processes costs seconds);
+the tests then compare what rank 0 gathered.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import portattn  # noqa: E402
+from portattn import distributed, masks  # noqa: E402
+from portattn.testing import tolerance  # noqa: E402
+
+# name: (lq, lk, hq, hkv, mask, softcap, strategy, layout, dtype)
+CASES = {
+    "causal-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "float32"),
+    "causal-gather-contiguous": (23, 23, 2, 2, "causal", None, "all_gather", "contiguous",
+                                 "float32"),
+    "window-ring-zigzag": (23, 23, 2, 2, "window", None, "ring", "zigzag", "float32"),
+    "window-gather-zigzag": (23, 23, 2, 2, "window", None, "all_gather", "zigzag", "float32"),
+    "key_lengths-ring-contiguous": (23, 23, 2, 2, "key_lengths", None, "ring", "contiguous",
+                                    "float32"),
+    "documents-ring-zigzag": (23, 23, 2, 2, "documents", None, "ring", "zigzag", "float32"),
+    "documents-gather-contiguous": (23, 23, 2, 2, "documents", None, "all_gather",
+                                    "contiguous", "float32"),
+    "gqa-gather-contiguous": (23, 23, 4, 1, None, None, "all_gather", "contiguous",
+                              "float32"),
+    "gqa_softcap-ring-zigzag": (23, 23, 4, 2, "causal", 5.0, "ring", "zigzag", "float32"),
+    "cross-ring-contiguous": (9, 23, 2, 2, "causal", None, "ring", "contiguous", "float32"),
+    "cross_window-gather-zigzag": (9, 23, 2, 1, "window", None, "all_gather", "zigzag",
+                                   "float32"),
+    "causal64-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "float64"),
+    "causal_bf16-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "bfloat16"),
+}
+SIZES = (2, 4)
+
+
+def _mask(kind, lq, lk):
+    if kind is None:
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.sliding_window(5, 2)
+    if kind == "key_lengths":
+        return masks.causal() & masks.key_lengths(torch.tensor([17, lk]))
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([6, 1, 9, lk - 16]))
+    return masks.causal() & masks.documents(ids)
+
+
+def _inputs(case, dtype=torch.float64):
+    """q, k, v and the gradients of out and lse, the same in every process."""
+    lq, lk, hq, hkv = CASES[case][:4]
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+
+    def normal(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return (normal(2, hq, lq, 8), normal(2, hkv, lk, 8), normal(2, hkv, lk, 8),
+            normal(2, hq, lq, 8), normal(2, hq, lq))
+
+
+def _loss(out, lse, gout, glse):
+    finite = torch.isfinite(lse)
+    return (out.double() * gout).sum() + (torch.where(finite, lse, 0).double() * glse).sum()
+
+
+def _one_case(case, group):
+    lq, lk, _, _, kind, softcap, strategy, layout, dtype = CASES[case]
+    q, k, v, gout, glse = _inputs(case)
+    mask = _mask(kind, lq, lk)
+    shards = [distributed.shard(x.to(getattr(torch, dtype)), group, layout=layout)
+              .requires_grad_() for x in (q, k, v)]
+    out, lse = distributed.attention(*shards, group=group, mask=mask, strategy=strategy,
+                                     layout=layout, query_length=lq, key_length=lk,
+                                     softcap=softcap, return_lse=True)
+    gout_s = distributed.shard(gout, group, layout=layout)
+    glse_s = distributed.shard(glse[..., None], group, layout=layout)[..., 0]
+    _loss(out, lse, gout_s, glse_s).backward()
+
+    def whole(x, n):
+        return distributed.unshard(x.detach(), group, length=n, layout=layout)
+
+    return {"out": whole(out, lq), "lse": whole(lse[..., None], lq)[..., 0],
+            "dq": whole(shards[0].grad, lq), "dk": whole(shards[1].grad, lk),
+            "dv": whole(shards[2].grad, lk), "dtypes": (str(out.dtype), str(lse.dtype))}
+
+
+def _worker(rank, size, port, path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        results = {case: _one_case(case, None) for case in CASES}
+        # a group that is not the default one: the ranks in reverse order
+        sub = dist.new_group(list(range(size))[::-1])
+        results["subgroup"] = _one_case("causal-ring-zigzag", sub)
+        if rank == 0:
+            torch.save(results, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"{n}ranks")
+def gathered(request, tmp_path_factory):
+    size = request.param
+    path = os.fspath(tmp_path_factory.mktemp("dist") / "results.pt")
+    torch.multiprocessing.spawn(_worker, args=(size, _free_port(), path), nprocs=size,
+                                join=True)
+    return size, torch.load(path)
+
+
+def _expected(case):
+    lq, lk, _, _, kind, softcap, *_ = CASES[case]
+    q, k, v, gout, glse = _inputs(case)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = portattn.attention(*leaves, mask=_mask(kind, lq, lk), softcap=softcap,
+                                  return_lse=True, kernel="reference")
+    _loss(out, lse, gout, glse).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": leaves[0].grad,
+            "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+def _single_device_error(case, name):
+    """How far one float32 (or half) call of the whole sequence is from float64."""
+    lq, lk, _, _, kind, softcap, _, _, dtype = CASES[case]
+    q, k, v, gout, glse = _inputs(case)
+    leaves = [x.to(getattr(torch, dtype)).requires_grad_() for x in (q, k, v)]
+    out, lse = portattn.attention(*leaves, mask=_mask(kind, lq, lk), softcap=softcap,
+                                  return_lse=True)
+    _loss(out, lse, gout, glse).backward()
+    got = {"out": out, "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
+           "dv": leaves[2].grad}[name]
+    return _error(got.detach(), _expected(case)[name])
+
+
+def _error(got, want):
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    return float((got.double() - want)[finite].abs().max()) if finite.any() else 0.0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_one_float64_call(gathered, case):
+    size, results = gathered
+    got, want = results[case], _expected(case)
+    dtype = CASES[case][-1]
+    assert got["dtypes"] == (f"torch.{dtype}",
+                             "torch.float32" if dtype == "bfloat16" else f"torch.{dtype}")
+    rtol, atol = tolerance(dtype)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        scale = 1 + float(want[name][torch.isfinite(want[name])].abs().max())
+        # gradients sum many terms: the tolerance grows with their magnitude
+        assert _error(got[name], want[name]) <= atol + rtol * scale, (case, size, name)
+
+
+@pytest.mark.parametrize("case", ["causal-ring-zigzag", "documents-ring-zigzag",
+                                  "gqa_softcap-ring-zigzag", "causal_bf16-ring-zigzag"])
+def test_errors_do_not_grow_with_the_world_size(gathered, case):
+    size, results = gathered
+    want = _expected(case)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        single = _single_device_error(case, name)
+        mine = _error(results[case][name], want[name])
+        assert mine <= 2 * single + tolerance(CASES[case][-1])[1] / 10, (name, size, mine,
+                                                                         single)
+
+
+def test_a_subgroup_with_other_ranks(gathered):
+    _, results = gathered
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        torch.testing.assert_close(results["subgroup"][name],
+                                   results["causal-ring-zigzag"][name], rtol=0, atol=0)
+
+
+def test_errors_without_a_process_group():
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        distributed.attention(q, q, q, group=None)
+    with pytest.raises(TypeError, match="group="):
+        distributed.attention(q, q, q, group="world")
