@@ -117,8 +117,12 @@ def pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any, o
     """Gradients of the pair's query rows, key rows and value rows, given the rank's
     merged ``out`` and ``lse`` and their cotangents."""
     qs, ks = pair.query.local, pair.key.local
-    inputs = describe(_rows(query, qs), _rows(key, ks), _rows(value, ks), mask=pair.mask,
-                      **problem.options)
+    xp = problem.xp
+    # Half precision: the pair's gradients stay float32 (the tiled backward computes in
+    # float32 anyway; rounding each pair's part to half would add one rounding per rank).
+    ct = compute_dtype(xp, query.dtype)
+    q, k, v = (xp.astype(x, ct) for x in (_rows(query, qs), _rows(key, ks), _rows(value, ks)))
+    inputs = describe(q, k, v, mask=pair.mask, **problem.options)
     grads = flash_backward(inputs, _rows(out, qs), lse[..., qs], _rows(dout, qs),
                            None if dlse is None else dlse[..., qs])
     return grads.query, grads.key, grads.value
