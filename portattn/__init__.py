@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import errors, masks
+from . import distributed, errors, masks
 from ._api import attention, explain, scaled_dot_product_attention
 from ._dispatch import Plan, disable_kernels, use_kernel
 from ._merge import merge
@@ -34,6 +34,7 @@ __all__ = [
     "__version__",
     "attention",
     "disable_kernels",
+    "distributed",
     "errors",
     "explain",
     "kernels",
