@@ -4,6 +4,9 @@
 - ``torch_flex``: torch tensors through compiled FlexAttention, reading portattn's block
   form: every mask kind, skipping the tiles it hides; softcap and bias; CPU (forward)
   and CUDA (with lse and gradients).
+- ``torch_sdpa_segments``: packed documents (``documents`` masks, with ``causal``,
+  ``key_lengths``, ``query_lengths``) on the CPU, torch's flash kernel once per
+  document, forward and backward.
 - ``torch_sdpa_dlpack``: NumPy (CPU), CuPy and JAX arrays borrowed into torch through
   DLPack without copies; the result comes back in the caller's library.
 - :func:`from_torch_state_dict` / :func:`to_torch_state_dict`: a
@@ -17,7 +20,8 @@ from __future__ import annotations
 from ._dlpack_kernel import TorchSDPADLPackKernel
 from ._flex_kernel import TorchFlexKernel
 from ._sdpa_kernel import TorchSDPAKernel
+from ._segments_kernel import TorchSegmentsKernel
 from ._state_dict import from_torch_state_dict, to_torch_state_dict
 
 __all__ = ["TorchFlexKernel", "TorchSDPADLPackKernel", "TorchSDPAKernel",
-           "from_torch_state_dict", "to_torch_state_dict"]
+           "TorchSegmentsKernel", "from_torch_state_dict", "to_torch_state_dict"]

@@ -26,6 +26,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LONG = 1024  # 4 heads x 1024 x 1024 scores: above the CPU's threshold
 
 
+@pytest.fixture(autouse=True)
+def _without_segments():
+    """Packed documents on the CPU go to torch_sdpa_segments (test_torch_segments.py);
+    these tests are about torch_flex's rules against torch_sdpa and tiled."""
+    with portattn.disable_kernels("torch_sdpa_segments"):
+        yield
+
+
 def _qkv(length=LONG, grad=False, dtype=torch.float32):
     return tuple(torch.zeros(1, 4, length, 64, dtype=dtype, requires_grad=grad)
                  for _ in range(3))
