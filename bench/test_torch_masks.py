@@ -1,25 +1,30 @@
-"""Sparse masks on torch (CPU, float32, (1, 8, L, 64)): portattn's dispatch against
-compiled FlexAttention and SDPA, timed in turns in one run.
+"""Sparse masks on torch (CPU, float32, (1, 8, L, 64), one thread): portattn's
+dispatch against compiled FlexAttention and SDPA, timed in turns in one run.
 
 - Packed documents, ``causal() & documents(ids)`` with 8 documents of random lengths
-  (about 10% of the pairs visible), at L = 4096 and 16384:
+  (about 10% of the pairs visible), at L = 4096 and 16384, dispatched to
+  ``torch_sdpa_segments`` (torch's flash kernel once per document):
 
-  - forward, dispatched (``torch_flex``) against ``torch.compile(flex_attention)``
-    with a ``create_block_mask`` of the same mask built beforehand. Target <= 1.0x.
-    Also against the same with ``create_block_mask`` built in each call (what a
-    training step with new documents pays);
-  - forward + backward, dispatched, against SDPA's own causal forward + backward at
-    the same shape. Target <= 0.35x.
+  - forward against ``torch.compile(flex_attention)`` with a ``create_block_mask`` of
+    the same mask built beforehand. Target <= 1.0x. Also against the same with
+    ``create_block_mask`` built in each call (what a training step with new
+    documents pays), against portattn's ``torch_flex`` and against SDPA's causal
+    forward;
+  - forward + backward against SDPA's own causal forward + backward at the same
+    shape. Target <= 0.35x.
 
 - ``sliding_window(512) | global_tokens(16 positions)`` at L = 16384, forward,
   dispatched, against SDPA without a mask. Target <= visible share + 0.10 (the share
   of pairs in the tiles the block form visits).
 
 Run: ``pytest -c pyproject.toml bench/test_torch_masks.py -s -p no:cacheprovider``
-(``-k 4096`` for the short half).
+(``-k 4096`` for the short half). torch runs on one thread (the machine's other
+users share the cores); ``PORTATTN_BENCH_ROUNDS`` sets the rounds (default 5).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -37,11 +42,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 FIGURES: dict[str, float] = {}
 DOCS, WINDOW, GLOBALS = 8, 512, 16
 SDPA = torch.nn.functional.scaled_dot_product_attention
+ROUNDS = int(os.environ.get("PORTATTN_BENCH_ROUNDS", "5"))
+SEGMENTS = "torch_sdpa_segments"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     print("\nsparse mask figures (ratios: portattn over the peer):")
     for name, value in FIGURES.items():
         print(f"    {name}: {value:.3g}")
@@ -73,33 +83,58 @@ def _visible(mask: masks.Mask, length: int) -> tuple[float, float]:
     return allowed / length**2, form.visible
 
 
+def _record(name: str, figures: tuple[float, float]) -> None:
+    best, median = figures
+    FIGURES[f"{name}, best"] = best
+    FIGURES[f"{name}, median of rounds"] = median
+
+
+PEERS = {
+    "compiled flex (target <= 1.0)": "flex",
+    "portattn torch_flex": "torch_flex",
+    "SDPA causal forward": "causal",
+}
+
+
 @pytest.mark.benchmark(group="torch masks")
+@pytest.mark.parametrize("peer", sorted(PEERS.values()))
 @pytest.mark.parametrize("length", [4096, 16384])
-def test_documents_forward_against_flex(in_turns, length):
+def test_documents_forward(in_turns, length, peer):
     q, k, v = _qkv(length)
     ids = _document_ids(length)
     mask = masks.causal() & masks.documents(ids)
-    assert portattn.explain(q, k, v, mask=mask).kernel.name == "torch_flex"
+    assert portattn.explain(q, k, v, mask=mask).kernel.name == SEGMENTS
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
+    def ours():
+        return portattn.attention(q, k, v, mask=mask)
 
-    # a static compile per length: recompiling one for a new length (dynamic shapes)
-    # fails in inductor's CPU flex template (torch 2.13)
-    compiled = torch.compile(flex.flex_attention, dynamic=False)
-    block_mask = flex.create_block_mask(mask_mod, 1, 1, length, length, device="cpu")
+    if peer == "causal":
+        def theirs():
+            return SDPA(q, k, v, is_causal=True)
+    elif peer == "torch_flex":
+        def theirs():
+            return portattn.attention(q, k, v, mask=mask, kernel="torch_flex")
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
+
+        # a static compile per length: recompiling one for a new length (dynamic
+        # shapes) fails in inductor's CPU flex template (torch 2.13)
+        compiled = torch.compile(flex.flex_attention, dynamic=False)
+        block_mask = flex.create_block_mask(mask_mod, 1, 1, length, length, device="cpu")
+
+        def theirs():
+            return compiled(q, k, v, block_mask=block_mask)
+
     with torch.no_grad():
-        ours = portattn.attention(q, k, v, mask=mask)
-        theirs = compiled(q, k, v, block_mask=block_mask)
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-        best, median = in_turns(lambda: portattn.attention(q, k, v, mask=mask),
-                                lambda: compiled(q, k, v, block_mask=block_mask),
-                                rounds=5 if length <= 4096 else 3)
+        if peer != "causal":
+            torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-5)
+        figures = in_turns(ours, theirs, rounds=ROUNDS)
     pairs, tiles = _visible(mask, length)
     FIGURES[f"L={length} documents: visible pairs"] = pairs
     FIGURES[f"L={length} documents: visited tiles"] = tiles
-    FIGURES[f"L={length} documents forward / compiled flex (target <= 1.0), best"] = best
-    FIGURES[f"L={length} documents forward / compiled flex, median of rounds"] = median
+    name = next(n for n, p in PEERS.items() if p == peer)
+    _record(f"L={length} documents forward ({SEGMENTS}) / {name}", figures)
 
 
 @pytest.mark.benchmark(group="torch masks")
@@ -121,11 +156,9 @@ def test_documents_forward_against_flex_building_its_mask(in_turns, length):
         return compiled(q, k, v, block_mask=block_mask)
 
     with torch.no_grad():
-        best, median = in_turns(lambda: portattn.attention(q, k, v, mask=mask), theirs,
-                                rounds=5)
-    FIGURES[f"L={length} documents forward / (create_block_mask + compiled flex), best"] = best
-    FIGURES[f"L={length} documents forward / (create_block_mask + compiled flex), "
-            "median of rounds"] = median
+        figures = in_turns(lambda: portattn.attention(q, k, v, mask=mask), theirs,
+                           rounds=ROUNDS)
+    _record(f"L={length} documents forward / (create_block_mask + compiled flex)", figures)
 
 
 @pytest.mark.benchmark(group="torch masks")
@@ -133,7 +166,7 @@ def test_documents_forward_against_flex_building_its_mask(in_turns, length):
 def test_documents_training_step_against_sdpa_causal(in_turns, length):
     q, k, v = _qkv(length, grad=True)
     mask = masks.causal() & masks.documents(_document_ids(length))
-    kernel = portattn.explain(q, k, v, mask=mask).kernel.name
+    assert portattn.explain(q, k, v, mask=mask).kernel.name == SEGMENTS
 
     def ours():
         portattn.attention(q, k, v, mask=mask).sum().backward()
@@ -141,11 +174,8 @@ def test_documents_training_step_against_sdpa_causal(in_turns, length):
     def theirs():
         SDPA(q, k, v, is_causal=True).sum().backward()
 
-    best, median = in_turns(ours, theirs, rounds=3)
-    FIGURES[f"L={length} documents forward + backward ({kernel}) / SDPA causal "
-            "(target <= 0.35), best"] = best
-    FIGURES[f"L={length} documents forward + backward ({kernel}) / SDPA causal, "
-            "median of rounds"] = median
+    _record(f"L={length} documents forward + backward ({SEGMENTS}) / SDPA causal "
+            "(target <= 0.35)", in_turns(ours, theirs, rounds=ROUNDS))
 
 
 @pytest.mark.benchmark(group="torch masks")
@@ -157,11 +187,10 @@ def test_window_and_global_tokens_against_unmasked_sdpa(in_turns, length):
     kernel = portattn.explain(q, k, v, mask=mask).kernel.name
     pairs, tiles = _visible(mask, length)
     with torch.no_grad():
-        best, median = in_turns(lambda: portattn.attention(q, k, v, mask=mask),
-                                lambda: SDPA(q, k, v), rounds=3)
+        figures = in_turns(lambda: portattn.attention(q, k, v, mask=mask),
+                           lambda: SDPA(q, k, v), rounds=ROUNDS)
     FIGURES[f"L={length} window | globals: visible pairs"] = pairs
     FIGURES[f"L={length} window | globals: visited tiles"] = tiles
-    FIGURES[f"L={length} window | globals forward ({kernel}) / unmasked SDPA (target <= "
-            f"{tiles + 0.1:.3f}), best"] = best
-    FIGURES[f"L={length} window | globals forward ({kernel}) / unmasked SDPA, "
-            "median of rounds"] = median
+    _record(f"L={length} window | globals forward ({kernel}) / unmasked SDPA (target <= "
+            f"{pairs + 0.1:.3f} by visible pairs, {tiles + 0.1:.3f} by visited tiles)",
+            figures)
