@@ -37,6 +37,7 @@ KNOWN_PLUGINS = {
     "torch_sdpa": "portattn-torch",
     "torch_sdpa_dlpack": "portattn-torch",
     "torch_flex": "portattn-torch",
+    "torch_sdpa_segments": "portattn-torch",
     "triton_flash": "portattn-triton",
     "jax_dpa": "portattn-jax",
     "jax_flash": "portattn-jax",
