@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["all_gather", "attention", "rank_and_size"]
 
+_TAGS = 1 << 20
+
 
 def rank_and_size(group: Any) -> tuple[int, int]:
     """This process's rank in ``group`` (None: the default group) and its size."""
@@ -56,6 +58,7 @@ class Communicator:
         self.rank, self.size = rank_and_size(group)
         self._next = self._global((self.rank + 1) % self.size)
         self._prev = self._global((self.rank - 1) % self.size)
+        self._shifts = 0
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -63,8 +66,14 @@ class Communicator:
     def start_shift(self, arrays: Sequence[Any]) -> Any:
         sent = [a.contiguous() for a in arrays]
         received = [torch.empty_like(a) for a in sent]
-        ops = [dist.P2POp(dist.isend, a, self._next, self.group) for a in sent]
-        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
+        # every rank runs the same schedule: a tag per shift and tensor pairs each
+        # receive with its send even when two shifts are in flight (backends with tags)
+        tags = [(self._shifts * len(sent) + i) % _TAGS for i in range(len(sent))]
+        self._shifts += 1
+        ops = [dist.P2POp(dist.isend, a, self._next, self.group, tag)
+               for a, tag in zip(sent, tags, strict=True)]
+        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group, tag)
+                for r, tag in zip(received, tags, strict=True)]
         return dist.batch_isend_irecv(ops), sent, received
 
     def finish_shift(self, handle: Any) -> list[Any]:
