@@ -28,7 +28,7 @@ class LocalGroup:
     Make them with :func:`run_local`, which runs one function per rank.
     """
 
-    def __init__(self, shared: _Shared, rank: int) -> None:
+    def __init__(self, shared: Any, rank: int) -> None:
         self._shared, self.rank, self.size = shared, rank, shared.size
         self._shifts = 0
 
