@@ -38,6 +38,7 @@ KNOWN_PLUGINS = {
     "torch_sdpa_dlpack": "portattn-torch",
     "torch_flex": "portattn-torch",
     "torch_sdpa_segments": "portattn-torch",
+    "torch_sdpa_local": "portattn-torch",
     "triton_flash": "portattn-triton",
     "jax_dpa": "portattn-jax",
     "jax_flash": "portattn-jax",

@@ -27,10 +27,11 @@ LONG = 1024  # 4 heads x 1024 x 1024 scores: above the CPU's threshold
 
 
 @pytest.fixture(autouse=True)
-def _without_segments():
-    """Packed documents on the CPU go to torch_sdpa_segments (test_torch_segments.py);
-    these tests are about torch_flex's rules against torch_sdpa and tiled."""
-    with portattn.disable_kernels("torch_sdpa_segments"):
+def _without_segments_and_windows():
+    """On the CPU packed documents go to torch_sdpa_segments (test_torch_segments.py)
+    and windows with global tokens to torch_sdpa_local (test_torch_local.py); these
+    tests are about torch_flex's rules against torch_sdpa and tiled."""
+    with portattn.disable_kernels("torch_sdpa_segments", "torch_sdpa_local"):
         yield
 
 
