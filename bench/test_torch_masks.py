@@ -14,8 +14,9 @@ dispatch against compiled FlexAttention and SDPA, timed in turns in one run.
     shape. Target <= 0.35x.
 
 - ``sliding_window(512) | global_tokens(16 positions)`` at L = 16384, forward,
-  dispatched, against SDPA without a mask. Target <= visible share + 0.10 (the share
-  of pairs in the tiles the block form visits).
+  dispatched (``torch_sdpa_local``), against SDPA without a mask (target <= the share
+  of visible pairs + 0.10; the share of pairs in the tiles the block form visits is
+  reported too) and against portattn's ``torch_flex``.
 
 Run: ``pytest -c pyproject.toml bench/test_torch_masks.py -s -p no:cacheprovider``
 (``-k 4096`` for the short half). torch runs on one thread (the machine's other
@@ -179,18 +180,34 @@ def test_documents_training_step_against_sdpa_causal(in_turns, length):
 
 
 @pytest.mark.benchmark(group="torch masks")
+@pytest.mark.parametrize("peer", ["sdpa", "torch_flex"])
 @pytest.mark.parametrize("length", [16384])
-def test_window_and_global_tokens_against_unmasked_sdpa(in_turns, length):
+def test_window_and_global_tokens(in_turns, length, peer):
     q, k, v = _qkv(length)
     positions = torch.from_numpy(np.linspace(0, length - 1, GLOBALS).astype(np.int64))
     mask = masks.sliding_window(WINDOW) | masks.global_tokens(positions)
     kernel = portattn.explain(q, k, v, mask=mask).kernel.name
+    assert kernel == "torch_sdpa_local"
     pairs, tiles = _visible(mask, length)
+
+    def ours():
+        return portattn.attention(q, k, v, mask=mask)
+
+    def flexed():
+        return portattn.attention(q, k, v, mask=mask, kernel="torch_flex")
+
     with torch.no_grad():
-        figures = in_turns(lambda: portattn.attention(q, k, v, mask=mask),
-                           lambda: SDPA(q, k, v), rounds=ROUNDS)
+        if peer == "sdpa":
+            figures = in_turns(ours, lambda: SDPA(q, k, v), rounds=ROUNDS)
+        else:
+            torch.testing.assert_close(ours(), flexed(), rtol=1e-4, atol=1e-5)
+            figures = in_turns(ours, flexed, rounds=ROUNDS)
     FIGURES[f"L={length} window | globals: visible pairs"] = pairs
     FIGURES[f"L={length} window | globals: visited tiles"] = tiles
-    _record(f"L={length} window | globals forward ({kernel}) / unmasked SDPA (target <= "
-            f"{pairs + 0.1:.3f} by visible pairs, {tiles + 0.1:.3f} by visited tiles)",
-            figures)
+    if peer == "sdpa":
+        _record(f"L={length} window | globals forward ({kernel}) / unmasked SDPA (target "
+                f"<= {pairs + 0.1:.3f} by visible pairs, {tiles + 0.1:.3f} by visited "
+                "tiles)", figures)
+    else:
+        _record(f"L={length} window | globals forward ({kernel}) / portattn torch_flex",
+                figures)
