@@ -173,7 +173,8 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
     _check_choice("strategy", strategy, STRATEGIES)
     xp = array_namespace(query, key, value)
     engine, rank, size = _rank_and_size(group, namespace_name(xp))
-    prob = problem(query, key, value, rank=rank, size=size, mask=mask, layout=layout,
+    prob = problem(query, key, value, rank=0 if rank is None else rank, size=size,
+                   mask=mask, layout=layout,
                    query_length=query_length, key_length=key_length, scale=scale,
                    softcap=softcap)
     if engine is None:
@@ -236,4 +237,9 @@ def _group_position(x: Any, group: Any) -> tuple[int, int]:
     if isinstance(group, tuple) and len(group) == 2:
         return group
     _, rank, size = _rank_and_size(group, namespace_name(array_namespace(x)))
+    if rank is None:
+        msg = (f"the rank in group={group!r} is only known on the device; lay the whole "
+               f"array out with Layout(layout, length, {size}).rank_major(x) and split "
+               f"it evenly (shard_map does)")
+        raise ValueError(msg)
     return rank, size

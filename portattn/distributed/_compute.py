@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from ._layout import Segment
     from ._plan import Pair, Problem
 
-__all__ = ["Partials", "SegmentSum", "compute_dtype", "pair_grads", "placed"]
+__all__ = ["Partials", "SegmentSum", "backward_step", "compute_dtype", "forward_step",
+           "pair_grads", "placed"]
 
 
 def compute_dtype(xp: Any, dtype: Any) -> Any:
@@ -126,3 +127,32 @@ def pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any, o
     grads = flash_backward(inputs, _rows(out, qs), lse[..., qs], _rows(dout, qs),
                            None if dlse is None else dlse[..., qs])
     return grads.query, grads.key, grads.value
+
+
+def forward_step(problem: Problem, source: int, query: Any, key: Any,
+                 value: Any) -> tuple[Any, Any]:
+    """``(out, lse)`` of this rank's whole query shard over the key shard of ``source``
+    (compute dtype; rows that see none of it give 0 and ``-inf``): one step of a
+    schedule whose engine merges steps itself."""
+    partials = Partials(problem, query)
+    for pair in problem.pairs(source):
+        partials.add(pair, key, value)
+    return partials.result(value.shape[-1])
+
+
+def backward_step(problem: Problem, source: int, query: Any, key: Any, value: Any,
+                  out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
+    """This rank's gradient parts of one step, whole shards in the compute dtype: of
+    its query shard, and of the key and value shards of ``source``."""
+    xp, rank = problem.xp, problem.rank
+    ct = compute_dtype(xp, query.dtype)
+    dq, dk, dv = SegmentSum(xp, ct), SegmentSum(xp, ct), SegmentSum(xp, ct)
+    for pair in problem.pairs(source):
+        gq, gk, gv = pair_grads(problem, pair, query, key, value, out, lse, dout, dlse)
+        dq.add(pair.query, gq)
+        dk.add(pair.key, gk)
+        dv.add(pair.key, gv)
+    queries, keys = problem.queries, problem.keys
+    ksegs = keys.segments(source)
+    return (dq.shard(queries.segments(rank), queries.shard_length, query),
+            dk.shard(ksegs, keys.shard_length, key), dv.shard(ksegs, keys.shard_length, value))

@@ -166,6 +166,21 @@ class Layout:
             return _take(shards[0], axis, 0, 0)
         return xp.concat([p for _, p in placed], axis=axis)
 
+    def rank_major(self, x: Any, *, axis: int = -2) -> Any:
+        """Every rank's shard of ``x``, one after another along ``axis``: the whole
+        array laid out so that an even split of that axis (JAX's ``shard_map``, a
+        ``DTensor``'s ``Shard``) gives each rank its shard."""
+        xp = array_namespace(x)
+        return xp.concat([self.shard(x, r, axis=axis) for r in range(self.size)],
+                         axis=_axis(x, axis))
+
+    def from_rank_major(self, x: Any, *, axis: int = -2) -> Any:
+        """The inverse of :meth:`rank_major`: sequence order, padding dropped."""
+        axis = _axis(x, axis)
+        n = self.shard_length
+        return self.unshard([_take(x, axis, r * n, (r + 1) * n) for r in range(self.size)],
+                            axis=axis)
+
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
             msg = f"rank must be an int in [0, {self.size}); got rank={rank!r}"

@@ -8,7 +8,7 @@ coordinates, :meth:`portattn.masks.Mask.restrict`), or None when the mask covers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -54,6 +54,11 @@ class Problem:
     @property
     def options(self) -> dict[str, Any]:
         return {"scale": self.scale, "softcap": self.softcap}
+
+    def for_rank(self, rank: int) -> Problem:
+        """The same call as rank ``rank`` sees it (for engines whose rank is only known
+        on the device: one branch per rank)."""
+        return replace(self, rank=rank, _pairs=self._pairs)
 
     @property
     def unbound(self) -> Mask | None:

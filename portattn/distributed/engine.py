@@ -8,7 +8,10 @@ its array namespace::
     [project.entry-points."portattn.distributed"]
     torch = "portattn_torch._distributed"
 
-The object it names has ``rank_and_size(group) -> (rank, size)``,
+The object it names has ``rank_and_size(group) -> (rank, size)`` (``rank`` None when
+it is only known on the device, as inside JAX's ``shard_map``: the engine then runs
+:meth:`Problem.for_rank` of each rank in a branch, step by step with
+:func:`forward_step` and :func:`backward_step`),
 ``all_gather(x, group) -> list`` and ``attention(problem, query, key, value, group,
 strategy) -> (out, lse)``, the last with the library's autograd attached (its
 backward calls :func:`backward`).
@@ -16,10 +19,11 @@ backward calls :func:`backward`).
 
 from __future__ import annotations
 
+from ._compute import backward_step, forward_step
 from ._plan import Pair, Problem, visible_work
 from ._strategies import STRATEGIES, Communicator, backward, forward
 
-__all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "backward", "forward",
-           "visible_work"]
+__all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "backward",
+           "backward_step", "forward", "forward_step", "visible_work"]
 
 GROUP = "portattn.distributed"
