@@ -131,6 +131,17 @@ def test_layout_round_trip_and_positions(kind, length, size):
             np.testing.assert_array_equal(s[:, row], expected)
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+def test_rank_major_is_the_shards_one_after_another(kind):
+    layout = Layout(kind, 11, 3)
+    x = np.arange(22).reshape(2, 11)
+    laid = layout.rank_major(x, axis=-1)
+    n = layout.shard_length
+    for r in range(3):
+        np.testing.assert_array_equal(laid[:, r * n:(r + 1) * n], layout.shard(x, r, axis=-1))
+    np.testing.assert_array_equal(layout.from_rank_major(laid, axis=-1), x)
+
+
 def test_zigzag_holds_head_and_tail():
     assert Layout("zigzag", 16, 4).positions(0) == [0, 1, 14, 15]
     assert Layout("zigzag", 16, 4).positions(3) == [6, 7, 8, 9]
