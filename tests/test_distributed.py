@@ -152,7 +152,7 @@ def test_zigzag_holds_head_and_tail():
 
 def _work(mask, length, size, kind):
     layout = Layout(kind, length, size)
-    bound = None if mask is None else mask.bind(np, (1,), 1, length, length)
+    bound = None if mask is None else mask.bind(np, (), 1, length, length)
     prob = distributed.engine.Problem(np, 0, layout, layout, bound)
     return visible_work(prob)
 
@@ -197,3 +197,38 @@ def test_bad_arguments_name_themselves():
         call(object())
     with pytest.raises(ValueError, match="size=0"):
         Layout("zigzag", 4, 0)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_a_balanced_layout_for_packed_documents(strategy):
+    length, size = 61, 3
+    ids = np.repeat(np.arange(5), [20, 3, 17, 11, 10])
+    mask = masks.causal() & masks.documents(ids)
+    layout = Layout.balanced(mask, length, size, chunks_per_rank=4)
+    assert sorted(c for held in layout.assignment for c in held) == list(range(12))
+    q, k, v = _data(length, length)
+    rng = np.random.default_rng(3)
+    dout, dlse = rng.standard_normal((2, 4, length, 6)), rng.standard_normal((2, 4, length))
+    out, lse, dq, dk, dv = _run(q, k, v, size, mask, layout, strategy, dout=dout, dlse=dlse)
+    want, want_lse = portattn.attention(q, k, v, mask=mask, return_lse=True,
+                                        kernel="reference")
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    inputs = portattn.explain(q, k, v, mask=mask, kernel="tiled").inputs
+    grads = flash_backward(inputs, want, want_lse, dout, dlse)
+    for got, expected in zip((dq, dk, dv), grads[:3], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_balanced_layouts_even_out_packed_documents():
+    length, size = 4096, 4
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, length), 15, replace=False))
+    ids = np.repeat(np.arange(16), np.diff(np.concatenate([[0], cuts, [length]])))
+    mask = masks.causal() & masks.documents(ids)
+    bound = mask.bind(np, (), 1, length, length)
+    zig = _work(mask, length, size, "zigzag")
+    layout = Layout.balanced(mask, length, size)
+    balanced = visible_work(distributed.engine.Problem(np, 0, layout, layout, bound))
+    assert sum(balanced) == sum(zig)
+    assert max(balanced) / min(balanced) <= 1.1 < max(zig) / min(zig)

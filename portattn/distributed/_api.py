@@ -67,10 +67,21 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(msg)
 
 
-def _layout(kind: str, local: int, length: int | None, size: int, what: str) -> Layout:
-    if length is None:
+def _layout(kind: str | Layout, local: int, length: int | None, size: int,
+            what: str) -> Layout:
+    if isinstance(kind, Layout):
+        if kind.size != size or (length is not None and length != kind.length):
+            msg = (f"layout={kind!r} does not fit {what}_length={length} over {size} "
+                   "ranks (a Layout object holds its own length and size)")
+            raise ValueError(msg)
+        length = kind.length
+        layout = kind
+        kind = kind.kind
+    elif length is None:
         length = local * size
-    layout = Layout(kind, length, size)
+        layout = Layout(kind, length, size)
+    else:
+        layout = Layout(kind, length, size)
     if layout.shard_length != local:
         msg = (f"{what}.shape[-2]={local} is not the shard length of {what}_length="
                f"{length} over {size} ranks with layout={kind!r} (expected "
@@ -80,7 +91,7 @@ def _layout(kind: str, local: int, length: int | None, size: int, what: str) -> 
 
 
 def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any = None,
-            layout: str = "contiguous", query_length: int | None = None,
+            layout: str | Layout = "contiguous", query_length: int | None = None,
             key_length: int | None = None, scale: float | None = None,
             softcap: float | None = None) -> Problem:
     """The :class:`~portattn.distributed.engine.Problem` of one rank's call, validated,
@@ -88,7 +99,8 @@ def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any
     from ._plan import Problem
 
     xp = array_namespace(query, key, value)
-    _check_choice("layout", layout, LAYOUTS)
+    if not isinstance(layout, Layout):
+        _check_choice("layout", layout, LAYOUTS)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if len(x.shape) < 3:
             msg = f"{name} must be (..., heads, length, dim); got {name}.shape={tuple(x.shape)}"
@@ -109,7 +121,7 @@ def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any
 
 
 def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = None,
-              strategy: str = "ring", layout: str = "contiguous",
+              strategy: str = "ring", layout: str | Layout = "contiguous",
               query_length: int | None = None, key_length: int | None = None,
               scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False) -> Any:
@@ -134,7 +146,8 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         strategy: ``"ring"`` (K/V shards pass rank to rank, overlapped with compute;
             memory for two shards) or ``"all_gather"`` (one collective; memory for the
             whole K/V: short sequences, few K/V heads).
-        layout: ``"contiguous"`` or ``"zigzag"`` (balances causal masks), as given to
+        layout: ``"contiguous"``, ``"zigzag"`` (balances causal masks), or a
+            :class:`Layout` (:meth:`Layout.balanced` for any mask), as given to
             :func:`shard`.
         query_length: the whole sequence's queries, when padding made the shards longer
             (defaults to ``Sq * size``).
@@ -192,7 +205,7 @@ def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: 
     return backward(group, prob, query, key, value, out, lse, dout, dlse, strategy)
 
 
-def shard(x: Any, group: Any, *, axis: int = -2, layout: str = "contiguous",
+def shard(x: Any, group: Any, *, axis: int = -2, layout: str | Layout = "contiguous",
           length: int | None = None) -> Any:
     """This rank's shard of the whole array ``x`` (positions along ``axis``), padded
     with zeros to the layout's shard length.
@@ -209,11 +222,11 @@ def shard(x: Any, group: Any, *, axis: int = -2, layout: str = "contiguous",
     """
     rank, size = _group_position(x, group)
     n = x.shape[axis] if length is None else length
-    return Layout(layout, n, size).shard(x, rank, axis=axis)
+    return _whole(layout, n, size).shard(x, rank, axis=axis)
 
 
 def unshard(x: Any, group: Any, *, length: int, axis: int = -2,
-            layout: str = "contiguous") -> Any:
+            layout: str | Layout = "contiguous") -> Any:
     """The whole array from every rank's shard ``x`` (an all-gather; padding
     dropped): the inverse of :func:`shard`. Not differentiable.
 
@@ -230,7 +243,17 @@ def unshard(x: Any, group: Any, *, length: int, axis: int = -2,
     else:
         engine, _, size = _rank_and_size(group, namespace_name(array_namespace(x)))
         shards = engine.all_gather(x, group)
-    return Layout(layout, length, size).unshard(shards, axis=axis)
+    return _whole(layout, length, size).unshard(shards, axis=axis)
+
+
+def _whole(layout: str | Layout, length: int, size: int) -> Layout:
+    if not isinstance(layout, Layout):
+        return Layout(layout, length, size)
+    if (layout.length, layout.size) != (length, size):
+        msg = (f"layout={layout!r} is for length={layout.length} over {layout.size} "
+               f"ranks; got length={length} over {size} ranks")
+        raise ValueError(msg)
+    return layout
 
 
 def _group_position(x: Any, group: Any) -> tuple[int, int]:

@@ -9,6 +9,8 @@ gives each rank the same number of chunks, so every rank's shard has the same le
 - ``"zigzag"``: the sequence is cut into ``2 * size`` chunks and rank ``r`` holds chunks
   ``r`` and ``2 * size - 1 - r`` (head-tail balancing): under a causal mask every rank
   then sees the same number of (query, key) pairs.
+- ``"balanced"`` (:meth:`Layout.balanced`): many chunks, dealt to the ranks from the
+  work a mask leaves in each (packed documents, windows, any mask).
 """
 
 from __future__ import annotations
@@ -61,10 +63,17 @@ class Layout:
     kind: str
     length: int
     size: int
+    assignment: tuple[tuple[int, ...], ...] | None = None
+    """``"balanced"`` only: the chunks each rank holds (as many per rank)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in LAYOUTS:
+        if self.kind not in (*LAYOUTS, "balanced"):
             msg = f"layout must be one of {', '.join(map(repr, LAYOUTS))}; got layout={self.kind!r}"
+            raise ValueError(msg)
+        if (self.kind == "balanced") != (self.assignment is not None):
+            msg = ("a balanced layout is made by Layout.balanced(mask, length, size) and "
+                   f"only it has an assignment; got kind={self.kind!r}, "
+                   f"assignment={self.assignment!r}")
             raise ValueError(msg)
         for name in ("length", "size"):
             value = getattr(self, name)
@@ -73,8 +82,70 @@ class Layout:
                        f"{name}={value!r}")
                 raise ValueError(msg)
 
+    @classmethod
+    def balanced(cls, mask: Any, length: int, size: int, *, chunks_per_rank: int = 8,
+                 batch_shape: tuple[int, ...] = (), num_heads: int = 1) -> Layout:
+        """A layout that gives every rank the same visible work under ``mask``.
+
+        The sequence is cut into ``size * chunks_per_rank`` chunks; the work of each
+        (the pairs its queries attend, counted from the mask's tiles: hidden and full
+        ones from the block states, partial ones exactly, on the first batch element
+        and head) decides where it goes: the heaviest chunk first, each to the rank
+        with the least work among those that still hold fewer than
+        ``chunks_per_rank``. Shards stay equal in length. For ``Lq == Lk`` (queries and
+        keys share it).
+
+        Args:
+            mask: a :mod:`portattn.masks` mask of the whole sequence (its arrays NumPy
+                arrays, or none).
+            length: positions of the sequence.
+            size: ranks.
+            chunks_per_rank: more balance for more, smaller pieces of attention.
+            batch_shape: the batch shape the mask's arrays are for.
+            num_heads: the query heads the mask's arrays are for.
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import masks
+            >>> from portattn.distributed import Layout
+            >>> ids = np.repeat(np.arange(3), [50, 10, 40])
+            >>> mask = masks.causal() & masks.documents(ids)
+            >>> layout = Layout.balanced(mask, 100, 2, chunks_per_rank=4)
+            >>> layout.assignment
+            ((1, 3, 4, 6), (0, 2, 5, 7))
+        """
+        import numpy as np
+
+        base = cls("contiguous", length, size * chunks_per_rank)
+        bound = mask.bind(np, batch_shape, num_heads, length, length)
+        chunks = [base.segments(c)[0] if base.segments(c) else None
+                  for c in range(base.size)]
+        work = [0] * base.size
+        for c, qs in enumerate(chunks):
+            for ks in chunks:
+                if qs is None or ks is None:
+                    continue
+                box = (qs.start, qs.stop, ks.start, ks.stop, length, length)
+                if bound.hides(*box):
+                    continue
+                if bound.covers(*box):
+                    work[c] += len(qs) * len(ks)
+                    continue
+                tile = np.asarray(bound.tile(np, *box[:4], length, length))
+                work[c] += int(tile.reshape((-1, *tile.shape[-2:]))[0].sum())
+        held: list[list[int]] = [[] for _ in range(size)]
+        load = [0] * size
+        for c in sorted(range(base.size), key=lambda c: (-work[c], c)):
+            r = min((r for r in range(size) if len(held[r]) < chunks_per_rank),
+                    key=lambda r: (load[r], r))
+            held[r].append(c)
+            load[r] += work[c]
+        return cls("balanced", length, size, tuple(tuple(sorted(h)) for h in held))
+
     @property
     def chunks_per_rank(self) -> int:
+        if self.assignment is not None:
+            return len(self.assignment[0])
         return 2 if self.kind == "zigzag" else 1
 
     @property
@@ -89,8 +160,8 @@ class Layout:
         so no rank holds two before every rank holds one."""
         n = self.size * self.chunks_per_rank
         base, extra = divmod(self.length, n)
-        ranked = [c for r in range(self.size) for c in self.chunk_ids(r)[:1]]
-        ranked += [c for r in range(self.size) for c in self.chunk_ids(r)[1:]]
+        ranked = [self.chunk_ids(r)[j] for j in range(self.chunks_per_rank)
+                  for r in range(self.size)]
         sizes = [base] * n
         for c in ranked[:extra]:
             sizes[c] += 1
@@ -103,6 +174,8 @@ class Layout:
 
     def chunk_ids(self, rank: int) -> tuple[int, ...]:
         self._check_rank(rank)
+        if self.assignment is not None:
+            return self.assignment[rank]
         if self.kind == "zigzag":
             return (rank, 2 * self.size - 1 - rank)
         return (rank,)
@@ -115,7 +188,12 @@ class Layout:
             start = sum(sizes[:c])
             stop = start + sizes[c]
             if stop > start:
-                out.append(Segment(start, stop, slot * self.chunk))
+                last = out[-1] if out else None
+                if last is not None and last.stop == start and \
+                        last.offset + len(last) == slot * self.chunk:
+                    out[-1] = Segment(last.start, stop, last.offset)  # one piece
+                else:
+                    out.append(Segment(start, stop, slot * self.chunk))
         return tuple(out)
 
     def positions(self, rank: int) -> list[int]:
