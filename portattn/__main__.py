@@ -14,10 +14,10 @@ _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f6
 WIDTH = 100
 """The narrow table fits this many columns; ``info --wide`` puts everything in one."""
 _FLAGS = ("bias", "softcap", "alibi", "sinks", "gqa", "value_head_dim", "empty",
-          "returns_lse", "returns_weights", "dropout", "grad", "deterministic",
-          "finite_inputs_only")
+          "returns_lse", "returns_weights", "dropout", "dropout_seed", "grad",
+          "deterministic", "finite_inputs_only")
 _FLAG_TITLES = ("bias", "cap", "alibi", "sinks", "gqa", "dv", "empty", "lse", "wts", "drop",
-                "grad", "det", "fin")
+                "seed", "grad", "det", "fin")
 
 
 def _listed(values: object, order: tuple[str, ...] = ()) -> str:

@@ -22,8 +22,8 @@ __all__ = ["attention", "explain", "scaled_dot_product_attention"]
 def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               bias: Any = None, scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False, return_weights: bool = False,
-              dropout_p: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-              layout: str = "bhld", assume_finite: bool = False,
+              dropout_p: float = 0.0, dropout_seed: Any = None, alibi_slopes: Any = None,
+              sinks: Any = None, layout: str = "bhld", assume_finite: bool = False,
               kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
@@ -46,8 +46,15 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
         return_lse: also return the natural log-sum-exp of the final scores,
             ``(..., Hq, Lq)``, in float32 for half-precision inputs.
         return_weights: also return the softmax matrix; materialises ``Lq x Lk``.
-        dropout_p: dropout on the weights; only kernels backed by a random generator
-            accept it.
+            With dropout, the weights as applied (dropped ones 0, kept ones divided
+            by ``1 - dropout_p``), so that ``out == weights @ value``.
+        dropout_p: the probability of dropping each weight (the kept ones are divided
+            by ``1 - dropout_p``); the lse is that of the weights before dropout.
+        dropout_seed: what dropout's mask is drawn from: an int or an integer array
+            of up to four words (a JAX PRNG key: typed or legacy). The same seed
+            drops the same pairs in every kernel that takes one (:mod:`portattn.dropout`),
+            forward and backward. None on torch draws one from torch's generator
+            (``torch.manual_seed`` applies); other libraries need one.
         alibi_slopes: ALiBi, ``(Hq,)`` or ``(*batch, Hq)``: ``-slope * |i + Lk - Lq - j|``
             joins the score of query ``i`` and key ``j`` (with the bias, after softcap),
             as flash-attn defines it; computed per tile, never as an ``Lq x Lk`` array.
@@ -109,6 +116,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
                "return_lse": return_lse, "return_weights": return_weights,
                "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "layout": layout, "assume_finite": assume_finite}
+    if dropout_seed is not None:  # kept out of the remembered signature otherwise
+        options["dropout_seed"] = dropout_seed
     query, key, value = to_kernel_layout(layout, query, key, value)
     inputs, entry = described_and_chosen(query, key, value, options, kernel)
     try:
@@ -184,7 +193,8 @@ def _exactly(inputs: AttentionInputs, kernel: str | None, why: str) -> tuple[Any
 
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: float | None = None, enable_gqa: bool = False) -> Any:
+                                 scale: float | None = None, enable_gqa: bool = False, *,
+                                 dropout_seed: Any = None) -> Any:
     """``torch.nn.functional.scaled_dot_product_attention`` semantics on any library.
 
     Unlike torch, ``attn_mask`` and ``is_causal`` may be combined.
@@ -196,11 +206,12 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         attn_mask: a boolean array (True = attend), a float array added to the
             scores, or torch's ``CausalBias`` (``causal_upper_left`` /
             ``causal_lower_right``); broadcastable to ``(..., Hq, Lq, Lk)``.
-        dropout_p: dropout on the weights; only kernels backed by a random generator
-            accept it.
+        dropout_p: the probability of dropping each weight.
         is_causal: hide keys ``j > i`` from query ``i`` (top-left aligned, as torch).
         scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``.
         enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``).
+        dropout_seed: as for :func:`attention` (torch draws one from its generator
+            when it is None; other libraries need one for dropout).
 
     Returns:
         The output ``(..., Hq, Lq, Dv)``.
@@ -251,7 +262,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     if is_causal:
         mask = masks.causal("top_left") if mask is None else mask & masks.causal("top_left")
     return attention(query, key, value, mask=mask, bias=bias, scale=scale,
-                     dropout_p=dropout_p)
+                     dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 def _causal_bias(attn_mask: Any, query: Any, key: Any) -> Mask | None:

@@ -8,7 +8,10 @@ instead of the O(Lq * Lk) that recording every tile would keep. Per tile, with
     dV += P^T dO        dP = dO V^T        dS = P * (dP - Delta)
     dQ += dS K          dK += dS^T Q       dBias += dS
 
-(``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) A sink
+(``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) With
+dropout, ``Z`` the tile's kept pairs over ``1 - p`` (regenerated from the seed, see
+:mod:`portattn.dropout`): ``dV += (P * Z)^T dO`` and ``dS = P * (dP * Z - Delta)``,
+``Delta`` unchanged since ``rowsum(P * dP * Z) = rowsum(dO * O)``. A sink
 logit ``z`` per head (in the lse, attending no value) gets ``-sum P_z * Delta`` with
 ``P_z = exp(z - lse)``. A softcap
 multiplies ``dS`` by ``1 - tanh^2`` before it reaches Q and K. The tiles the forward
@@ -26,16 +29,19 @@ import array_api_extra as xpx
 
 from ._portable import (
     cast,
+    dropped,
     finite_or_zero,
     group_kv,
     group_queries,
     is_empty,
+    kept,
     per_head_column,
     scores,
     split_nonfinite,
     ungroup,
 )
 from ._tiled import block_sizes
+from .dropout import seed_word
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -88,6 +94,7 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
     dsinks = None
     blocks = inputs.blocks(block_q, block_k)
+    word = seed_word(inputs) if inputs.dropout_p else None
     for a in range(blocks.num_q_blocks):
         q0, q1 = blocks.q_range(a)
         q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
@@ -106,8 +113,11 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
             k0, k1 = blocks.kv_range(b)
             tile = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, masked=not full)
             p, t = tile.weights(xp, m), tile.tanh
-            dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(p), do), axis=-3)
-            ds = p * (xp.matmul(do, xp.matrix_transpose(v[..., k0:k1, :])) - d)
+            keep = kept(inputs, word, q0, q1, k0, k1)
+            dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(dropped(inputs, p, keep)), do),
+                             axis=-3)
+            dp = dropped(inputs, xp.matmul(do, xp.matrix_transpose(v[..., k0:k1, :])), keep)
+            ds = p * (dp - d)
             if bias is not None:
                 bias.add(ds, q0, q1, k0, k1)
             if t is not None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
+from . import dropout as _dropout
 from . import masks as _masks
 from ._layout import check_layout, shown
 from .masks import values_readable
@@ -169,6 +170,9 @@ class AttentionInputs(NamedTuple):
     assume_finite: bool = False
     """The caller's word that no input holds NaN or inf: kernels may skip what keeps
     the rule for non-finite inputs."""
+    dropout_seed: Any = None
+    """With ``dropout_p > 0``: an int or an integer array (see
+    :mod:`portattn.dropout`), or None to draw one from the library's generator."""
 
     @property
     def compute_dtype(self) -> Any:
@@ -221,7 +225,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              return_lse: bool = False, return_weights: bool = False,
              dropout_p: float = 0.0, alibi_slopes: Any = None,
              sinks: Any = None, layout: str = "bhld",
-             assume_finite: bool = False) -> AttentionInputs:
+             assume_finite: bool = False, dropout_seed: Any = None) -> AttentionInputs:
     """Validate one call's arguments and describe it: the :class:`AttentionInputs` a
     kernel's ``run`` and ``not_supported_reasons`` receive (what
     :func:`portattn.attention` builds before dispatch), for testing a kernel directly.
@@ -229,7 +233,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     Args:
         query, key, value: The arrays, in the kernels' layout ``(*batch, H, L, D)``.
         mask, bias, scale, softcap, return_lse, return_weights, dropout_p,
-            alibi_slopes, sinks, assume_finite: As for :func:`portattn.attention`.
+            dropout_seed, alibi_slopes, sinks, assume_finite: As for
+            :func:`portattn.attention`.
         layout: The caller's layout, named in error messages only.
 
     Returns:
@@ -291,12 +296,19 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
             0.0 <= dropout_p < 1.0):
         msg = f"dropout_p must be a float in [0, 1); got dropout_p={dropout_p!r}"
         raise ValueError(msg)
+    namespace = namespace_name(xp)
+    if dropout_p:
+        if dropout_seed is not None and not isinstance(dropout_seed, int):
+            _check_same_library(xp, dev, dropout_seed, "dropout_seed")
+        dropout_seed = _dropout.check_seed(xp, dropout_seed, namespace)
+    else:
+        dropout_seed = None  # nothing is dropped
 
     return AttentionInputs(
         query=query, key=key, value=value, mask=mask, bias=bias, scale=scale,
         softcap=softcap, return_lse=_check_flag("return_lse", return_lse),
         return_weights=_check_flag("return_weights", return_weights),
-        dropout_p=float(dropout_p), xp=xp, namespace=namespace_name(xp),
+        dropout_p=float(dropout_p), xp=xp, namespace=namespace,
         device="cpu" if dev is None else device_kind(dev), device_obj=dev,
         dtype=dtype_name(query.dtype),
         batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
@@ -305,6 +317,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         mask_kinds=mask.kinds if mask is not None else frozenset(),
         alibi_slopes=alibi_slopes, sinks=sinks,
         assume_finite=_check_flag("assume_finite", assume_finite),
+        dropout_seed=dropout_seed,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from . import dropout
 from .kernel import ANY, Kernel
 from .masks import KINDS, slice_tile, values_readable
 
@@ -30,7 +31,7 @@ class PortableKernel(Kernel):
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
     masks = frozenset(KINDS)
     bias = softcap = alibi = sinks = gqa = value_head_dim = empty = True
-    returns_lse = grad = True
+    returns_lse = grad = dropout = dropout_seed = True
 
 
 def cast(xp: Any, x: Any, dtype: Any) -> Any:
@@ -135,6 +136,22 @@ def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: 
         0 if bad_k is None else xp.matrix_transpose(bad_k))
     nan = xp.asarray(math.nan, dtype=s.dtype, device=inputs.device_obj)
     return tile._replace(s=xp.where((bad > 0) & tile.visible(xp), nan, s))
+
+
+def kept(inputs: AttentionInputs, word: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+    """Dropout's kept pairs of one tile in grouped layout, or None without dropout
+    (``word``: :func:`portattn.dropout.seed_word`, None without dropout)."""
+    if word is None:
+        return None
+    return group_tile(inputs.xp, dropout.tile(inputs, word, q0, q1, k0, k1),
+                      inputs.num_kv_heads)
+
+
+def dropped(inputs: AttentionInputs, x: Any, keep: Any) -> Any:
+    """``x`` with dropout applied: 0 where dropped, divided by ``1 - p`` where kept."""
+    if keep is None:
+        return x
+    return inputs.xp.where(keep, x * (1.0 / (1.0 - inputs.dropout_p)), 0.0)
 
 
 def lowest(xp: Any, dtype: Any) -> float:

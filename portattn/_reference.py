@@ -9,17 +9,20 @@ from ._portable import (
     add_sinks,
     attend_values,
     cast,
+    dropped,
     empty_result,
     finish,
     group_kv,
     group_queries,
     is_empty,
+    kept,
     safe_max,
     scores_of_clean,
     split_nonfinite,
     ungroup,
     with_empty_rows,
 )
+from .dropout import seed_word
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -59,6 +62,8 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     p = tile.weights(xp, m)
     denom = xp.sum(p, axis=-1, keepdims=True)
     weights, lse, has_mass = finish(xp, *add_sinks(inputs, p, m, denom))
+    if inputs.dropout_p:  # the weights as applied: out = weights @ value
+        weights = dropped(inputs, weights, kept(inputs, seed_word(inputs), 0, lq, 0, lk))
     out = cast(xp, ungroup(xp, attend_values(xp, weights, v, bad, tile)), inputs.query.dtype)
     return (
         out,

@@ -17,18 +17,21 @@ from ._portable import (
     add_sinks,
     attend_values,
     cast,
+    dropped,
     empty_result,
     finish,
     finite_or_zero,
     group_kv,
     group_queries,
     is_empty,
+    kept,
     scores_of_clean,
     split_nonfinite,
     ungroup,
     with_empty_rows,
 )
 from ._wiring import attach_for
+from .dropout import seed_word, seed_words
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -48,6 +51,8 @@ class TiledKernel(PortableKernel):
     priority = 10
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
+        if inputs.dropout_p:  # a seed drawn now, so the backward draws the same mask
+            inputs = inputs._replace(dropout_seed=seed_words(inputs))
         attach = attach_for(inputs.namespace) if inputs.requires_grad else None
         # With gradients, the library's wiring saves (q, k, v, out, lse) and runs the
         # flash backward; recording every tile instead would keep O(Lq * Lk).
@@ -83,13 +88,15 @@ def tiled_attention(inputs: AttentionInputs, block_q: int | None = None,
         k, bad_k = split_nonfinite(xp, k)
     v, bad = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
     blocks = inputs.blocks(block_q, block_k)
+    word = seed_word(inputs) if inputs.dropout_p else None
     outs, lses, masses = [], [], []
     for a in range(blocks.num_q_blocks):
         q0, q1 = blocks.q_range(a)
         q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
         bad_q = None if bad_query is None else group_queries(
             xp, cast(xp, bad_query[..., q0:q1, :], ct), hkv)
-        out, lse, has_mass = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, blocks, a)
+        out, lse, has_mass = _query_block(inputs, (q, bad_q), (k, bad_k), v, bad, blocks, a,
+                                          word)
         outs.append(out)
         lses.append(lse)
         masses.append(has_mass)
@@ -103,9 +110,11 @@ def _joined(xp: Any, parts: list[Any], axis: int) -> Any:
 
 
 def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[Any, Any],
-                 v: Any, bad: Any, blocks: BlockMask, a: int) -> tuple[Any, Any, Any]:
+                 v: Any, bad: Any, blocks: BlockMask, a: int,
+                 word: Any) -> tuple[Any, Any, Any]:
     """Query block ``a`` against the key tiles it visits; ``queries`` and ``keys`` are
-    ``(values, rows that held a non-finite entry or None)``."""
+    ``(values, rows that held a non-finite entry or None)``, ``word`` dropout's seed
+    word (None without dropout: the denominator sums the weights before it)."""
     xp = inputs.xp
     (q, bad_q), (k, bad_k) = queries, keys
     q0, q1 = blocks.q_range(a)
@@ -119,8 +128,8 @@ def _query_block(inputs: AttentionInputs, queries: tuple[Any, Any], keys: tuple[
         m_new = m_tile if m is None else xp.maximum(m, m_tile)
         m_safe = finite_or_zero(xp, m_new)
         p = tile.weights(xp, m_safe)
-        pv = attend_values(xp, p, v[..., k0:k1, :], None if bad is None else bad[..., k0:k1, :],
-                           tile)
+        pv = attend_values(xp, dropped(inputs, p, kept(inputs, word, q0, q1, k0, k1)),
+                           v[..., k0:k1, :], None if bad is None else bad[..., k0:k1, :], tile)
         row_sum = xp.sum(p, axis=-1, keepdims=True)
         if acc is None:
             acc, denom = pv, row_sum

@@ -1,4 +1,5 @@
-"""Lookup of the autograd wiring plugins register (see :mod:`portattn.autograd`)."""
+"""Lookup of what plugins register per library: the autograd wiring (see
+:mod:`portattn.autograd`) and dropout's seeds (see :mod:`portattn._dropout`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ if TYPE_CHECKING:
 
     from ._inputs import AttentionInputs
 
-__all__ = ["GROUP", "attach_for"]
+__all__ = ["GROUP", "SEEDS", "attach_for", "seeds_for"]
 
 GROUP = "portattn.autograd"
+SEEDS = "portattn.seeds"
 
 
 _attached: dict[str, Any] = {}
+_seeds: dict[str, Any] = {}
 
 
 def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
@@ -44,20 +47,33 @@ def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] |
         True
     """
     if namespace not in _attached:
-        _attached[namespace] = _load(namespace)
+        _attached[namespace] = _load(GROUP, namespace, "the autograd wiring", (
+            f"gradients of the tiled kernel on {namespace} are recorded tile by tile "
+            "instead"))
     return _attached[namespace]
 
 
-def _load(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
-    found = [ep for ep in entry_points(group=GROUP) if ep.name == namespace]
+def seeds_for(namespace: str) -> Any:
+    """What a plugin registers for dropout's seeds on ``namespace`` (entry-point group
+    ``portattn.seeds``), or None: an object (a module) with ``draw(like)``, an
+    integer array drawn from the library's own generator for calls given no seed,
+    and/or ``words(seed)``, the library's own kind of seed (a typed JAX key) as an
+    integer array."""
+    if namespace not in _seeds:
+        _seeds[namespace] = _load(SEEDS, namespace, "the dropout seeds", (
+            "dropout on it takes integer seeds only"))
+    return _seeds[namespace]
+
+
+def _load(group: str, namespace: str, what: str, instead: str) -> Any:
+    found = [ep for ep in entry_points(group=group) if ep.name == namespace]
     if not found:
         return None
     ep = found[0]
     try:
         return ep.load()
     except Exception as e:  # a broken plugin must not break the call
-        msg = (f"portattn: the autograd wiring {ep.name} = {ep.value!r} could not be "
-               f"loaded ({type(e).__name__}: {e}); gradients of the tiled kernel on "
-               f"{namespace} are recorded tile by tile instead")
-        warnings.warn(msg, PluginWarning, stacklevel=3)
+        msg = (f"portattn: {what} {ep.name} = {ep.value!r} could not be loaded "
+               f"({type(e).__name__}: {e}); {instead}")
+        warnings.warn(msg, PluginWarning, stacklevel=4)
         return None

@@ -98,6 +98,11 @@ class Kernel:
     """Returns the softmax weights when asked (``return_weights``)."""
     dropout: ClassVar[bool] = False
     """Takes ``dropout_p > 0``."""
+    dropout_seed: ClassVar[bool] = False
+    """Draws dropout's mask from ``dropout_seed`` as :mod:`portattn.dropout` does (the
+    same pairs as every such kernel, regenerated in the backward), and takes calls
+    with a seed; without this, a kernel that declares :attr:`dropout` draws from its
+    library's generator and refuses a seed."""
     grad: ClassVar[bool] = False
     """Runs calls whose inputs require gradients, and gives them."""
     deterministic: ClassVar[bool] = True
@@ -122,9 +127,8 @@ class Kernel:
     #: conformance kit.
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "alibi",
-        "sinks", "gqa",
-        "value_head_dim", "empty", "returns_lse", "returns_weights", "dropout", "grad",
-        "deterministic", "finite_inputs_only", "priority",
+        "sinks", "gqa", "value_head_dim", "empty", "returns_lse", "returns_weights",
+        "dropout", "dropout_seed", "grad", "deterministic", "finite_inputs_only", "priority",
     )
 
     @classmethod
@@ -243,6 +247,9 @@ class Kernel:
             reasons.append("return_weights not supported")
         if inputs.dropout_p and not cls.dropout:
             reasons.append(f"dropout_p={inputs.dropout_p} not supported")
+        elif inputs.dropout_seed is not None and not cls.dropout_seed:
+            reasons.append("dropout_seed not supported (dropout draws from the library's "
+                           "generator)")
         if inputs.requires_grad and not cls.grad:
             reasons.append("gradients required but not supported")
         return reasons

@@ -23,7 +23,7 @@ def test_info_lists_kernels_and_capabilities(capsys):
                                   "masks"]
     reference = [line for line in lines if line.startswith("reference ")]
     assert reference[1].split()[5] == "all"  # every kind of portattn.masks.KINDS
-    assert reference[2].split()[1:] == ["yes"] * 9 + ["-", "yes", "yes", "-"]
+    assert reference[2].split()[1:] == ["yes"] * 13 + ["-"]
 
 
 def test_info_shows_a_broken_plugin_as_unavailable(monkeypatch, capsys):

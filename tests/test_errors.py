@@ -104,11 +104,23 @@ def test_lengths_from_another_library():
         portattn.attention(Q, K, V, mask=masks.key_lengths(torch.tensor([3, 4])))
 
 
-def test_dropout_rejected_by_portable_kernels():
+def test_dropout_without_a_seed_on_numpy_names_the_seed():
+    with pytest.raises(ValueError, match="dropout_p > 0 on numpy arrays needs dropout_seed"):
+        portattn.scaled_dot_product_attention(Q, K, V, dropout_p=0.1)
+    out = portattn.scaled_dot_product_attention(Q, K, V, dropout_p=0.1, dropout_seed=4)
+    assert out.shape == Q.shape
+
+
+def test_dropout_refused_by_the_kernels_without_it(monkeypatch):
+    from portattn._reference import ReferenceKernel
+    from portattn._tiled import TiledKernel
+
+    for kernel in (ReferenceKernel, TiledKernel):
+        monkeypatch.setattr(kernel, "dropout", False)
     with portattn.disable_kernels(*(e.name for e in portattn.kernels()
                                     if e.distribution != "portattn")), \
             pytest.raises(portattn.errors.NoKernelError) as info:
-        portattn.scaled_dot_product_attention(Q, K, V, dropout_p=0.1)
+        portattn.attention(Q, K, V, dropout_p=0.1, dropout_seed=1)
     message = str(info.value)
     assert "dropout_p=0.1 not supported" in message
     assert "tiled (portattn" in message

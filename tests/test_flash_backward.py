@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from portattn import dropout
 from portattn._inputs import describe
 from portattn._tiled import TiledKernel
 from portattn.autograd import flash_backward, flash_forward
@@ -32,10 +33,11 @@ CASES += [replace(CASES[0], name="long_gqa_softcap_bias", dtype="float64", hq=4,
 
 
 def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slopes=None,
-                   sinks=None):
+                   sinks=None, dropped=None):
     """``(dq, dk, dv, dbias, dsinks)`` of ``sum(out * dout) + sum(lse * dlse)``, by hand
     (ALiBi: ``-slope * |i + Lk - Lq - j|`` added to the scores; a sink: one more logit
-    in each row's denominator)."""
+    in each row's denominator; ``dropped``: the kept pairs over ``1 - p``, which
+    multiply the weights after the softmax)."""
     group = q.shape[-3] // k.shape[-3]
     kr, vr = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
@@ -55,15 +57,16 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slo
     s = np.where(allowed, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
-    z = None if sinks is None else sinks[..., None, None]
-    if z is not None:
-        m = np.maximum(m, z)
+    sink = None if sinks is None else sinks[..., None, None]
+    if sink is not None:
+        m = np.maximum(m, sink)
     e = np.exp(s - m)
-    total = e.sum(axis=-1, keepdims=True) + (0.0 if z is None else np.exp(z - m))
+    total = e.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - m))
     p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-    out = p @ vr
+    z = 1.0 if dropped is None else dropped
+    out = (p * z) @ vr
     delta = (dout * out).sum(axis=-1, keepdims=True) - dlse[..., None]
-    ds = p * (dout @ np.swapaxes(vr, -1, -2) - delta)
+    ds = p * ((dout @ np.swapaxes(vr, -1, -2)) * z - delta)
     dbias = None
     if bias is not None:
         dbias = ds.sum(axis=tuple(range(ds.ndim - bias.ndim)))
@@ -72,14 +75,24 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slo
     dx = ds * (1 - t * t) if softcap else ds
     dq = dx @ kr * scale
     dk = np.swapaxes(dx, -1, -2) @ q * scale
-    dv = np.swapaxes(p, -1, -2) @ dout
+    dv = np.swapaxes(p * z, -1, -2) @ dout
     dk = dk.reshape((*k.shape[:-2], group, *k.shape[-2:])).sum(axis=-3)
     dv = dv.reshape((*v.shape[:-2], group, *v.shape[-2:])).sum(axis=-3)
     dsinks = None
-    if z is not None:  # d lse / d z = its weight, d out / d z = -weight * out
-        dsinks = -(np.exp(z - m) / total * delta).sum(axis=(-2, -1))
+    if sink is not None:  # d lse / d sink = its weight, d out / d sink = -weight * out
+        dsinks = -(np.exp(sink - m) / total * delta).sum(axis=(-2, -1))
         dsinks = dsinks.sum(axis=tuple(range(dsinks.ndim - sinks.ndim)))
     return dq, dk, dv, dbias, dsinks
+
+
+def _dropped(np_args, np_kwargs):
+    """The kept pairs of a case with dropout, over ``1 - p`` (None without)."""
+    p = np_kwargs.get("dropout_p")
+    if not p:
+        return None
+    kept = dropout.mask(np_args[0], np_args[1], dropout_p=p,
+                        dropout_seed=np_kwargs["dropout_seed"])
+    return kept / (1.0 - p)
 
 
 def assert_grad(actual, expected, dtype, what):
@@ -109,7 +122,7 @@ def test_flash_backward_matches_textbook(case, backend):
                           mask=np_kwargs.get("mask"), bias=np_kwargs.get("bias"),
                           scale=case.scale, softcap=case.softcap,
                           alibi_slopes=np_kwargs.get("alibi_slopes"),
-                          sinks=np_kwargs.get("sinks"))
+                          sinks=np_kwargs.get("sinks"), dropped=_dropped(np_args, np_kwargs))
     for name, got, expected, source in zip(("dq", "dk", "dv"), grads, want, args,
                                            strict=False):
         assert got.dtype == source.dtype, f"{name} dtype {got.dtype} != {source.dtype}"

@@ -61,6 +61,9 @@ class Case:
     scale: float | None = None
     lse: bool = False
     weights: bool = False
+    dropout: float = 0.0
+    """``dropout_p``, with a seed drawn from the case's ``seed``: the oracle drops the
+    same pairs."""
     nan_keys_from: int | None = None
     """Keys from this index on, hidden from every query by the mask, hold NaN in key
     and value for the kernel (the oracle sees them finite): they must not matter."""
@@ -97,6 +100,8 @@ class Case:
             arrays = (arrays[0], *(backend.asarray(r, self.dtype) for r in raw[1:]))
         kwargs = {"scale": self.scale, "softcap": self.softcap, "return_lse": self.lse,
                   "return_weights": self.weights}
+        if self.dropout:
+            kwargs.update(dropout_p=self.dropout, dropout_seed=1000 + self.seed)
         np_kwargs = dict(kwargs)
         if self.bias is not None:
             shape = (self.hq, self.lq, self.lk) if self.bias == "broadcast" else (
@@ -259,13 +264,24 @@ def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
         if "causal" in k.masks:
             cases.append(replace(base, name="weights_causal", weights=True,
                                  mask=(("causal", "bottom_right"),)))
+    if k.dropout_seed:
+        cases.append(replace(base, name="dropout", dropout=0.3))
+        if k.gqa and "causal" in k.masks:
+            cases.append(replace(base, name="dropout_grouped_causal", dropout=0.5, hq=6,
+                                 hkv=2, lq=20, lk=35, mask=(("causal", "bottom_right"),)))
+        if "documents" in k.masks:
+            cases.append(replace(base, name="dropout_documents", dropout=0.1, mask=(
+                ("documents", [0] * 10 + [1] * 15 + [2] * 8 + [0] * 20 + [1] * 13),)))
+        if k.returns_weights:
+            cases.append(replace(base, name="dropout_weights", dropout=0.3, weights=True))
     if k.empty:
         cases += [replace(base, name="no_keys", lk=0), replace(base, name="no_queries", lq=0)]
     primary = "float32" if "float32" in k.dtypes else sorted(k.dtypes)[0] if k.dtypes else None
     if primary is None:
         return []
     out = [replace(c, dtype=primary) for c in cases]
-    sampler = {"basic", "causal_bottom_right", "grouped_query", "key_lengths", "softcap"}
+    sampler = {"basic", "causal_bottom_right", "grouped_query", "key_lengths", "softcap",
+               "dropout"}
     for dtype in sorted(k.dtypes - {primary}):
         out += [replace(c, dtype=dtype) for c in cases if c.name in sampler]
     return out

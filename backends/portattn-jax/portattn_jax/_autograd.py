@@ -4,8 +4,8 @@
 whose backward is the core's portable FlashAttention-2 backward, so JAX saves only
 ``query, key, value, bias, sinks, out, lse`` (and the mask) instead of recording every
 tile.
-The mask's arrays and the ALiBi slopes are arguments (they get no cotangent); the
-mask's structure is static.
+The mask's arrays, the ALiBi slopes and dropout's seed words are arguments (they get no
+cotangent); the mask's structure is static.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["attach_autograd"]
 
-_ARRAYS = ("query", "key", "value", "bias", "sinks", "alibi_slopes", "mask")
+_ARRAYS = ("query", "key", "value", "bias", "sinks", "alibi_slopes", "dropout_seed", "mask")
 
 
 def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
@@ -34,7 +34,7 @@ def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
     leaves, treedef = tree_util.tree_flatten(inputs.mask)
     static = (inputs._replace(**dict.fromkeys(_ARRAYS)), treedef)
     return _wired()(static, inputs.query, inputs.key, inputs.value, inputs.bias,
-                    inputs.sinks, inputs.alibi_slopes, tuple(leaves))
+                    inputs.sinks, inputs.alibi_slopes, inputs.dropout_seed, tuple(leaves))
 
 
 def _with(static: tuple[AttentionInputs, Any], arrays: tuple[Any, ...]) -> AttentionInputs:
@@ -58,9 +58,10 @@ def _wired() -> Any:
     from portattn.autograd import flash_backward, flash_forward
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def wired(static, query, key, value, bias, sinks, alibi_slopes, mask_leaves):
+    def wired(static, query, key, value, bias, sinks, alibi_slopes, dropout_seed,
+              mask_leaves):
         return flash_forward(_with(static, (query, key, value, bias, sinks, alibi_slopes,
-                                            mask_leaves)))
+                                            dropout_seed, mask_leaves)))
 
     def fwd(static, *arrays):
         bias = arrays[3]
@@ -77,7 +78,8 @@ def _wired() -> Any:
             dout = jnp.zeros_like(out)
         grads = flash_backward(_with(static, arrays), out, lse, dout, dlse,
                                bias_grad=bias_grad is not None)
-        return *grads, None, tuple(None for _ in arrays[6])  # ALiBi slopes are constants
+        # ALiBi slopes, the seed and the mask are constants
+        return *grads, None, None, tuple(None for _ in arrays[7])
 
     wired.defvjp(fwd, bwd, symbolic_zeros=True)
     _cache.append(wired)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax import lax
 
+from portattn import dropout
+
 from ._flash_layout import (
     grouped_full,
     key_blocks,
@@ -75,6 +77,38 @@ def _scores(plan: FlashPlan, qt: Any, kt: Any, bias: Any, allowed: Any,
     return (s if allowed is None else jnp.where(allowed, s, -jnp.inf)), t
 
 
+class _Dropout:
+    """Dropout's kept pairs per tile (:mod:`portattn.dropout`: the same pairs as every
+    kernel given the seed), or nothing to do without a seed word."""
+
+    def __init__(self, plan: FlashPlan, word: Any, batch: int, batch_index: Any) -> None:
+        self.plan, self.word = plan, word
+        if word is None:
+            return
+        hkv = plan.num_kv_heads
+        g = plan.num_heads // hkv
+        first = jnp.zeros((), jnp.int32) if batch_index is None else batch_index
+        elements = first + jnp.arange(batch, dtype=jnp.int32)
+        heads = (jnp.arange(hkv, dtype=jnp.int32)[:, None] * g
+                 + jnp.arange(g, dtype=jnp.int32)[None, :])
+        self.rows = (elements[:, None, None] * plan.num_heads + heads[None])[..., None, None]
+        self.inverse = 1.0 / (1.0 - plan.dropout_p)
+
+    def kept(self, q0: Any, k0: Any) -> Any:
+        positions = (self.plan.block_q, self.plan.block_k)
+        i, j = (start + jnp.arange(n, dtype=jnp.int32) for start, n in zip(
+            (q0, k0), positions, strict=True))
+        return dropout.kept(self.word, self.rows, i[:, None][None, None, None],
+                            j[None, :][None, None, None], self.plan.dropout_p)
+
+    def applied(self, x: Any, keep: Any) -> Any:
+        """``x`` dropped where ``keep`` is False, the rest divided by ``1 - p``."""
+        return x if keep is None else jnp.where(keep, x * self.inverse, 0)
+
+    def tile(self, q0: Any, k0: Any) -> Any:
+        return None if self.word is None else self.kept(q0, k0)
+
+
 def _tile_mask(plan: FlashPlan, mask: Any, masked: bool, q0: Any, k0: Any,
                batch_index: Any) -> Any:
     """What hides pairs of a tile: the mask for a partial one, else the key padding."""
@@ -111,14 +145,16 @@ def _two_loops(counts: tuple[Any, Any], indices: tuple[Any, Any], step: Any,
 
 
 def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
-            tables: Tables, batch_index: Any = None) -> tuple[Any, Any, Any]:
+            tables: Tables, word: Any = None, batch_index: Any = None) -> tuple[Any, Any, Any]:
     """``(out, lse, tiles)``: out ``(B, Hq, Lq, Dv)`` and lse ``(B, Hq, Lq)`` in the
-    compute dtype, and the number of tiles visited. ``batch_index``: the flat batch
-    index of a single batch element (``B == 1``), for the mask."""
+    compute dtype, and the number of tiles visited. ``word``: dropout's seed word
+    (None: no dropout); ``batch_index``: the flat batch index of a single batch
+    element (``B == 1``), for the mask and dropout."""
     ct, qb, bad_qb, kb, vb, mb, gbias = _prepared(plan, q, k, v, bias)
     mask = plan.mask(mask_leaves)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
+    drop = _Dropout(plan, word, b, batch_index)
 
     def query_step(tiles, xs):
         iq, qt, bad_q, n_full, full_row, n_part, part_row = xs
@@ -133,7 +169,8 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tup
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # rows with no key yet
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", p, _take(vb, ik))
+            pd = drop.applied(p, drop.tile(q0, k0))  # the denominator sums p
+            acc = acc * alpha[..., None] + _mm("bhgqk,bhke->bhgqe", pd, _take(vb, ik))
             # the worst mark among the keys a row's scores do not hide (-inf), whatever
             # their weight
             marks = _take(mb, ik)[..., 0][:, :, None, None, :]
@@ -162,11 +199,15 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tup
 
 def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
              tables: Tables, out: Any, lse: Any, dout: Any, dlse: Any,
-             bias_grad: bool, batch_index: Any = None) -> tuple[Any, Any, Any, Any, Any]:
+             bias_grad: bool, word: Any = None,
+             batch_index: Any = None) -> tuple[Any, Any, Any, Any, Any]:
     """``(dq, dk, dv, dbias, tiles)`` in the compute dtype; ``dlse`` may be None, dbias
-    is None unless ``bias_grad`` (then shaped like ``bias``)."""
+    is None unless ``bias_grad`` (then shaped like ``bias``). With dropout (``word``)
+    each tile's kept pairs are drawn again: ``dV += (P Z)^T dO``, ``dS = P (dP Z -
+    Delta)`` for ``Z`` the kept pairs over ``1 - p``."""
     ct, qb, _, kb, vb, _, gbias = _prepared(plan, q, k, v, bias)
     mask = plan.mask(mask_leaves)
+    drop = _Dropout(plan, word, qb.shape[1], batch_index)
     dout = dout.astype(ct)
     dob = query_blocks(dout, plan)
     delta = jnp.sum(dout * out.astype(ct), axis=-1)  # rowsum(dO * O)
@@ -188,8 +229,9 @@ def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tu
             allowed = _tile_mask(plan, mask, masked, q0, k0, batch_index)
             s, t = _scores(plan, qt, kt, gbias, allowed, q0, k0)
             p = jnp.exp(s - _take(lseb, iq)[..., None])
-            dv = dv + _mm("bhgqk,bhgqe->bhke", p, dot)
-            dp = _mm("bhgqe,bhke->bhgqk", dot, vt)
+            keep = drop.tile(q0, k0)
+            dv = dv + _mm("bhgqk,bhgqe->bhke", drop.applied(p, keep), dot)
+            dp = drop.applied(_mm("bhgqe,bhke->bhgqk", dot, vt), keep)
             ds = p * (dp - _take(deltab, iq)[..., None])
             if dbias is not None:
                 dbias = _add_tile(dbias, ds, plan, q0, k0)

@@ -30,17 +30,17 @@ def _per_element(bias: Any) -> bool:
 
 
 def forward_all(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
-                tables: Tables) -> tuple[Any, Any, Any]:
+                tables: Tables, word: Any = None) -> tuple[Any, Any, Any]:
     """:func:`forward` over the whole batch: ``(out, lse, tiles)``."""
     if not plan.per_batch:
-        return forward(plan, q, k, v, bias, mask_leaves, tables)
+        return forward(plan, q, k, v, bias, mask_leaves, tables, word)
     own_bias = _per_element(bias)
 
     def step(tiles, xs):
         b, qe, ke, ve, bias_e, table = xs
         out, lse, n = forward(plan, qe[None], ke[None], ve[None],
                               bias_e[None] if own_bias else bias, mask_leaves, table,
-                              batch_index=b)
+                              word, batch_index=b)
         return tiles + n, (out[0], lse[0])
 
     xs = (jnp.arange(q.shape[0], dtype=jnp.int32), q, k, v, bias if own_bias else None,
@@ -51,11 +51,11 @@ def forward_all(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves:
 
 def backward_all(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
                  tables: Tables, out: Any, lse: Any, dout: Any, dlse: Any,
-                 bias_grad: bool) -> tuple[Any, Any, Any, Any, Any]:
+                 bias_grad: bool, word: Any = None) -> tuple[Any, Any, Any, Any, Any]:
     """:func:`backward` over the whole batch: ``(dq, dk, dv, dbias, tiles)``."""
     if not plan.per_batch:
         return backward(plan, q, k, v, bias, mask_leaves, tables, out, lse, dout, dlse,
-                        bias_grad)
+                        bias_grad, word)
     own_bias = _per_element(bias)
     shared_grad = bias_grad and bias is not None and not own_bias
 
@@ -65,7 +65,7 @@ def backward_all(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves
         dq, dk, dv, dbias, n = backward(
             plan, qe[None], ke[None], ve[None], bias_e[None] if own_bias else bias,
             mask_leaves, table, oute[None], lsee[None], doute[None],
-            None if dlsee is None else dlsee[None], bias_grad, batch_index=b)
+            None if dlsee is None else dlsee[None], bias_grad, word, batch_index=b)
         if shared_grad:
             dbias_sum = dbias_sum + dbias
         own = dbias[0] if bias_grad and own_bias else None
@@ -81,33 +81,33 @@ def backward_all(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
-           tables: Tables) -> tuple[Any, Any]:
-    out, lse, _ = forward_all(plan, q, k, v, bias, mask_leaves, tables)
+           tables: Tables, word: Any) -> tuple[Any, Any]:
+    out, lse, _ = forward_all(plan, q, k, v, bias, mask_leaves, tables, word)
     return out.astype(q.dtype), lse
 
 
-def _flash_fwd(plan, q, k, v, bias, mask_leaves, tables):
+def _flash_fwd(plan, q, k, v, bias, mask_leaves, tables, word):
     # symbolic_zeros: each leaf comes with whether it is differentiated at all.
     bias_grad = bias is not None and bias.perturbed
-    q, k, v, bias, mask_leaves, tables = custom_vjp_primal_tree_values(
-        (q, k, v, bias, mask_leaves, tables))
-    out, lse, _ = forward_all(plan, q, k, v, bias, mask_leaves, tables)
+    q, k, v, bias, mask_leaves, tables, word = custom_vjp_primal_tree_values(
+        (q, k, v, bias, mask_leaves, tables, word))
+    out, lse, _ = forward_all(plan, q, k, v, bias, mask_leaves, tables, word)
     # Structure is static: a residual (), not None, says the bias wants a gradient.
-    res = (q, k, v, bias, mask_leaves, tables, out, lse, () if bias_grad else None)
+    res = (q, k, v, bias, mask_leaves, tables, word, out, lse, () if bias_grad else None)
     return (out.astype(q.dtype), lse), res
 
 
 def _flash_bwd(plan, res, cotangents):
-    q, k, v, bias, mask_leaves, tables, out, lse, bias_grad = res
+    q, k, v, bias, mask_leaves, tables, word, out, lse, bias_grad = res
     dout, dlse = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
     if dout is None:
         dout = jnp.zeros_like(out)
     dq, dk, dv, dbias, _ = backward_all(plan, q, k, v, bias, mask_leaves, tables, out, lse,
-                                        dout, dlse, bias_grad is not None)
+                                        dout, dlse, bias_grad is not None, word)
     dbias = None if dbias is None else dbias.astype(bias.dtype)
-    # the mask's arrays and the tables are integers or booleans: no cotangent
+    # the mask's arrays, the tables and the seed are integers or booleans: no cotangent
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias,
-            tuple(None for _ in mask_leaves), type(tables)(*(None for _ in tables)))
+            tuple(None for _ in mask_leaves), type(tables)(*(None for _ in tables)), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
@@ -115,9 +115,10 @@ _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 @partial(jax.jit, static_argnums=(0,))
 def flash_attention(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
-                    tables: Tables) -> tuple[Any, Any]:
+                    tables: Tables, word: Any = None) -> tuple[Any, Any]:
     """``(out, lse)`` for ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk,
     Dv)``, an optional bias ``(B|1, Hq|1, Lq|1, Lk|1)``, the arrays of the mask whose
-    structure ``plan`` holds, and the call's block tables (a leading batch axis with
-    ``plan.per_batch``); differentiable in q, k, v and bias (and through lse)."""
-    return _flash(plan, q, k, v, bias, mask_leaves, tables)
+    structure ``plan`` holds, the call's block tables (a leading batch axis with
+    ``plan.per_batch``) and dropout's seed word (None without dropout); differentiable
+    in q, k, v and bias (and through lse)."""
+    return _flash(plan, q, k, v, bias, mask_leaves, tables, word)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from portattn import dropout
 from portattn.kernel import ANY, Kernel
 from portattn.masks import KINDS
 
@@ -32,6 +33,7 @@ class JaxFlashKernel(Kernel):
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
     masks = frozenset(KINDS)
     bias = softcap = gqa = value_head_dim = empty = returns_lse = grad = True
+    dropout = dropout_seed = True
     deterministic = True
     priority = 60
 
@@ -81,7 +83,8 @@ def flash_plan(inputs: AttentionInputs) -> Any:
                      num_heads=inputs.num_heads, num_kv_heads=inputs.num_kv_heads,
                      scale=inputs.scale, softcap=inputs.softcap,
                      batch_shape=tuple(inputs.batch_shape),
-                     mask_tree=tree_util.tree_structure(inputs.mask), per_batch=alone)
+                     mask_tree=tree_util.tree_structure(inputs.mask), per_batch=alone,
+                     dropout_p=inputs.dropout_p)
 
 
 FINE_KINDS = frozenset({"documents", "global_tokens", "chunks", "block_layout", "function",
@@ -147,5 +150,6 @@ def attend(inputs: AttentionInputs) -> tuple[Any, Any]:
         out = jnp.zeros((*lead, inputs.value_head_dim), inputs.query.dtype)
         return out, jnp.full(lead, -jnp.inf, compute_dtype(inputs.query.dtype))
     plan = flash_plan(inputs)
-    out, lse = flash_attention(plan, *flat_arguments(inputs, plan))
+    word = dropout.seed_word(inputs) if inputs.dropout_p else None
+    out, lse = flash_attention(plan, *flat_arguments(inputs, plan), word)
     return jnp.reshape(out, (*lead, inputs.value_head_dim)), jnp.reshape(lse, lead)

@@ -55,6 +55,8 @@ class FlashPlan:
     """The mask's pytree structure (its arrays are the loops' arguments)."""
     per_batch: bool = False
     """Batch elements run one at a time, each with its own block tables."""
+    dropout_p: float = 0.0
+    """Dropout's probability; its seed word is a traced argument of the loops."""
 
     @property
     def num_q_blocks(self) -> int:

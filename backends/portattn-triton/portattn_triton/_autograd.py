@@ -1,8 +1,9 @@
 """Torch autograd for the Triton kernels: forward saves ``q, k, v, out, lse`` only.
 
 The backward recomputes probabilities from ``lse`` (O(L) memory for forward plus
-backward) and takes gradients of both outputs, ``out`` and ``lse``, for the query,
-key and value, and for the bias when it requires one.
+backward), and dropout's kept pairs from its seed word, and takes gradients of both
+outputs, ``out`` and ``lse``, for the query, key and value, and for the bias when it
+requires one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
     from ._configs import BackwardConfig, Config
     from ._plan import MaskPlan
+    from ._triton_dropout import Dropout
 
 __all__ = ["attention", "flash_attention"]
 
@@ -36,7 +38,7 @@ def _function() -> type:
             out, lse = forward(q, k, v, plan, **options)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.plan, ctx.bias = plan, bias
-            ctx.options = {n: options[n] for n in ("scale", "softcap")}
+            ctx.options = {n: options[n] for n in ("scale", "softcap", "dropout")}
             ctx.backward_config = backward_config
             ctx.set_materialize_grads(False)  # an unused output's gradient stays None
             return out, lse
@@ -76,12 +78,13 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def attention(query: Any, key: Any, value: Any, plan: MaskPlan, *, bias: Any = None,
               scale: float | None, softcap: float | None, config: Config | None = None,
-              backward_config: BackwardConfig | None = None) -> tuple[Any, Any]:
+              backward_config: BackwardConfig | None = None,
+              dropout: Dropout | None = None) -> tuple[Any, Any]:
     """:func:`flash_attention` with the mask and bias already planned (``bias`` is the
-    tensor ``plan.bias`` views, for its gradient)."""
+    tensor ``plan.bias`` views, for its gradient), and ``dropout`` if any."""
     import torch
 
-    options = {"scale": scale, "softcap": softcap, "config": config}
+    options = {"scale": scale, "softcap": softcap, "config": config, "dropout": dropout}
     tensors = (query, key, value) if bias is None else (query, key, value, bias)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return forward(query, key, value, plan, **options)

@@ -67,9 +67,11 @@ _UNEVEN: dict[tuple[int, int, int], Config] = {
     (90, 2, 256): Config(64, 16, 8, 2),
 }
 #: What a call's masked loop holds besides the band and length formulas: nothing
-#: (None), bit tiles ("bits"), or a bias with or without them ("bias"). Each is another
-#: tile in registers: where the table's entry would spill then, another entry.
-EXTRAS = (None, "bits", "bias")
+#: (None), bit tiles ("bits"), or a bias with or without them ("bias"); or dropout,
+#: with or without the others, in every loop ("dropout": the bias's entries where it
+#: has none of its own). Each is another tile in registers: where the table's entry
+#: would spill then, another entry.
+EXTRAS = (None, "bits", "bias", "dropout")
 # (extra, arch, element bytes, padded head dim) -> config, for even and uneven head dims.
 # float32 at head dim 256 spills in every configuration: the kernel refuses those calls.
 _EXTRA: dict[tuple[str | None, int, int, int], Config] = {
@@ -83,6 +85,8 @@ _EXTRA: dict[tuple[str | None, int, int, int], Config] = {
     ("bits", 80, 2, 16): Config(128, 64, 4, 2),
     ("bits", 80, 2, 32): Config(128, 64, 8, 3),
     ("bits", 80, 2, 256): Config(64, 32, 8, 1),
+    ("dropout", 80, 2, 16): Config(128, 64, 8, 3),
+    ("dropout", 80, 2, 128): Config(128, 32, 8, 2),
 }
 #: The largest padded head dim of a float32 call with a bias or bit tiles.
 HEAVY_MAX_DIM_FLOAT32 = 128
@@ -101,8 +105,9 @@ def pick_config(capability: tuple[int, int] | None, element_bytes: int, head_dim
     size = 2 if element_bytes <= 2 else 4
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
     key = (arch, size, dim)
-    if (extra, *key) in _EXTRA:
-        return _EXTRA[(extra, *key)]
+    for name in _falling_back(extra):
+        if (name, *key) in _EXTRA:
+            return _EXTRA[(name, *key)]
     if not is_even(head_dim, value_head_dim) and key in _UNEVEN:
         return _UNEVEN[key]
     return _TABLE[key]
@@ -176,6 +181,9 @@ _BWD_EXTRA: dict[tuple[str | None, str, int, int, int], Config] = {
     ("bits", "dq", 80, 4, 64): Config(32, 16, 8, 2),
     ("bits", "dq", 90, 4, 64): Config(32, 16, 8, 2),
     ("bits", "dq", 90, 4, 128): Config(16, 32, 4, 1),
+    ("dropout", "dkdv", 80, 2, 16): Config(32, 32, 8, 2),
+    ("dropout", "dq", 90, 2, 16): Config(128, 32, 8, 3),
+    ("dropout", "dq", 90, 2, 32): Config(128, 32, 8, 2),
 }
 
 
@@ -197,8 +205,19 @@ def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
                f"{head_dim}, {value_head_dim} (at most {BACKWARD_MAX_DIM[size]})")
         raise ValueError(msg)
     base = _BWD_TABLE[arch, size, dim]
-    return BackwardConfig(_BWD_EXTRA.get((extra, "dkdv", arch, size, dim), base.dkdv),
-                          _BWD_EXTRA.get((extra, "dq", arch, size, dim), base.dq))
+
+    def entry(kernel: str, default: Config) -> Config:
+        for name in _falling_back(extra):
+            if (name, kernel, arch, size, dim) in _BWD_EXTRA:
+                return _BWD_EXTRA[(name, kernel, arch, size, dim)]
+        return default
+
+    return BackwardConfig(entry("dkdv", base.dkdv), entry("dq", base.dq))
+
+
+def _falling_back(extra: str | None) -> tuple[str | None, ...]:
+    """The extras whose entries serve ``extra``, first found first."""
+    return (extra, "bias") if extra == "dropout" else (extra,)
 
 
 def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,

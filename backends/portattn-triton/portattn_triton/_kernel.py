@@ -51,7 +51,7 @@ class TritonFlashKernel(Kernel):
     head_dim = (16, 256)
     masks = frozenset(KINDS)
     bias = softcap = gqa = value_head_dim = empty = True
-    returns_lse = grad = True
+    returns_lse = grad = dropout = dropout_seed = True
     priority = 200
 
     @classmethod
@@ -96,11 +96,23 @@ class TritonFlashKernel(Kernel):
                                 bias, inputs.batch_shape, inputs.num_heads, inputs.q_len,
                                 inputs.kv_len))
             out, lse = attention(q, k, v, plan, bias=bias, scale=inputs.scale,
-                                 softcap=inputs.softcap)
+                                 softcap=inputs.softcap, dropout=_dropout(inputs, to_torch))
             if inputs.namespace != "torch":
                 out = inputs.xp.from_dlpack(out)
                 lse = inputs.xp.from_dlpack(lse) if inputs.return_lse else None
         return out, lse if inputs.return_lse else None, None
+
+
+def _dropout(inputs: AttentionInputs, to_torch: Any) -> Any:
+    """The call's :class:`~._triton_dropout.Dropout` (its seed word, drawn from torch's
+    generator when the call has no seed), or None."""
+    if not inputs.dropout_p:
+        return None
+    from portattn import dropout
+
+    from ._triton_dropout import Dropout
+
+    return Dropout(to_torch(dropout.seed_word(inputs)), inputs.dropout_p)
 
 
 def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
@@ -120,7 +132,8 @@ def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
 
 
 def _heavy_reasons(inputs: AttentionInputs) -> list[str]:
-    """float32 at the widest head dims has no registers left for a bias or bit tiles."""
+    """float32 at the widest head dims has no registers left for a bias, dropout or bit
+    tiles."""
     from ._configs import HEAVY_MAX_DIM_FLOAT32
     from ._plan import FORMULA_KINDS
 
@@ -128,6 +141,7 @@ def _heavy_reasons(inputs: AttentionInputs) -> list[str]:
     if inputs.dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32:
         return []
     what = [] if inputs.bias is None else ["a bias"]
+    what += ["dropout"] if inputs.dropout_p else []
     what += [f"mask {kind}" for kind in sorted(inputs.mask_kinds - FORMULA_KINDS)]
     return [f"dtype=float32 with head_dim={dim} > {HEAVY_MAX_DIM_FLOAT32} and {w} not "
             "supported" for w in what]

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
     from portattn.masks import Mask
 
+    from ._triton_dropout import Dropout
+
 __all__ = ["PATHS", "check_shapes", "flash_forward", "forward", "pick_path", "tables"]
 
 #: The forward's three paths: the pointer kernel (any strides, any generation), the
@@ -78,8 +80,10 @@ def check_shapes(query: Any, key: Any, value: Any) -> None:
 
 def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | None,
             softcap: float | None, config: Config | None = None, path: str | None = None,
-            autotune: bool = False, num_splits: int | None = None) -> tuple[Any, Any]:
-    """:func:`flash_forward` with the mask and bias already planned."""
+            autotune: bool = False, num_splits: int | None = None,
+            dropout: Dropout | None = None) -> tuple[Any, Any]:
+    """:func:`flash_forward` with the mask and bias already planned; ``dropout`` (a
+    :class:`~._triton_dropout.Dropout`) runs on the pointer path."""
     import torch
 
     *batch, hq, lq, d = query.shape
@@ -100,6 +104,11 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
     q = query.reshape(z, hq, lq, d)
     k = key.reshape(z, hkv, lk, d)
     v = value.reshape(z, hkv, lk, dv)
+    if dropout is not None and path not in (None, "pointer"):
+        msg = f"dropout runs on the pointer path; got path={path!r}"
+        raise ValueError(msg)
+    if dropout is not None:
+        path = "pointer"
     if path is None:  # a fixed config is a forward tile: decode only when asked by name
         path = pick_path(capability, q, k, v, decode=config is None)
     poison = value_poison(v, plan.cut)
@@ -124,9 +133,11 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
              "HAS_POISON": poison is not None, "HAS_BIAS": plan.bias is not None,
              "SOFTCAP": softcap is not None, "REVERSE": upper is not None and lower is None,
              "INPUT_PRECISION": precision(query.dtype)}
+    dummy = lse  # stands in for absent optional tensors; never read
+    drop_args = (dummy, 0, 1.0) if dropout is None else dropout.arguments()
     if path == "pointer":
         flags["EVEN_D"] = is_even(d, dv)
-    dummy = lse  # stands in for absent optional tensors; never read
+        flags["DROPOUT"] = dropout is not None
 
     def launch(c: Config) -> None:
         table, table_args, bits, has_bits = tables(plan, c.block_m, c.block_n, dummy)
@@ -144,8 +155,8 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
 
         flash_forward_kernel[(z * hq, math.ceil(lq / c.block_m))](
             q, k, v, o, lse, *tensors, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            *bias_strides(plan.bias), *table_args, *scalars, d, dv, *factors, **sizes,
-            num_warps=c.num_warps, num_stages=c.num_stages)
+            *bias_strides(plan.bias), *table_args, *scalars, d, dv, *factors, *drop_args,
+            **sizes, num_warps=c.num_warps, num_stages=c.num_stages)
 
     with on_device(dev):
         if config is None and autotune and capability is not None:
@@ -156,7 +167,8 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
             config = tuned(kind, autotune_candidates(capability, query.element_size(), d, dv),
                            launch)
         elif config is None:
-            config = pick_config(capability, query.element_size(), d, dv, extra=plan.extra)
+            config = pick_config(capability, query.element_size(), d, dv,
+                                 extra="dropout" if dropout is not None else plan.extra)
         launch(config)
     return out, lse
 

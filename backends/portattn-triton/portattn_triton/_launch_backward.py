@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
     from portattn.masks import Mask
 
+    from ._triton_dropout import Dropout
+
 __all__ = ["backward", "flash_backward"]
 
 
@@ -55,10 +57,11 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dlse: Any,
              plan: MaskPlan, *, scale: float | None, softcap: float | None,
-             config: BackwardConfig | None = None, bias_like: Any = None) -> tuple[Any, ...]:
+             config: BackwardConfig | None = None, bias_like: Any = None,
+             dropout: Dropout | None = None) -> tuple[Any, ...]:
     """``(dq, dk, dv, dbias)`` with the mask and bias already planned; ``dbias`` (None
     unless ``bias_like``, the bias to give the gradient of, is passed) is shaped like
-    it."""
+    it. ``dropout``: the forward's, whose pairs the passes draw again."""
     import torch
 
     *batch, hq, lq, d = query.shape
@@ -82,7 +85,7 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
     if config is None:
         capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
         config = pick_backward_config(capability, query.element_size(), d, dv,
-                                      extra=plan.extra)
+                                      extra="dropout" if dropout is not None else plan.extra)
 
     q = query.reshape(z, hq, lq, d)
     k = key.reshape(z, hkv, lk, d)
@@ -127,7 +130,9 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
         "INPUT_PRECISION": precision(query.dtype),
     }
     scalars = (d, dv, scale, 1.0 if softcap is None else float(softcap),
-               0 if lower is None else lower, 0 if upper is None else upper)
+               0 if lower is None else lower, 0 if upper is None else upper,
+               *((dummy, 0, 1.0) if dropout is None else dropout.arguments()))
+    flags["DROPOUT"] = dropout is not None
     shared = (*(dummy if t is None else t for t in (kl, ql, bad)),)
 
     from ._triton_backward import delta_kernel, dkdv_kernel

@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_dropout import kept, row_key
 from ._triton_kernel import LOG2E, valid_lengths
 from ._triton_masks import (
     add_poison,
@@ -129,13 +130,15 @@ def scores_of_tile(qk, bias, bad, rows, cols, kv_valid, lower_off, upper_off, Bi
 def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi, num_cols,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
                 stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim,
-                sm_scale, softcap, lower_off, upper_off, MASKED: tl.constexpr,
+                sm_scale, softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
+                MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                 HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_BAD: tl.constexpr,
                 HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr,
-                SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Add the query blocks of ``range(lo, hi, BLOCK_M)`` (see ``tile_span``; of one
-    head) to this key block's dK and dV."""
+    head) to this key block's dK and dV. With ``DROPOUT``, ``Z`` the kept pairs over
+    ``1 - p``: ``dV += (P Z)^T dO`` and ``dS = P (dP Z - Delta)``."""
     offs_m = tl.arange(0, BLOCK_M)
     for pos in range(lo, hi, BLOCK_M):
         start_m = tile_start(tiles, pos, BLOCK_M, HAS_TABLE)
@@ -159,8 +162,14 @@ def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi,
                                 HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_BAD, SOFTCAP, BLOCK_M,
                                 BLOCK_N, True)
         pT = tl.math.exp2(sT - lse[None, :])
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            keepT = kept(drop_key, rows[None, :], offs_n[:, None], drop_threshold)
+            dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv,
+                        input_precision=INPUT_PRECISION)
+            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
             dsT = dsT * (1.0 - tT * tT)
@@ -208,13 +217,13 @@ def dkdv_kernel(
         stride_bz, stride_bh, stride_bm, stride_bn,
         table_z, table_h, table_n, num_cols,
         num_kv_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
-        sm_scale, softcap, lower_off, upper_off,
+        sm_scale, softcap, lower_off, upper_off, Word, drop_threshold, drop_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
-        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Grid ``(Z * num_kv_heads, cdiv(kv_len, BLOCK_N))``; writes ``DK`` and ``DV``.
     ``Table`` holds the block form's rows per key block (the transposed lists)."""
     pid_zh = tl.program_id(0)
@@ -258,6 +267,9 @@ def dkdv_kernel(
         DOh = DO + off_z * stride_doz + off_h * stride_doh
         Biash = Bias + off_z * stride_bz + off_h * stride_bh
         row0 = (off_z * num_kv_heads * group_size + off_h) * q_len
+        drop_key = 0
+        if DROPOUT:
+            drop_key = row_key(Word, off_z * num_kv_heads * group_size + off_h)
         row = Table
         if HAS_TABLE:
             row = table_row(Table, off_z, off_h, pid_n, table_z, table_h, table_n)
@@ -270,8 +282,9 @@ def dkdv_kernel(
                     lo, hi, num_cols, offs_n, offs_d, offs_dv, stride_qm, stride_qd,
                     stride_dom, stride_dod, stride_bm, stride_bn, q_len, kv_len, kv_valid,
                     head_dim, value_head_dim, sm_scale, softcap, lower_off, upper_off,
-                    part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_BAD,
-                    HAS_BITS, HAS_BIAS, HAS_TABLE, SOFTCAP, INPUT_PRECISION)
+                    drop_key, drop_threshold, drop_scale, part != 1, BLOCK_M, BLOCK_N, EVEN_D,
+                    HAS_LOWER, HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS, HAS_TABLE, SOFTCAP,
+                    INPUT_PRECISION, DROPOUT)
 
     dk_ptrs = (DK + off_z * stride_dkz + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn
                + offs_d[None, :] * stride_dkd)

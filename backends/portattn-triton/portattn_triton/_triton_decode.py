@@ -76,9 +76,9 @@ def _attend_split(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_
         # Each packed row has its own query index: the band is on j - pos.
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, pos, cols, kv_valid, lower_off,
                                   upper_off, Bits, slot, bias, poison, sm_scale, softcap,
-                                  MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
+                                  0, 0, 1.0, MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
                                   HAS_POISON and HAS_BIAS, SOFTCAP, INPUT_PRECISION, BLOCK_M,
-                                  BLOCK_N)
+                                  BLOCK_N, False)  # no dropout: the launch takes the pointer path
     return acc, l_i, m_i
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._triton_backward import _load_tile, _row_stats, scores_of_tile
+from ._triton_dropout import kept, row_key
 from ._triton_kernel import key_tiles, valid_lengths
 from ._triton_masks import (
     bias_tile,
@@ -30,13 +31,14 @@ __all__ = ["dq_kernel"]
 def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi, num_cols,
               offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
               stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
-              softcap, lower_off, upper_off, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+              softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
+              MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, BIAS_GRAD: tl.constexpr,
-              SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+              SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Add the key blocks of ``range(lo, hi, BLOCK_N)`` (see ``tile_span``) to this
-    query block's dQ."""
+    query block's dQ (with ``DROPOUT``: ``dS = P (dP Z - Delta)``)."""
     offs_n = tl.arange(0, BLOCK_N)
     for pos in range(lo, hi, BLOCK_N):
         start_n = tile_start(tiles, pos, BLOCK_N, HAS_TABLE)
@@ -62,6 +64,9 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi
                               HAS_BITS, HAS_BIAS, HAS_BAD, SOFTCAP, BLOCK_M, BLOCK_N, False)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(kept(drop_key, offs_m[:, None], cols[None, :], drop_threshold),
+                          dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if BIAS_GRAD:  # d(out, lse) / d bias is dS, before the softcap's factor
             tl.store(DBias + offs_m[:, None] * kv_len + cols[None, :], ds,
@@ -83,13 +88,14 @@ def dq_kernel(
         stride_bz, stride_bh, stride_bm, stride_bn,
         table_z, table_h, table_m, num_cols,
         num_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
-        sm_scale, softcap, lower_off, upper_off,
+        sm_scale, softcap, lower_off, upper_off, Word, drop_threshold, drop_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, BIAS_GRAD: tl.constexpr,
-        SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        DROPOUT: tl.constexpr):
     """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``DQ`` (and, with
     ``BIAS_GRAD``, the visited tiles of ``DBias``, ``(Z, num_heads, q_len, kv_len)``
     float32)."""
@@ -134,6 +140,9 @@ def dq_kernel(
     Bias += off_z * stride_bz + off_h * stride_bh
     DBias += row0 * kv_len
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    drop_key = 0
+    if DROPOUT:
+        drop_key = row_key(Word, pid_zh)
 
     for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
         if not (HAS_TABLE and part == 0):  # a table lists no head
@@ -143,9 +152,9 @@ def dq_kernel(
                 dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi, num_cols,
                 offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
                 stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
-                softcap, lower_off, upper_off, part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER,
-                HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS, HAS_TABLE, BIAS_GRAD, SOFTCAP,
-                INPUT_PRECISION)
+                softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale, part != 1,
+                BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS,
+                HAS_TABLE, BIAS_GRAD, SOFTCAP, INPUT_PRECISION, DROPOUT)
 
     dq_ptrs = (DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm
                + offs_d[None, :] * stride_dqd)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_dropout import kept, row_key
 from ._triton_masks import (
     add_poison,
     bias_tile,
@@ -38,10 +39,12 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def fold_tile(acc, l_i, m_i, q, k, v, rows, cols, kv_valid, lower_off, upper_off, Bits, slot,
-              bias, poison, sm_scale, softcap, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
+              bias, poison, sm_scale, softcap, drop_key, drop_threshold, drop_scale,
+              MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
               POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              DROPOUT: tl.constexpr):
     """One step of the online softmax: scores of ``q`` against the key tile ``k``
     (``[BLOCK_D, BLOCK_N]``), plus the ``bias`` tile (float32), folded with ``v`` into
     the running ``(acc, l_i, m_i)``. ``MASKED`` tiles keep the pairs of query ``rows``
@@ -49,8 +52,10 @@ def fold_tile(acc, l_i, m_i, q, k, v, rows, cols, kv_valid, lower_off, upper_off
     poisoned keys (``Poison``: a value that is not finite; the value is loaded as 0)
     must score NaN in every row that attends them, so that exactly those rows come out
     NaN: the pointer paths load such keys as NaN, and with ``POISON_SCORES`` the
-    ``poison`` (NaN there, else 0) is added to the scores here. Shared by every
-    forward path."""
+    ``poison`` (NaN there, else 0) is added to the scores here. With ``DROPOUT`` the
+    weights that reach ``v`` are dropped (``_triton_dropout``: the row hashed to
+    ``drop_key``), after the running sum took them whole. Shared by every forward
+    path."""
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
     if SOFTCAP:
         # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
@@ -75,6 +80,9 @@ def fold_tile(acc, l_i, m_i, q, k, v, rows, cols, kv_valid, lower_off, upper_off
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if DROPOUT:
+        p = tl.where(kept(drop_key, rows[:, None], cols[None, :], drop_threshold),
+                     p * drop_scale, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, l_i, m_new
 
@@ -112,11 +120,12 @@ def block_order(num_heads, q_len, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr):
 def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
             offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
             stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
-            softcap, lower_off, upper_off, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+            softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
+            MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
             HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, POISON_SCORES: tl.constexpr,
-            SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+            SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Fold the key blocks of ``range(lo, hi, BLOCK_N)`` (see ``tile_span``) into the
     running state, loading through pointers. ``MASKED`` (partial) tiles may hold
     disallowed pairs or keys past the end; full tiles are read whole. Keys past the
@@ -162,8 +171,9 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols,
                              stride_bn)
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, offs_m, cols, kv_valid, lower_off,
                                   upper_off, Bits, slot, bias, poison, sm_scale, softcap,
-                                  MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
-                                  POISON_SCORES, SOFTCAP, INPUT_PRECISION, BLOCK_M, BLOCK_N)
+                                  drop_key, drop_threshold, drop_scale, MASKED, HAS_LOWER,
+                                  HAS_UPPER, HAS_BITS, HAS_BIAS, POISON_SCORES, SOFTCAP,
+                                  INPUT_PRECISION, BLOCK_M, BLOCK_N, DROPOUT)
     return acc, l_i, m_i
 
 
@@ -218,20 +228,21 @@ def flash_forward_kernel(
         stride_bz, stride_bh, stride_bm, stride_bn,
         table_z, table_h, table_m, num_cols,
         num_heads, group_size, q_len, kv_len, head_dim, value_head_dim,
-        sm_scale, softcap, lower_off, upper_off,
+        sm_scale, softcap, lower_off, upper_off, Word, drop_threshold, drop_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
-        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``.
     ``Poison`` is ``(Z, Hkv, kv_len)`` float32 (see :func:`fold_tile`); ``Table`` the
     block form's rows per query block (``_triton_masks``; read with ``HAS_TABLE``),
     ``Bits`` its bit tiles,
     ``Bias`` read with its strides (0 along broadcast axes). (The tensor-descriptor
     kernel orders its grid for L2 with :func:`block_order`; here the index arithmetic
-    would cost sm_80 tiles their last free registers.)"""
+    would cost sm_80 tiles their last free registers.) ``Word`` is dropout's seed word
+    (read with ``DROPOUT``)."""
     pid_zh = tl.program_id(0)
     pid_m = tl.program_id(1)
     if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
@@ -273,6 +284,9 @@ def flash_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    drop_key = 0
+    if DROPOUT:
+        drop_key = row_key(Word, pid_zh)
 
     for part in tl.static_range(3):  # masked head, mask-free middle, masked tail
         if not (HAS_TABLE and part == 0):  # a table lists no head
@@ -282,10 +296,11 @@ def flash_forward_kernel(
                 acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
                 offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
                 stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
-                softcap, lower_off, upper_off, part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER,
+                softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
+                part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER,
                 HAS_UPPER, HAS_POISON, HAS_BITS, HAS_BIAS, HAS_TABLE,
                 HAS_POISON and (HAS_BIAS or Q.dtype.element_ty == tl.float32), SOFTCAP,
-                INPUT_PRECISION)
+                INPUT_PRECISION, DROPOUT)
 
     out, lse = finish_rows(acc, l_i, m_i, offs_m, q_valid)
 

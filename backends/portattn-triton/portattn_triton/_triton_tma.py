@@ -64,8 +64,9 @@ def _attend_tma(acc, l_i, m_i, q, DescK, DescV, Poison, Bits, Bias, off_z, off_k
                              stride_bn)
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, tl.trans(k), v, offs_m, cols, kv_valid,
                                   lower_off, upper_off, Bits, slot, bias, poison, sm_scale,
-                                  softcap, MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
-                                  HAS_POISON, SOFTCAP, INPUT_PRECISION, BLOCK_M, BLOCK_N)
+                                  softcap, 0, 0, 1.0, MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS,
+                                  HAS_BIAS, HAS_POISON, SOFTCAP, INPUT_PRECISION, BLOCK_M,
+                                  BLOCK_N, False)  # no dropout: the launch takes the pointer path
     return acc, l_i, m_i
 
 

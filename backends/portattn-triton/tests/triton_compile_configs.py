@@ -40,10 +40,15 @@ VARIANTS = {
     "all_even": _FEATURES,
     "all": {**_FEATURES, "EVEN_D": False},
     "ws": {},  # the tensor-descriptor kernel with warp specialization
+    # dropout (pointer forward and backward only), with bit tiles and with everything
+    "dropout_bits_even": {**_BITS, "DROPOUT": True},
+    "dropout_all_even": {**_FEATURES, "DROPOUT": True},
 }
 #: The extra (``_configs.EXTRAS``) each level of variants is launched with.
-EXTRA_OF = {"formulas": None, "bits": "bits", "all": "bias"}
-LEVELS = tuple(EXTRA_OF)
+EXTRA_OF = {"formulas": None, "bits": "bits", "all": "bias", "dropout_bits": "dropout",
+            "dropout_all": "dropout"}
+LEVELS = ("formulas", "bits", "all")
+DROPOUT_LEVELS = ("dropout_bits", "dropout_all")
 
 
 def extra_of(variant: str) -> str | None:
@@ -83,7 +88,7 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     types = {name: f"*{elem}" for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
     # a float32 bias, the widest (half precision inputs sum it in float32 either way)
     types.update(dict.fromkeys((*_FLOAT_POINTERS, "Bias"), "*fp32"))
-    types.update(KeyLengths="*i32", QueryLengths="*i32", Table="*i32", Bits="*u8")
+    types.update(KeyLengths="*i32", QueryLengths="*i32", Table="*i32", Bits="*u8", Word="*i32")
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -94,7 +99,7 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
         elif name in types:
             signature[name] = types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("sm_scale", "softcap"):
+        elif name in ("sm_scale", "softcap", "drop_scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -154,11 +159,12 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
         if dtype == "float32" and dim > 128:  # no decode for float32 at head dim 256
             return []
         return (["plain"] if dim == 128 and dtype != "float32" else []) + list(levels)
+    dropout = [f"{level}_even" for level in DROPOUT_LEVELS] if len(levels) > 1 else []
     if kernel != "forward":
         if dim > BACKWARD_MAX_DIM[DTYPES[dtype][1]]:
             return []
-        return ["plain", *(v for level in levels for v in (f"{level}_even", level))]
-    names = ["plain"]
+        return ["plain", *(v for level in levels for v in (f"{level}_even", level)), *dropout]
+    names = [*dropout, "plain"]
     for level in levels:
         names.append(level)
         if (launcher_config(arch, dtype, dim, level, kernel)
@@ -190,7 +196,7 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
             "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
             "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "HAS_POISON": False,
             "HAS_BAD": False, "HAS_BITS": False, "HAS_BIAS": False, "HAS_TABLE": False,
-            "BIAS_GRAD": False,
+            "BIAS_GRAD": False, "DROPOUT": False,
             "SOFTCAP": False,
             "REVERSE": False,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
