@@ -95,7 +95,27 @@ def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any
             key_length: int | None = None, scale: float | None = None,
             softcap: float | None = None) -> Problem:
     """The :class:`~portattn.distributed.engine.Problem` of one rank's call, validated,
-    with ``mask`` bound to the whole sequence."""
+    with ``mask`` bound to the whole sequence (what :func:`attention` builds before
+    running a schedule).
+
+    Args:
+        query, key, value: this rank's shards, as for :func:`attention`.
+        rank: this rank's index.
+        size: the number of ranks.
+        mask, layout, query_length, key_length, scale, softcap: as for
+            :func:`attention`.
+
+    Returns:
+        The call's :class:`~portattn.distributed.engine.Problem`.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import distributed, masks
+        >>> q = np.zeros((1, 2, 4, 8))
+        >>> prob = distributed.problem(q, q, q, rank=1, size=2, mask=masks.causal())
+        >>> [len(prob.pairs(source)) for source in range(2)]
+        [1, 1]
+    """
     from ._plan import Problem
 
     xp = array_namespace(query, key, value)
@@ -201,7 +221,20 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
 def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: Any,
               lse: Any, dout: Any, dlse: Any = None,
               strategy: str = "ring") -> tuple[Any, Any, Any]:
-    """Gradients of this rank's shards (the portable backward over a communicator)."""
+    """Gradients of this rank's query, key and value shards: the portable backward of
+    :func:`attention` run over a communicator (an engine's autograd calls the same).
+
+    Args:
+        group: a communicator (:class:`LocalGroup`, or an engine's).
+        prob: the call's :func:`problem`.
+        query, key, value: this rank's shards.
+        out, lse: what :func:`attention` returned for them (``return_lse=True``).
+        dout, dlse: the gradients of ``out`` and ``lse`` (``dlse`` None for zero).
+        strategy: as given to :func:`attention`.
+
+    Returns:
+        ``(dquery, dkey, dvalue)``, each in its shard's dtype.
+    """
     return backward(group, prob, query, key, value, out, lse, dout, dlse, strategy)
 
 

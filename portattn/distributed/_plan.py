@@ -90,11 +90,6 @@ class Problem:
                                self.unbound.restrict(self.xp, qs.start, qs.stop, ks.start,
                                                   ks.stop, lq, lk))
 
-    def sources_needed(self) -> list[bool]:
-        """Whether any rank sees any key of each source (a source no one sees never
-        has to move)."""
-        return [any(self.pairs(s, r) for r in range(self.size)) for s in range(self.size)]
-
 
 def visible_work(problem: Problem) -> list[int]:
     """The (query, key) pairs each rank attends, summed over its visible segment
