@@ -47,7 +47,7 @@ class Partials:
         out, lse = attention(_rows(self.query, pair.query.local), _rows(key, ks),
                              _rows(value, ks), mask=pair.mask, return_lse=True,
                              **self.problem.options)
-        out, lse = xp.astype(out, self.ct), xp.astype(lse, self.ct)
+        out, lse = xp.astype(out, self.ct, copy=False), xp.astype(lse, self.ct, copy=False)
         before = self.acc.get(pair.query.start)
         if before is not None:
             out, lse = merge([before[0], out], [before[1], lse])
@@ -88,7 +88,7 @@ def placed(xp: Any, parts: dict[int, Any], segments: tuple[Segment, ...], length
             continue
         if seg.offset > filled:
             pieces.append(gap(seg.offset - filled))
-        pieces.append(xp.astype(part, dtype))
+        pieces.append(xp.astype(part, dtype, copy=False))
         filled = seg.offset + len(seg)
     if length > filled or not pieces:
         pieces.append(gap(length - filled))
@@ -103,7 +103,7 @@ class SegmentSum:
         self.parts: dict[int, Any] = {}
 
     def add(self, segment: Segment, part: Any) -> None:
-        part = self.xp.astype(part, self.dtype)
+        part = self.xp.astype(part, self.dtype, copy=False)
         before = self.parts.get(segment.start)
         self.parts[segment.start] = part if before is None else before + part
 
@@ -122,7 +122,8 @@ def pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any, o
     # Half precision: the pair's gradients stay float32 (the tiled backward computes in
     # float32 anyway; rounding each pair's part to half would add one rounding per rank).
     ct = compute_dtype(xp, query.dtype)
-    q, k, v = (xp.astype(x, ct) for x in (_rows(query, qs), _rows(key, ks), _rows(value, ks)))
+    q, k, v = (xp.astype(x, ct, copy=False)
+               for x in (_rows(query, qs), _rows(key, ks), _rows(value, ks)))
     inputs = describe(q, k, v, mask=pair.mask, **problem.options)
     grads = flash_backward(inputs, _rows(out, qs), lse[..., qs], _rows(dout, qs),
                            None if dlse is None else dlse[..., qs])

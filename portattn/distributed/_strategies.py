@@ -115,5 +115,5 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
         else:
             dkey, dvalue = comm.finish_shift(carried)
     dquery = dq.shard(qsegs, problem.queries.shard_length, query)
-    return (xp.astype(dquery, query.dtype), xp.astype(dkey, key.dtype),
-            xp.astype(dvalue, value.dtype))
+    return (xp.astype(dquery, query.dtype, copy=False), xp.astype(dkey, key.dtype, copy=False),
+            xp.astype(dvalue, value.dtype, copy=False))
