@@ -70,14 +70,15 @@ def info(wide: bool = False) -> int:
                       _mask_kinds(k.masks)))
         options.append((entry.name, *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
     legend = ("masks: all = every kind of portattn.masks.KINDS; cap = softcap, dv = value "
-              "head dim != head dim, wts = weights, det = deterministic, fin = finite "
-              "inputs only")
+              "head dim != head dim, wts = weights, drop = dropout, seed = dropout from "
+              "dropout_seed (the same pairs in every such kernel), det = deterministic, "
+              "fin = finite inputs only")
     if wide:
         print(f"\ndeclared capabilities ({legend}):")
         _table([w + o[1:] for w, o in zip(where, options, strict=True)])
     else:
         print("\nwhere each kernel runs, and the masks it takes (one table: info --wide):")
-        _table(where)
+        _table(where, wrap=WIDTH)
         print("\nwhat else it takes and gives:")
         _table(options)
         print("\n" + textwrap.fill(legend, WIDTH))
@@ -90,10 +91,22 @@ def info(wide: bool = False) -> int:
     return 0
 
 
-def _table(rows: list[tuple[str, ...]]) -> None:
+def _table(rows: list[tuple[str, ...]], wrap: int | None = None) -> None:
+    """Print ``rows`` in columns; with ``wrap``, a last cell that would pass that many
+    characters continues on the next lines, broken after its commas."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    if wrap is not None:
+        widths[-1] = min(widths[-1], max(wrap - indent, 1))
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        *first, last = row
+        lines = [last] if wrap is None else textwrap.wrap(
+            last.replace(",", ", "), max(wrap - indent, 1), break_on_hyphens=False) or [""]
+        lines = [line.replace(", ", ",") for line in lines]
+        cells = [cell.ljust(w) for cell, w in zip(first, widths, strict=False)]
+        print("  ".join([*cells, lines[0]]).rstrip())
+        for line in lines[1:]:
+            print(" " * indent + line)
 
 
 def demo() -> int:

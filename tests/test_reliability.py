@@ -241,7 +241,7 @@ def test_torch_compile_fullgraph(backend):
     import torch
 
     args, seen = _arrays(backend, [(2, 2, 8, 16)] * 3)
-    mask = masks.causal()  # built outside: building one while compiling still breaks
+    mask = masks.causal()  # (built inside: test_torch_compile_first_call)
     portattn.kernels()  # discovered before compiling, as the README says
     compiled = torch.compile(lambda q, k, v: portattn.attention(q, k, v, mask=mask),
                              fullgraph=True)

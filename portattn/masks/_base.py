@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ._values import torch_compiling
+
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
@@ -44,8 +46,12 @@ _hooks_lock = threading.Lock()
 def before_creating() -> None:
     """Run the library hooks whose library is imported now (the public constructors
     call this first: a compiler that stops tracing inside a hook then never holds a
-    half-built mask)."""
+    half-built mask). Not while torch.compile traces: its graphs hold no other
+    library's arrays, and it cannot trace the lookup or the lock; the next mask built
+    outside runs them."""
     global _pending
+    if torch_compiling():
+        return
     if _pending is None:
         from importlib.metadata import entry_points
 

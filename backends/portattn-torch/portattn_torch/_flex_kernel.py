@@ -188,7 +188,9 @@ def _flex_unavailable() -> str | None:
         return "torch's flex_attention is too old (BlockMask.from_kv_blocks has no seq_lengths)"
     import torch
 
-    if not torch._dynamo.is_dynamo_supported():
+    # Asked for the first time while torch.compile traces (which cannot trace the
+    # question): dynamo runs, so it is supported.
+    if not torch.compiler.is_compiling() and not torch._dynamo.is_dynamo_supported():
         return "torch.compile is not supported on this Python"
     return None
 

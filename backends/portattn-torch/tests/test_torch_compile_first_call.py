@@ -1,0 +1,43 @@
+"""The first call of a process made inside ``torch.compile(fullgraph=True)``: the mask
+built there and every torch kernel's availability asked there for the first time,
+with nothing traced that dynamo cannot (a fresh interpreter, so no earlier test has
+answered those questions already)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+_FIRST_CALL = """
+import torch
+import portattn
+from portattn import masks
+
+portattn.kernels()  # discovery reads entry points: before compiling, as documented
+
+
+@torch.compile(fullgraph=True, backend="eager")
+def step(q, k, v, lengths):
+    mask = masks.causal() & masks.key_lengths(lengths)
+    return portattn.attention(q, k, v, mask=mask)
+
+
+q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+lengths = torch.tensor([32, 20])
+out = step(q, k, v, lengths)
+want = portattn.attention(q, k, v, mask=masks.causal() & masks.key_lengths(lengths),
+                          kernel="reference")
+torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+print("ok")
+"""
+
+
+def test_a_mask_built_and_kernels_first_asked_while_compiling():
+    run = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("ok")
