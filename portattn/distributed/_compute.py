@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import array_api_extra as xpx
 from array_api_compat import device as device_of
 
 from .._api import attention
@@ -111,6 +112,15 @@ class SegmentSum:
         """The whole shard (zeros where nothing was added), shaped like ``like``."""
         return placed(self.xp, self.parts, segments, length,
                       (*like.shape[:-2], like.shape[-1]), self.dtype, device_of(like))
+
+    def added_to(self, target: Any, segments: tuple[Segment, ...]) -> Any:
+        """``target`` (a whole shard in the compute dtype) plus the parts, written in
+        place where the library allows (no second shard alive at once)."""
+        for seg in segments:
+            part = self.parts.get(seg.start)
+            if part is not None:
+                target = xpx.at(target)[..., seg.local, :].add(part)
+        return target
 
 
 def pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any, out: Any,

@@ -102,10 +102,12 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
             source = (rank - step) % size
             pending = comm.start_shift(kv) if step < size - 1 else None
             dk, dv = visit(source, *kv)
-            dk, dv = whole(dk, source, key), whole(dv, source, value)
-            if carried is not None:
+            if carried is None:
+                dk, dv = whole(dk, source, key), whole(dv, source, value)
+            else:  # the accumulators that arrived, for this source: add to them
                 arrived = comm.finish_shift(carried)
-                dk, dv = dk + arrived[0], dv + arrived[1]
+                ksegs = klayout.segments(source)
+                dk, dv = dk.added_to(arrived[0], ksegs), dv.added_to(arrived[1], ksegs)
             if size == 1:  # nothing travels: the block is home
                 dkey, dvalue = dk, dv
                 break
