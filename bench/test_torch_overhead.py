@@ -140,3 +140,56 @@ def test_nonfinite_guard_under_compile(benchmark, mask, n):
     benchmark.extra_info.update(time_over_direct=best, median_time_over_direct=median)
     print(f"\ncompiled torch_sdpa / compiled SDPA, {mask} N={n}, in turns: {best:.3f}x by "
           f"minimum, {median:.3f}x median per round")
+
+
+TRAINING_SIZES = (512, 1024)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("n", TRAINING_SIZES, ids=lambda n: f"N={n}")
+@pytest.mark.parametrize("trust", [False, True], ids=["guarded", "assume_finite"])
+def test_nonfinite_guard_in_a_compiled_training_step(benchmark, trust, n):
+    """A compiled causal forward + backward, (4, 8, N, 64) float32 on one thread, as a
+    GPT block's attention runs in training: ``torch_sdpa`` keeping the rule for
+    non-finite inputs on the device (a pass over the keys and values, a copy of them,
+    a pass over the output, and their backward), or told the inputs are finite
+    (``assume_finite=True``), timed in turns against SDPA compiled the same way."""
+    from portattn import masks
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(4, HEADS, n, HEAD_DIM, generator=g).requires_grad_()
+                   for _ in range(3))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def ours(q, k, v):
+            return portattn.attention(q, k, v, mask=masks.causal("top_left"),
+                                      kernel="torch_sdpa", assume_finite=trust)
+
+        def direct(q, k, v):
+            return sdpa(q, k, v, is_causal=True)
+
+        portattn.kernels()
+        ours, direct = (torch.compile(f, fullgraph=True) for f in (ours, direct))
+
+        def step(f):
+            def run():
+                f(q, k, v).sum().backward()
+            return run
+
+        step(ours)()
+        step(direct)()
+        benchmark.group = f"compiled causal forward+backward N={n}"
+        benchmark.extra_info.update(shape=(4, HEADS, n, HEAD_DIM), dtype="float32",
+                                    assume_finite=trust)
+        benchmark.pedantic(step(ours), warmup_rounds=1, rounds=5, iterations=1)
+        best, median = _alternating(step(direct), step(ours), 9, 1)
+    finally:
+        torch.set_num_threads(threads)
+    benchmark.extra_info.update(time_over_direct=best, median_time_over_direct=median)
+    how = "assume_finite" if trust else "guarded"
+    print(f"\ncompiled causal forward+backward, torch_sdpa ({how}) / SDPA, N={n}, in turns: "
+          f"{best:.3f}x by minimum, {median:.3f}x median per round")

@@ -36,15 +36,18 @@ def rows_seeing(bad: Any, attn_mask: Any, is_causal: bool, q_len: int, group: in
     import torch
     from torch.nn.attention.bias import CausalBias
 
-    if group > 1:
-        bad = bad.repeat_interleave(group, dim=1)
     lk = bad.shape[-1]
     if is_causal or isinstance(attn_mask, CausalBias):
-        # Row i sees keys [0, i + 1 + offset): count the bad ones by a prefix sum.
+        # Row i sees keys [0, i + 1 + offset): those past the first bad key see one.
         offset = 0 if is_causal else lk - q_len
-        ends = torch.arange(1 + offset, q_len + 1 + offset, device=bad.device).clamp(0, lk)
-        before = torch.nn.functional.pad(torch.cumsum(bad, dim=-1), (1, 0))
-        return before[..., ends] > 0
+        positions = torch.arange(lk, device=bad.device)
+        first = torch.where(bad, positions, lk).amin(dim=-1, keepdim=True)
+        if group > 1:
+            first = first.repeat_interleave(group, dim=1)
+        ends = torch.arange(1 + offset, q_len + 1 + offset, device=bad.device)
+        return ends > first
+    if group > 1:
+        bad = bad.repeat_interleave(group, dim=1)
     allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
     allowed = allowed.expand(*allowed.shape[:-1], lk)  # query lengths give (.., Lq, 1)
     # (.., Lq, Lk) @ (B, Hq, Lk, 1): a count of the bad keys each row may attend; a sum
