@@ -187,8 +187,8 @@ def test_bad_arguments_name_themselves():
         return distributed.attention(q[..., :7, :], k[..., :7, :], v[..., :7, :],
                                      group=group, **kwargs)
 
-    with pytest.raises(ValueError, match=r"strategy=.*'ulysses'"):
-        distributed.run_local(lambda g: call(g, strategy="ulysses"), 2)
+    with pytest.raises(ValueError, match=r"strategy=.*'fsdp'"):
+        distributed.run_local(lambda g: call(g, strategy="fsdp"), 2)
     with pytest.raises(ValueError, match=r"layout=.*'random'"):
         distributed.run_local(lambda g: call(g, layout="random"), 2)
     with pytest.raises(ValueError, match=r"query.shape\[-2\]=7 .*query_length=20"):
@@ -232,3 +232,23 @@ def test_balanced_layouts_even_out_packed_documents():
     balanced = visible_work(distributed.engine.Problem(np, 0, layout, layout, bound))
     assert sum(balanced) == sum(zig)
     assert max(balanced) / min(balanced) <= 1.1 < max(zig) / min(zig)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("case", ["causal", "documents", "key_lengths", "none"])
+def test_ulysses_forward(case, layout):
+    mask = _mask_cases(LQ, LK)[case]
+    q, k, v = _data()
+    out, lse = _run(q, k, v, 2, mask, layout, "ulysses")
+    want, want_lse = portattn.attention(q, k, v, mask=mask, return_lse=True,
+                                        kernel="reference")
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-12, atol=1e-12)
+
+
+def test_ulysses_needs_heads_that_divide():
+    q, k, v = _data(hq=4, hkv=2)
+    with pytest.raises(ValueError, match="2 key/value heads"):
+        _run(q, k, v, 4, None, "contiguous", "ulysses")

@@ -16,6 +16,7 @@ from ..errors import PluginWarning
 from ..masks import Mask, dense
 from ._layout import LAYOUTS, Layout
 from ._strategies import STRATEGIES, backward, forward
+from ._ulysses import heads_problem
 from .engine import GROUP
 
 if TYPE_CHECKING:
@@ -164,8 +165,10 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         mask: a :mod:`portattn.masks` mask in global positions, or a boolean array
             ``(..., Lq, Lk)``.
         strategy: ``"ring"`` (K/V shards pass rank to rank, overlapped with compute;
-            memory for two shards) or ``"all_gather"`` (one collective; memory for the
-            whole K/V: short sequences, few K/V heads).
+            memory for two shards), ``"all_gather"`` (one collective; memory for the
+            whole K/V: short sequences, few K/V heads) or ``"ulysses"`` (all-to-all
+            from sequence shards to head shards and back: heads that divide by the
+            ranks, a mask that does not vary by head).
         layout: ``"contiguous"``, ``"zigzag"`` (balances causal masks), or a
             :class:`Layout` (:meth:`Layout.balanced` for any mask), as given to
             :func:`shard`.
@@ -206,6 +209,8 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
     _check_choice("strategy", strategy, STRATEGIES)
     xp = array_namespace(query, key, value)
     engine, rank, size = _rank_and_size(group, namespace_name(xp))
+    if strategy == "ulysses" and (why := heads_problem(query, key, size)) is not None:
+        raise ValueError(why)
     prob = problem(query, key, value, rank=0 if rank is None else rank, size=size,
                    mask=mask, layout=layout,
                    query_length=query_length, key_length=key_length, scale=scale,

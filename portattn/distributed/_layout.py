@@ -203,9 +203,9 @@ class Layout:
             pos[seg.local] = range(seg.start, seg.stop)
         return pos
 
-    def shard(self, x: Any, rank: int, *, axis: int = -2) -> Any:
+    def shard(self, x: Any, rank: int, *, axis: int = -2, fill: float = 0) -> Any:
         """``rank``'s shard of the whole array ``x`` (positions along ``axis``), padded
-        with zeros to ``shard_length``."""
+        with ``fill`` to ``shard_length``."""
         xp = array_namespace(x)
         axis = _axis(x, axis)
         if x.shape[axis] != self.length:
@@ -216,11 +216,11 @@ class Layout:
         filled = 0
         for seg in self.segments(rank):
             if seg.offset > filled:
-                pieces.append(_zeros(xp, x, axis, seg.offset - filled))
+                pieces.append(_zeros(xp, x, axis, seg.offset - filled, fill))
             pieces.append(_take(x, axis, seg.start, seg.stop))
             filled = seg.offset + len(seg)
         if self.shard_length > filled or not pieces:
-            pieces.append(_zeros(xp, x, axis, self.shard_length - filled))
+            pieces.append(_zeros(xp, x, axis, self.shard_length - filled, fill))
         return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
 
     def unshard(self, shards: Sequence[Any], *, axis: int = -2) -> Any:
@@ -244,12 +244,12 @@ class Layout:
             return _take(shards[0], axis, 0, 0)
         return xp.concat([p for _, p in placed], axis=axis)
 
-    def rank_major(self, x: Any, *, axis: int = -2) -> Any:
+    def rank_major(self, x: Any, *, axis: int = -2, fill: float = 0) -> Any:
         """Every rank's shard of ``x``, one after another along ``axis``: the whole
         array laid out so that an even split of that axis (JAX's ``shard_map``, a
         ``DTensor``'s ``Shard``) gives each rank its shard."""
         xp = array_namespace(x)
-        return xp.concat([self.shard(x, r, axis=axis) for r in range(self.size)],
+        return xp.concat([self.shard(x, r, axis=axis, fill=fill) for r in range(self.size)],
                          axis=_axis(x, axis))
 
     def from_rank_major(self, x: Any, *, axis: int = -2) -> Any:
@@ -278,10 +278,10 @@ def _take(x: Any, axis: int, start: int, stop: int) -> Any:
     return x[index]
 
 
-def _zeros(xp: Any, x: Any, axis: int, n: int) -> Any:
+def _zeros(xp: Any, x: Any, axis: int, n: int, fill: float = 0) -> Any:
     shape = list(x.shape)
     shape[axis] = n
-    return xp.zeros(tuple(shape), dtype=x.dtype, device=_device(x))
+    return xp.full(tuple(shape), fill, dtype=x.dtype, device=_device(x))
 
 
 def _device(x: Any) -> Any:

@@ -54,6 +54,10 @@ class LocalGroup:
         shared.barrier.wait()
         return gathered
 
+    def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
+        every = self.all_gather(list(parts))
+        return [every[r][self.rank] for r in range(self.size)]
+
     def reduce_scatter(self, parts: Sequence[Any]) -> Any:
         every = self.all_gather(list(parts))
         total = every[0][self.rank]

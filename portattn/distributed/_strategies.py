@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._compute import Partials, SegmentSum, compute_dtype, pair_grads
+from ._ulysses import ulysses
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "Communicator", "backward", "forward"]
 
-STRATEGIES = ("ring", "all_gather")
+STRATEGIES = ("ring", "all_gather", "ulysses")
 
 
 class Communicator(Protocol):
@@ -43,11 +44,17 @@ class Communicator(Protocol):
     def reduce_scatter(self, parts: Sequence[Any]) -> Any:
         """The sum over ranks of their ``parts[rank]``."""
 
+    def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
+        """What every rank sent this one (their ``parts[rank]``), in rank order; for
+        ``"ulysses"``, differentiable where the library has autograd."""
+
 
 def forward(comm: Communicator, problem: Problem, query: Any, key: Any,
             value: Any, strategy: str) -> tuple[Any, Any]:
     """``(out, lse)`` of this rank's query shard over every rank's keys, in the
     compute dtype (float32 for half precision)."""
+    if strategy == "ulysses":
+        return ulysses(comm, problem, query, key, value)
     partials = Partials(problem, query)
     size, rank = problem.size, problem.rank
     if strategy == "all_gather":
@@ -70,6 +77,10 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
              out: Any, lse: Any, dout: Any, dlse: Any,
              strategy: str) -> tuple[Any, Any, Any]:
     """Gradients of this rank's query, key and value shards, each in its dtype."""
+    if strategy == "ulysses":
+        msg = ("strategy='ulysses' has no backward of its own: its gradients come from "
+               "the library's autograd through the all-to-alls")
+        raise ValueError(msg)
     xp, size, rank = problem.xp, problem.size, problem.rank
     ct = compute_dtype(xp, query.dtype)
     qsegs, klayout = problem.queries.segments(rank), problem.keys

@@ -9,7 +9,8 @@ is a ``lax.switch`` over the ranks, each branch running that rank's visible pair
 shards, the output and the log-sum-exp, and its backward recomputes each pair from
 them, sending dK/dV back to their owners (``ppermute``, or ``psum_scatter`` after an
 all-gather). The loop over steps is the number of ranks long and unrolled; the tiles
-inside each pair are not.
+inside each pair are not. ``"ulysses"`` trades sequence shards for head shards with
+``lax.all_to_all`` and lets JAX differentiate it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 from jax import lax
 
 from portattn import merge
-from portattn.distributed.engine import backward_step, forward_step
+from portattn.distributed.engine import backward_step, forward, forward_step
 
 if TYPE_CHECKING:
     from portattn.distributed.engine import Problem
@@ -51,7 +52,20 @@ def all_gather(x: Any, group: str) -> list[Any]:
 def attention(problem: Problem, query: Any, key: Any, value: Any, group: str,
               strategy: str) -> tuple[Any, Any]:
     """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""
+    if strategy == "ulysses":  # JAX differentiates the all-to-alls and the kernel
+        return forward(_AllToAll(group, problem.size), problem, query, key, value, strategy)
     return _build(problem, group, strategy)(query, key, value)
+
+
+class _AllToAll:
+    """The collective ``"ulysses"`` needs, along one mesh axis."""
+
+    def __init__(self, axis: str, size: int) -> None:
+        self.axis, self.size = axis, size
+
+    def all_to_all(self, parts: list[Any]) -> list[Any]:
+        got = lax.all_to_all(jax.numpy.stack(parts), self.axis, 0, 0)
+        return [got[r] for r in range(self.size)]
 
 
 def _build(problem: Problem, axis: str, strategy: str) -> Any:

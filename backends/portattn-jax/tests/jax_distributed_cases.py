@@ -27,6 +27,7 @@ CASES = {
     "causal_gqa_softcap-ring-zigzag": (23, 23, 4, 2, masks.causal(), 5.0, "ring", "zigzag"),
     "cross_window-gather-contiguous": (9, 23, 2, 1, masks.sliding_window(6, 3), None,
                                        "all_gather", "contiguous"),
+    "causal_gqa-ulysses-zigzag": (23, 23, 4, 2, masks.causal(), None, "ulysses", "zigzag"),
 }
 
 

@@ -17,7 +17,8 @@ pytest.importorskip("jax")
 
 CASES = Path(__file__).with_name("jax_distributed_cases.py")
 # one case per device count: each compiles for seconds
-RUNS = {2: ["cross_window-gather-contiguous"], 4: ["causal_gqa_softcap-ring-zigzag"]}
+RUNS = {2: ["cross_window-gather-contiguous", "causal_gqa-ulysses-zigzag"],
+        4: ["causal_gqa_softcap-ring-zigzag"]}
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda n: f"{n}devices")

@@ -6,8 +6,9 @@ supplies the collectives (point-to-point sends for the ring, started before each
 block's compute so they overlap with it; ``all_gather`` and ``reduce_scatter``) and the
 autograd: the forward saves only the shards, the output and the log-sum-exp, and the
 backward recomputes each visible pair from them (FlashAttention-2), sending dK/dV back
-to their owners. Works with any backend torch.distributed has (gloo on CPU, NCCL on
-CUDA).
+to their owners. ``"ulysses"`` trades sequence shards for head shards with
+differentiable all-to-alls and lets torch autograd run the kernel's own backward.
+Works with any backend torch.distributed has (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ class Communicator:
     def all_gather(self, x: Any) -> list[Any]:
         return all_gather(x, self.group)
 
+    def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
+        from torch.distributed.nn.functional import all_to_all  # differentiable
+
+        parts = [p.contiguous() for p in parts]
+        received = [torch.empty_like(p) for p in parts]
+        return list(all_to_all(received, parts, group=self.group))
+
     def reduce_scatter(self, parts: Sequence[Any]) -> Any:
         parts = [p.contiguous() for p in parts]
         out = torch.empty_like(parts[self.rank])
@@ -95,6 +103,8 @@ class Communicator:
 def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
               strategy: str) -> tuple[Any, Any]:
     """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""
+    if strategy == "ulysses":  # autograd flows through the all-to-alls and the kernel
+        return forward(Communicator(group), problem, query, key, value, strategy)
     return _Attention.apply(query, key, value, _Call(problem, group, strategy))
 
 

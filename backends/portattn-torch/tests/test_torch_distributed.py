@@ -1,7 +1,7 @@
 """portattn.distributed over torch.distributed: 2 and 4 gloo processes on loopback,
 forward and gradients (query, key, value, and through the lse) against one float64
-call of the whole sequence, for each mask kind, GQA, softcap, Lq != Lk, both
-strategies and both layouts.
+call of the whole sequence, for each mask kind, GQA, softcap, Lq != Lk, every
+strategy and both layouts.
 
 Each world size is one spawn that runs every case (starting processes costs seconds);
 the tests then compare what rank 0 gathered.
@@ -43,6 +43,10 @@ CASES = {
     "cross-ring-contiguous": (9, 23, 2, 2, "causal", None, "ring", "contiguous", "float32"),
     "cross_window-gather-zigzag": (9, 23, 2, 1, "window", None, "all_gather", "zigzag",
                                    "float32"),
+    "documents-ulysses-zigzag": (23, 23, 4, 4, "documents", None, "ulysses", "zigzag",
+                                 "float32"),
+    "cross_gqa-ulysses-contiguous": (9, 23, 8, 4, "causal", 5.0, "ulysses", "contiguous",
+                                     "float32"),
     "causal64-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "float64"),
     "causal_bf16-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "bfloat16"),
 }
