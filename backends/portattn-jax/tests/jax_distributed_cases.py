@@ -1,6 +1,9 @@
 """Run by test_jax_distributed.py in a fresh process (host devices must be set before
 JAX starts): portattn.distributed inside shard_map over a mesh of host devices,
-against one float64 call of the whole sequence. Prints one JSON line of errors."""
+against one float64 call of the whole sequence. Prints one JSON line of errors.
+
+``python jax_distributed_cases.py DEVICES [CASE ...]``: each case runs over its own
+number of devices (at most DEVICES)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import json
 import os
 import sys
 
-SIZE = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={SIZE}"
+DEVICES = int(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -22,24 +25,26 @@ from portattn import distributed, masks  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-# name: (lq, lk, hq, hkv, mask, softcap, strategy, layout)
+# name: (devices, lq, lk, hq, hkv, mask, softcap, strategy, layout)
 CASES = {
-    "causal_gqa_softcap-ring-zigzag": (23, 23, 4, 2, masks.causal(), 5.0, "ring", "zigzag"),
-    "cross_window-gather-contiguous": (9, 23, 2, 1, masks.sliding_window(6, 3), None,
+    "causal_gqa_softcap-ring-zigzag": (4, 23, 23, 4, 2, masks.causal(), 5.0, "ring",
+                                       "zigzag"),
+    "cross_window-gather-contiguous": (2, 9, 23, 2, 1, masks.sliding_window(6, 3), None,
                                        "all_gather", "contiguous"),
-    "causal_gqa-ulysses-zigzag": (23, 23, 4, 2, masks.causal(), None, "ulysses", "zigzag"),
+    "causal_gqa-ulysses-zigzag": (2, 23, 23, 4, 2, masks.causal(), None, "ulysses",
+                                  "zigzag"),
 }
 
 
 def run(case):
-    lq, lk, hq, hkv, mask, softcap, strategy, layout = CASES[case]
+    size, lq, lk, hq, hkv, mask, softcap, strategy, layout = CASES[case]
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in
                ((2, hq, lq, 8), (2, hkv, lk, 8), (2, hkv, lk, 8)))
     gout, glse = jnp.asarray(rng.standard_normal((2, hq, lq, 8))), jnp.asarray(
         rng.standard_normal((2, hq, lq)))
-    queries, keys = (distributed.Layout(layout, n, SIZE) for n in (lq, lk))
-    mesh = Mesh(np.array(jax.devices()[:SIZE]), ("cp",))
+    queries, keys = (distributed.Layout(layout, n, size) for n in (lq, lk))
+    mesh = Mesh(np.array(jax.devices()[:size]), ("cp",))
     rows = P(None, None, "cp", None)
 
     def body(q, k, v):
