@@ -109,6 +109,11 @@ class Config:
     compiled_blocks: bool = True
     """Run the fast way's blocks without a mask in one compiled call where Numba and
     NumPy's BLAS allow it (``_compiled_blocks``); False: NumPy calls between them."""
+    split_global_tokens: bool = True
+    """Compute ``band | global_tokens(positions)`` (a sliding window or causal band
+    joined to global tokens) in three exact parts merged by their log-sum-exps: the
+    band, every row against the global keys outside its band, the global rows against
+    every key (``_call``); False: through the union's block form, like any mask."""
     try_fast: bool = True
     """Try the unshifted exponential first (see ``_tiles``); False: the careful way only."""
     strategies: tuple[str, ...] = STRATEGIES
@@ -134,7 +139,7 @@ class Config:
                     and value >= 1)):
                 also = " or None" if name == "tile_bytes" else ""
                 return f"{name} must be a positive integer{also}; got {name}={value!r}"
-        for name in ("compiled_blocks", "try_fast"):
+        for name in ("compiled_blocks", "split_global_tokens", "try_fast"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be True or False; got {name}={getattr(self, name)!r}"
         for name in ("on_tile", "on_unit"):
