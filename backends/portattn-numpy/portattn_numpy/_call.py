@@ -115,8 +115,8 @@ def _in_three_parts(inputs: AttentionInputs, config: Config, tile_bytes: int,
                     band_mask: Any, positions: Any) -> tuple[Any, Any]:
     """``(out, lse)`` of ``band | global_tokens(positions)``: the band, then the global
     keys outside each row's band merged in, then the global rows put in place."""
-    out, lse = _planned(inputs._replace(mask=band_mask, return_lse=True), config,
-                        tile_bytes)
+    out, lse = _planned(inputs._replace(mask=band_mask, mask_kinds=band_mask.kinds,
+                                        return_lse=True), config, tile_bytes)
     lq, lk = inputs.q_len, inputs.kv_len
     band = band_mask.band(lq, lk)
     groups = ([((), positions)] if positions.ndim == 1
@@ -209,7 +209,7 @@ def _global_rows(inputs: AttentionInputs, config: Config, tile_bytes: int,
         query, key, value = query[b][None], key[b][None], value[b][None]
     part = inputs._replace(query=query[..., rows, :], key=key, value=value,
                            batch_shape=query.shape[:-3], q_len=len(rows), mask=None,
-                           return_lse=True)
+                           mask_kinds=frozenset(), return_lse=True)
     hook = config.on_tile
     if hook is not None:  # tiles of the rows taken out, told in the call's rows
         def on_tile(at: tuple[int, ...], h: int, q0: int, q1: int, k0: int,
