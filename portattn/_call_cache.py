@@ -47,8 +47,11 @@ def described_and_chosen(query: Any, key: Any, value: Any, options: dict[str, An
     # What dispatch reads besides the call: a refreshed registry is a new list, a new
     # tune file a new table, and what was chosen with the old ones is stale. (A tracing
     # compiler reads no files: select() then ignores the tune file too.)
-    context = (kernel_entries(), None if compiling() else table_in_use())
-    signature = _signature(query, key, value, options, kernel)
+    traced = compiling()
+    context = (kernel_entries(), None if traced else table_in_use())
+    # While torch.compile traces, a lookup would compare the call's key with keys of
+    # other libraries' calls (NumPy dtypes), which dynamo cannot; tracing runs once.
+    signature = None if traced else _signature(query, key, value, options, kernel)
     if signature is not None:
         try:
             remembered = _calls.get(signature)

@@ -41,3 +41,24 @@ def test_a_mask_built_and_kernels_first_asked_while_compiling():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+# dynamo warns about array-api-compat's lru_caches
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_compiling_after_calls_on_numpy_arrays():
+    """Calls remembered for other libraries (keys holding NumPy dtypes, which dynamo
+    cannot compare) do not stop a compiled call."""
+    import numpy as np
+    import torch
+
+    import portattn
+    from portattn import masks
+
+    a = np.zeros((1, 2, 8, 16), np.float32)
+    portattn.attention(a, a, a, mask=masks.causal())
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    step = torch.compile(lambda q, k, v: portattn.attention(q, k, v, mask=masks.causal(),
+                                                            kernel="torch_sdpa"),
+                         fullgraph=True, backend="eager")
+    want = portattn.attention(q, k, v, mask=masks.causal(), kernel="reference")
+    torch.testing.assert_close(step(q, k, v), want, rtol=2e-5, atol=2e-5)
