@@ -38,13 +38,14 @@ def rows_seeing(bad: Any, attn_mask: Any, is_causal: bool, q_len: int, group: in
 
     lk = bad.shape[-1]
     if is_causal or isinstance(attn_mask, CausalBias):
-        # Row i sees keys [0, i + 1 + offset): those past the first bad key see one.
+        # Row i sees keys [0, min(i + 1 + offset, Lk)): those past the first bad key see
+        # one. (Top-left rows past the last key see every key, and no bad one if none is.)
         offset = 0 if is_causal else lk - q_len
         positions = torch.arange(lk, device=bad.device)
         first = torch.where(bad, positions, lk).amin(dim=-1, keepdim=True)
         if group > 1:
             first = first.repeat_interleave(group, dim=1)
-        ends = torch.arange(1 + offset, q_len + 1 + offset, device=bad.device)
+        ends = torch.arange(1 + offset, q_len + 1 + offset, device=bad.device).clamp(max=lk)
         return ends > first
     if group > 1:
         bad = bad.repeat_interleave(group, dim=1)

@@ -55,6 +55,10 @@ def _case(name):
         q, k, v = _qkv(4, 11)  # row i sees keys <= i + 7
         return q, k, v, {"mask": masks.causal()}, \
             lambda k, v: k[:, :, 9].fill_(NAN), [(slice(None), slice(None), slice(2, 4))]
+    if name == "a past key, top-left causal, more queries than keys":
+        q, k, v = _qkv(24, 16)  # rows 15 to 23 see every key
+        return q, k, v, {"mask": masks.causal("top_left")}, \
+            lambda k, v: k[:, :, 10].fill_(NAN), [(slice(None), slice(None), slice(10, 24))]
     if name == "a key a bias hides, grouped heads":
         q, k, v = _qkv(20, 20, hq=4, hkv=2)
         return q, k, v, {"bias": _bias_hiding_key_5(20, 20, 4)}, \
@@ -73,6 +77,7 @@ def _case(name):
 
 CASES = ["padded keys and values", "a future value, top-left causal",
          "a future key, bottom-right causal, fewer queries",
+         "a past key, top-left causal, more queries than keys",
          "a key a bias hides, grouped heads", "a sliding window", "padded queries"]
 
 
@@ -148,6 +153,7 @@ def test_padded_keys_reach_no_gradient_of_what_the_mask_lets_through():
 # dynamo notes that it traces through array-api-compat's lru_cache (no effect on results)
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize("case", ["padded keys and values", "a future value, top-left causal",
+                                  "a past key, top-left causal, more queries than keys",
                                   "a sliding window"])
 def test_under_torch_compile_sdpa_follows_the_rule(case):
     # Nothing can be read while tracing, so dispatch cannot check the output there.
@@ -181,6 +187,28 @@ def test_rows_seeing_counts_bad_keys_per_row_for_each_mask_form():
                           torch.float32)
     assert grouped.shape == (1, 4, 2)
     assert grouped[0, :, 0].tolist() == [False, False, True, True]
+
+
+def test_rows_seeing_a_causal_mask_stops_at_the_last_key():
+    # With more queries than keys, top-left rows past the last key see every key, and
+    # no more: a row sees a bad key only if there is one.
+    clean = torch.zeros(1, 1, 4, dtype=torch.bool)
+    assert not rows_seeing(clean, None, True, 7, 1, torch.float32).any()
+    bad = clean.clone()
+    bad[..., 2] = True
+    assert rows_seeing(bad, None, True, 7, 1, torch.float32)[0, 0].tolist() == \
+        [False] * 2 + [True] * 5
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_under_torch_compile_finite_causal_rows_past_the_keys_stay_finite():
+    q, k, v = _qkv(24, 16)
+    want = _want(q, k, v, mask=masks.causal("top_left"))
+    portattn.kernels()
+    compiled = torch.compile(
+        lambda q, k, v: portattn.scaled_dot_product_attention(q, k, v, is_causal=True),
+        backend="eager", fullgraph=True)
+    np.testing.assert_allclose(compiled(q, k, v).numpy(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_mask_that_hides_nothing_costs_no_pass_over_the_keys(monkeypatch):
