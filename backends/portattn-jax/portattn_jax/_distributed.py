@@ -23,6 +23,8 @@ from jax import lax
 from portattn import merge
 from portattn.distributed.engine import backward_step, forward, forward_step
 
+from ._flash import varying_like
+
 if TYPE_CHECKING:
     from portattn.distributed.engine import Problem
 
@@ -78,7 +80,9 @@ def _build(problem: Problem, axis: str, strategy: str) -> Any:
 
     def per_rank(step: Any, source_of: Any, *args: Any) -> Any:
         """``step(problem of rank r, source_of(r), *args)`` on rank r."""
-        branches = [lambda *a, r=r: step(ranks[r], source_of(r), *a) for r in range(size)]
+        # a rank with no visible pair returns constants: typed as varying, like the rest
+        branches = [lambda *a, r=r: varying_like(step(ranks[r], source_of(r), *a), a)
+                    for r in range(size)]
         return lax.switch(lax.axis_index(axis), branches, *args)
 
     def sources(query: Any, key: Any, value: Any) -> Any:

@@ -16,14 +16,19 @@ non-finite rows zeroed, and a row that its mask lets see such a key or value, or
 holds such a query and sees any key, is made NaN (so hidden padding reaches neither the
 output nor the gradients). Half precision computes in float32; float32/float64 in their
 own precision.
+
+Inside ``shard_map`` the loops' first carries (zeros, ``-inf``) take the manual mesh
+axes their inputs vary along (:func:`varying_like`), so the default check of varying
+manual axes accepts the loops; outside it that is a no-op.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import lax, tree_util
 
 from portattn import dropout
 
@@ -43,13 +48,40 @@ if TYPE_CHECKING:
     from ._flash_layout import FlashPlan
     from ._flash_tables import Tables
 
-__all__ = ["backward", "compute_dtype", "forward"]
+__all__ = ["backward", "compute_dtype", "forward", "varying_like"]
 
 _HIGHEST = lax.Precision.HIGHEST  # GPUs would otherwise multiply float32 in TF32
 
 
 def compute_dtype(dtype: Any) -> Any:
     return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
+
+
+def varying_like(x: Any, *sources: Any) -> Any:
+    """``x`` (a pytree) unchanged in value, typed as varying along every manual mesh
+    axis some leaf of ``sources`` varies along: a loop's first carry built from
+    constants then has the type its steps give it inside ``shard_map``."""
+    axes: set = set()
+    for leaf in tree_util.tree_leaves(sources):
+        axes.update(_vma(jax.typeof(leaf)))
+    if not axes:
+        return x
+
+    def cast(leaf: Any) -> Any:
+        missing = tuple(sorted(axes - _vma(jax.typeof(leaf)), key=str))
+        if not missing:
+            return leaf
+        if hasattr(lax, "pcast"):
+            return lax.pcast(leaf, missing, to="varying")
+        return lax.pvary(leaf, missing)  # JAX before pcast
+
+    return tree_util.tree_map(cast, x)
+
+
+def _vma(aval: Any) -> frozenset:
+    """The manual mesh axes a value's type varies along (none outside ``shard_map``)."""
+    mat = getattr(aval, "mat", None)  # JAX 0.10: aval.mat.varying; before: aval.vma
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
 def _mm(spec: str, a: Any, b: Any) -> Any:
@@ -152,6 +184,7 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tup
     element (``B == 1``), for the mask and dropout."""
     ct, qb, bad_qb, kb, vb, mb, gbias = _prepared(plan, q, k, v, bias)
     mask = plan.mask(mask_leaves)
+    sources = (q, k, v, bias, mask_leaves, tables, word, batch_index)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
     drop = _Dropout(plan, word, b, batch_index)
@@ -178,8 +211,8 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tup
             return acc, m_new, denom * alpha + jnp.sum(p, axis=-1), seen, n + 1
 
         rows = (b, hkv, g, bq)
-        init = (jnp.zeros((*rows, dv), ct), jnp.full(rows, -jnp.inf, ct),
-                jnp.zeros(rows, ct), jnp.zeros(rows, ct), tiles)
+        init = (*varying_like((jnp.zeros((*rows, dv), ct), jnp.full(rows, -jnp.inf, ct),
+                               jnp.zeros(rows, ct), jnp.zeros(rows, ct)), sources), tiles)
         acc, m, denom, seen, tiles = _two_loops((n_full, n_part), (full_row, part_row),
                                                 key_step, init)
         has_mass = denom > 0
@@ -243,14 +276,17 @@ def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tu
             return dq_all, dbias, dk, dv, n + 1
 
         dq_all, dbias, n = carry
-        init = (dq_all, dbias, jnp.zeros_like(kt), jnp.zeros_like(vt), n)
+        init = (dq_all, dbias, *varying_like((jnp.zeros_like(kt), jnp.zeros_like(vt)),
+                                             sources), n)
         dq_all, dbias, dk, dv, n = _two_loops((n_full, n_part), (full_col, part_col),
                                               query_step, init)
         return (dq_all, dbias, n), (dk, dv)
 
+    sources = (q, k, v, bias, mask_leaves, tables, out, lse, dout, dlse, word,
+               batch_index)
     dbias0 = jnp.zeros_like(gbias) if bias_grad and gbias is not None else None
     index = jnp.arange(plan.num_k_blocks, dtype=jnp.int32)
-    init = (jnp.zeros_like(qb), dbias0, jnp.zeros((), jnp.int32))
+    init = (*varying_like((jnp.zeros_like(qb), dbias0), sources), jnp.zeros((), jnp.int32))
     xs = (index, kb, vb, tables.full_q_num, tables.full_q_indices, tables.q_num,
           tables.q_indices)
     (dq, dbias, tiles), (dk, dv) = lax.scan(key_step, init, xs)

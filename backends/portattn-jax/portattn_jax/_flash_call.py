@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from ._flash import backward, forward
+from ._flash import backward, forward, varying_like
 
 if TYPE_CHECKING:
     from ._flash_layout import FlashPlan
@@ -74,7 +74,10 @@ def backward_all(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves
     xs = (jnp.arange(q.shape[0], dtype=jnp.int32), q, k, v, bias if own_bias else None,
           tables, out, lse, dout, dlse)
     ct = out.dtype
-    init = (jnp.zeros((), jnp.int32), jnp.zeros(bias.shape, ct) if shared_grad else None)
+    dbias0 = jnp.zeros(bias.shape, ct) if shared_grad else None
+    init = (jnp.zeros((), jnp.int32),
+            varying_like(dbias0, q, k, v, bias, mask_leaves, tables, out, lse, dout, dlse,
+                         word))
     (tiles, dbias_sum), (dq, dk, dv, dbias) = lax.scan(step, init, xs)
     return dq, dk, dv, dbias_sum if shared_grad else dbias, tiles
 

@@ -52,10 +52,8 @@ def run(case):
                                      layout=layout, query_length=lq, key_length=lk,
                                      softcap=softcap, return_lse=True)
 
-    # check_vma=False: the kernels' loops start from constants, not values varying
-    # along the mesh axis
     split = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows),
-                          out_specs=(rows, P(None, None, "cp")), check_vma=False)
+                          out_specs=(rows, P(None, None, "cp")))
 
     def sharded(q, k, v):
         out, lse = split(queries.rank_major(q), keys.rank_major(k), keys.rank_major(v))
