@@ -42,6 +42,7 @@ from ._portable import (
 )
 from ._tiled import block_sizes
 from .dropout import seed_word
+from .masks import values_readable
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
@@ -62,16 +63,25 @@ class Gradients(NamedTuple):
 
 
 def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
-                   dlse: Any = None, *, bias_grad: bool = False) -> Gradients:
+                   dlse: Any = None, *, bias_grad: bool = False,
+                   into: tuple[Any, Any, Any] | None = None) -> Gradients:
     """The :class:`Gradients` of attention ``(out, lse)`` computed from ``inputs``.
 
     ``lse`` is the forward's log-sum-exp ``(..., Hq, Lq)``; ``dout`` and ``dlse`` (None
     for zero) are the gradients of the output and of the lse. The bias gradient is
     computed only with ``bias_grad``, the sinks' whenever the call has sinks. Half
     precision is accumulated in float32.
+
+    ``into``: accumulators ``(dq, dk, dv)`` in the compute dtype, shaped like query,
+    key and value, that the gradients are added to, tile by tile, in place where the
+    library allows (a caller summing many calls, each over a slice of its buffers,
+    then allocates no gradient of its own); the gradients returned are those sums, in
+    the compute dtype.
     """
     xp = inputs.xp
     if is_empty(inputs):
+        if into is not None:  # nothing to add
+            return Gradients(*into, *_zero_grads(inputs, bias_grad, dlse)[3:])
         return _zero_grads(inputs, bias_grad, dlse)
     ct = inputs.compute_dtype
     hkv = inputs.num_kv_heads
@@ -79,18 +89,20 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     # Non-finite entries the mask hides (in keys, values or padded queries) must not
     # reach the gradients through 0 * NaN in a product: every product takes them
     # zeroed. A row that attends one has a NaN output and lse, hence NaN P and dS.
-    k, _ = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.key, ct)))
-    v, _ = split_nonfinite(xp, group_kv(xp, cast(xp, inputs.value, ct)))
-    query, _ = split_nonfinite(xp, inputs.query)
+    k = _clean(xp, group_kv(xp, cast(xp, inputs.key, ct)), ct)
+    v = _clean(xp, group_kv(xp, cast(xp, inputs.value, ct)), ct)
+    query = _clean(xp, inputs.query, ct)
     lse = finite_or_zero(xp, cast(xp, lse, ct))
     # Written block by block in place (functionally where arrays are immutable), so
     # no list of blocks and its concatenation are ever alive at once.
     # Under torch.func.vmap (batched gradients) dout is batched: the accumulators take
     # their zeros from it so they are batched too (adding into plain ones in place fails).
-    batched = xp.zeros_like(dout[..., :1, :1, :1])
-    dq = _zeros(inputs, inputs.query) + batched
-    dk = _zeros(inputs, inputs.key) + batched
-    dv = _zeros(inputs, inputs.value) + batched
+    if into is None:
+        batched = xp.zeros_like(dout[..., :1, :1, :1])
+        dq, dk, dv = (_zeros(inputs, a) + batched
+                      for a in (inputs.query, inputs.key, inputs.value))
+    else:
+        dq, dk, dv = into
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
     dsinks = None
     blocks = inputs.blocks(block_q, block_k)
@@ -129,10 +141,21 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
             dv = xpx.at(dv)[..., k0:k1, :].add(cast(xp, dv_tile, dv.dtype))
         if dq_block is not None:  # else the mask leaves this query block no keys
             dq_block = ungroup(xp, dq_block) * inputs.scale
-            dq = xpx.at(dq)[..., q0:q1, :].set(cast(xp, dq_block, dq.dtype))
-    return Gradients(cast(xp, dq, inputs.query.dtype), cast(xp, dk, inputs.key.dtype),
-                     cast(xp, dv, inputs.value.dtype), None if bias is None else bias.result(),
+            dq = xpx.at(dq)[..., q0:q1, :].add(cast(xp, dq_block, dq.dtype))
+    if into is None:
+        dq, dk, dv = (cast(xp, g, a.dtype) for g, a in zip(
+            (dq, dk, dv), (inputs.query, inputs.key, inputs.value), strict=True))
+    return Gradients(dq, dk, dv, None if bias is None else bias.result(),
                      None if dsinks is None else _per_head_grad(inputs, dsinks))
+
+
+def _clean(xp: Any, x: Any, ct: Any) -> Any:
+    """``x`` with its non-finite entries zeroed; ``x`` itself when its values can be
+    read and its sum is finite (then every entry is: an infinity or NaN would make
+    the sum one), a check that allocates no array the size of ``x``."""
+    if values_readable(x) and bool(xp.isfinite(xp.sum(x, dtype=ct))):
+        return x
+    return split_nonfinite(xp, x)[0]
 
 
 def _per_head_grad(inputs: AttentionInputs, grouped: Any) -> Any:

@@ -154,3 +154,22 @@ def test_fully_masked_rows_get_zero_gradient(backend):
     assert np.isfinite(to_numpy(dv)).all()
     assert (dq[..., :7, :] == 0).all()
     assert (dq[..., 7:, :] != 0).any()
+
+
+def test_into_adds_the_gradients_to_given_accumulators(backend):
+    from portattn import masks
+
+    dtype = "float64" if "float64" in backend.dtypes else "float32"
+    rng = np.random.default_rng(3)
+    shapes = ((1, 4, 40, 8), (1, 2, 300, 8), (1, 2, 300, 6))
+    q, k, v = (backend.asarray(rng.standard_normal(s), dtype) for s in shapes)
+    inputs = describe(q, k, v, mask=masks.causal() & masks.sliding_window(100))
+    out, lse = flash_forward(inputs)
+    dout = backend.asarray(rng.standard_normal(tuple(out.shape)), dtype)
+    dlse = backend.asarray(rng.standard_normal(tuple(lse.shape)), dtype)
+    plain = flash_backward(inputs, out, lse, dout, dlse)
+    start = [rng.standard_normal(s) for s in shapes]
+    into = tuple(backend.asarray(a.copy(), dtype) for a in start)  # may be added in place
+    added = flash_backward(inputs, out, lse, dout, dlse, into=into)
+    for name, got, base, grad in zip(("dq", "dk", "dv"), added, start, plain, strict=False):
+        assert_grad(got, base + np.asarray(to_numpy(grad), dtype=np.float64), dtype, name)

@@ -219,7 +219,7 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         out, lse = forward(group, prob, query, key, value, strategy)
     else:
         out, lse = engine.attention(prob, query, key, value, group, strategy)
-    out = xp.astype(out, query.dtype)
+    out = xp.astype(out, query.dtype, copy=False)
     return (out, lse) if return_lse else out
 
 

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ._layout import Segment
     from ._plan import Pair, Problem
 
-__all__ = ["Partials", "SegmentSum", "backward_step", "compute_dtype", "forward_step",
-           "pair_grads", "placed"]
+__all__ = ["Partials", "add_pair_grads", "backward_step", "compute_dtype", "forward_step",
+           "placed", "zeros_like_shard"]
 
 
 def compute_dtype(xp: Any, dtype: Any) -> Any:
@@ -96,37 +96,19 @@ def placed(xp: Any, parts: dict[int, Any], segments: tuple[Segment, ...], length
     return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
 
 
-class SegmentSum:
-    """Gradient parts summed per segment of one shard, in the compute dtype."""
-
-    def __init__(self, xp: Any, dtype: Any) -> None:
-        self.xp, self.dtype = xp, dtype
-        self.parts: dict[int, Any] = {}
-
-    def add(self, segment: Segment, part: Any) -> None:
-        part = self.xp.astype(part, self.dtype, copy=False)
-        before = self.parts.get(segment.start)
-        self.parts[segment.start] = part if before is None else before + part
-
-    def shard(self, segments: tuple[Segment, ...], length: int, like: Any) -> Any:
-        """The whole shard (zeros where nothing was added), shaped like ``like``."""
-        return placed(self.xp, self.parts, segments, length,
-                      (*like.shape[:-2], like.shape[-1]), self.dtype, device_of(like))
-
-    def added_to(self, target: Any, segments: tuple[Segment, ...]) -> Any:
-        """``target`` (a whole shard in the compute dtype) plus the parts, written in
-        place where the library allows (no second shard alive at once)."""
-        for seg in segments:
-            part = self.parts.get(seg.start)
-            if part is not None:
-                target = xpx.at(target)[..., seg.local, :].add(part)
-        return target
+def zeros_like_shard(xp: Any, like: Any, dtype: Any) -> Any:
+    """A zero accumulator shaped like the shard ``like``, in ``dtype``."""
+    return xp.zeros(like.shape, dtype=dtype, device=device_of(like))
 
 
-def pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any, out: Any,
-               lse: Any, dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
-    """Gradients of the pair's query rows, key rows and value rows, given the rank's
-    merged ``out`` and ``lse`` and their cotangents."""
+def add_pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any,
+                   out: Any, lse: Any, dout: Any, dlse: Any,
+                   grads: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """``grads`` (dq of the rank's whole query shard, dk and dv of the pair's whole key
+    and value shards, in the compute dtype) with the pair's gradients added, given the
+    rank's merged ``out`` and ``lse`` and their cotangents: in place where the library
+    allows (the pair's rows of each accumulator are what its backward adds into, so no
+    gradient of the pair's own is ever allocated), functionally elsewhere."""
     qs, ks = pair.query.local, pair.key.local
     xp = problem.xp
     # Half precision: the pair's gradients stay float32 (the tiled backward computes in
@@ -135,9 +117,13 @@ def pair_grads(problem: Problem, pair: Pair, query: Any, key: Any, value: Any, o
     q, k, v = (xp.astype(x, ct, copy=False)
                for x in (_rows(query, qs), _rows(key, ks), _rows(value, ks)))
     inputs = describe(q, k, v, mask=pair.mask, **problem.options)
-    grads = flash_backward(inputs, _rows(out, qs), lse[..., qs], _rows(dout, qs),
-                           None if dlse is None else dlse[..., qs])
-    return grads.query, grads.key, grads.value
+    rows = (qs, ks, ks)
+    views = tuple(_rows(g, r) for g, r in zip(grads, rows, strict=True))
+    got = flash_backward(inputs, _rows(out, qs), lse[..., qs], _rows(dout, qs),
+                         None if dlse is None else dlse[..., qs], into=views)
+    # a view the backward added to in place is already in its accumulator
+    return tuple(g if new is view else xpx.at(g)[..., r, :].set(new)
+                 for g, r, view, new in zip(grads, rows, views, got[:3], strict=True))
 
 
 def forward_step(problem: Problem, source: int, query: Any, key: Any,
@@ -155,15 +141,10 @@ def backward_step(problem: Problem, source: int, query: Any, key: Any, value: An
                   out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
     """This rank's gradient parts of one step, whole shards in the compute dtype: of
     its query shard, and of the key and value shards of ``source``."""
-    xp, rank = problem.xp, problem.rank
+    xp = problem.xp
     ct = compute_dtype(xp, query.dtype)
-    dq, dk, dv = SegmentSum(xp, ct), SegmentSum(xp, ct), SegmentSum(xp, ct)
+    grads = tuple(zeros_like_shard(xp, a, ct) for a in (query, key, value))
     for pair in problem.pairs(source):
-        gq, gk, gv = pair_grads(problem, pair, query, key, value, out, lse, dout, dlse)
-        dq.add(pair.query, gq)
-        dk.add(pair.key, gk)
-        dv.add(pair.key, gv)
-    queries, keys = problem.queries, problem.keys
-    ksegs = keys.segments(source)
-    return (dq.shard(queries.segments(rank), queries.shard_length, query),
-            dk.shard(ksegs, keys.shard_length, key), dv.shard(ksegs, keys.shard_length, value))
+        grads = add_pair_grads(problem, pair, query, key, value, out, lse, dout, dlse,
+                               grads)
+    return grads

@@ -3,7 +3,7 @@ collectives), so every engine runs the same schedule.
 
 - ``"ring"``: K/V shards travel rank to rank (``size - 1`` shifts, each started before
   the current block's compute so the two overlap). The backward sends K/V round again
-  and the dK/dV accumulators with them (``size`` shifts: they end at their owner).
+  and the dK/dV accumulators after them (``size`` shifts: they end at their owner).
 - ``"all_gather"``: every rank gathers every K/V shard at once (one collective; memory
   for the whole K/V), and the backward reduce-scatters dK/dV.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._compute import Partials, SegmentSum, compute_dtype, pair_grads
+from ._compute import Partials, add_pair_grads, compute_dtype, zeros_like_shard
 from ._ulysses import ulysses
 
 if TYPE_CHECKING:
@@ -70,63 +70,67 @@ def forward(comm: Communicator, problem: Problem, query: Any, key: Any,
                 partials.add(pair, *kv)
             if pending is not None:
                 kv = comm.finish_shift(pending)
+                pending = None  # the handle keeps the shards just used alive
     return partials.result(value.shape[-1])
 
 
 def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: Any,
              out: Any, lse: Any, dout: Any, dlse: Any,
              strategy: str) -> tuple[Any, Any, Any]:
-    """Gradients of this rank's query, key and value shards, each in its dtype."""
+    """Gradients of this rank's query, key and value shards, each in its dtype.
+
+    Every visible pair adds its gradients into whole-shard accumulators (in place where
+    the library allows). The ring holds one pair of dK/dV accumulators at a time: the
+    pair that arrived from the previous rank is waited for before the step's compute
+    and shifted on after it (the K/V shift still overlaps the compute), so a rank holds
+    its shards, the output, dQ, two K/V shards and one dK/dV pair.
+    """
     if strategy == "ulysses":
         msg = ("strategy='ulysses' has no backward of its own: its gradients come from "
                "the library's autograd through the all-to-alls")
         raise ValueError(msg)
     xp, size, rank = problem.xp, problem.size, problem.rank
     ct = compute_dtype(xp, query.dtype)
-    qsegs, klayout = problem.queries.segments(rank), problem.keys
-    dq = SegmentSum(xp, ct)
+    dq = zeros_like_shard(xp, query, ct)
 
-    def visit(source: int, k: Any, v: Any) -> tuple[SegmentSum, SegmentSum]:
-        dk, dv = SegmentSum(xp, ct), SegmentSum(xp, ct)
+    def visit(source: int, k: Any, v: Any, dk: Any, dv: Any) -> tuple[Any, Any]:
+        nonlocal dq
+        grads = (dq, dk, dv)
         for pair in problem.pairs(source):
-            gq, gk, gv = pair_grads(problem, pair, query, k, v, out, lse, dout, dlse)
-            dq.add(pair.query, gq)
-            dk.add(pair.key, gk)
-            dv.add(pair.key, gv)
-        return dk, dv
-
-    def whole(parts: SegmentSum, source: int, like: Any) -> Any:
-        return parts.shard(klayout.segments(source), klayout.shard_length, like)
+            grads = add_pair_grads(problem, pair, query, k, v, out, lse, dout, dlse, grads)
+        dq = grads[0]
+        return grads[1], grads[2]
 
     if strategy == "all_gather":
         keys, values = comm.all_gather(key), comm.all_gather(value)
         dks, dvs = [], []
         for source in range(size):
-            dk, dv = visit(source, keys[source], values[source])
-            dks.append(whole(dk, source, key))
-            dvs.append(whole(dv, source, value))
+            dk, dv = visit(source, keys[source], values[source],
+                           zeros_like_shard(xp, key, ct), zeros_like_shard(xp, value, ct))
+            dks.append(dk)
+            dvs.append(dv)
         dkey, dvalue = comm.reduce_scatter(dks), comm.reduce_scatter(dvs)
     else:
         kv = [key, value]
         carried = None
         for step in range(size):
             source = (rank - step) % size
-            pending = comm.start_shift(kv) if step < size - 1 else None
-            dk, dv = visit(source, *kv)
             if carried is None:
-                dk, dv = whole(dk, source, key), whole(dv, source, value)
-            else:  # the accumulators that arrived, for this source: add to them
-                arrived = comm.finish_shift(carried)
-                ksegs = klayout.segments(source)
-                dk, dv = dk.added_to(arrived[0], ksegs), dv.added_to(arrived[1], ksegs)
-            if size == 1:  # nothing travels: the block is home
-                dkey, dvalue = dk, dv
-                break
-            carried = comm.start_shift([dk, dv])
+                dk, dv = zeros_like_shard(xp, key, ct), zeros_like_shard(xp, value, ct)
+            else:  # the accumulators of this source, from the previous rank
+                dk, dv = comm.finish_shift(carried)
+                carried = None  # the handle keeps the sent pair alive
+            pending = comm.start_shift(kv) if step < size - 1 else None
+            dk, dv = visit(source, *kv, dk, dv)
             if pending is not None:
                 kv = comm.finish_shift(pending)
-        else:
-            dkey, dvalue = comm.finish_shift(carried)
-    dquery = dq.shard(qsegs, problem.queries.shard_length, query)
-    return (xp.astype(dquery, query.dtype, copy=False), xp.astype(dkey, key.dtype, copy=False),
+                pending = None
+            if size == 1:  # nothing travels: the block is home
+                break
+            carried = comm.start_shift([dk, dv])
+            del dk, dv
+        if carried is not None:
+            dk, dv = comm.finish_shift(carried)
+        dkey, dvalue = dk, dv
+    return (xp.astype(dq, query.dtype, copy=False), xp.astype(dkey, key.dtype, copy=False),
             xp.astype(dvalue, value.dtype, copy=False))
