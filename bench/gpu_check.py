@@ -14,7 +14,10 @@
    band and length masks, packed documents, windows with global tokens or sinks, a
    bias, GQA, softcap, lse, bfloat16/float16/float32 (TF32-aware), on torch tensors
    and CuPy arrays, with poisoned outputs and a bitwise rerun.
-4. Speed (``bench/gpu/timing.py``): against SDPA's flash, cuDNN and efficient
+4. Context parallelism (``bench/gpu/context_parallel.py``): portattn.distributed on
+   CUDA tensors, 2 and 4 thread ranks and an NCCL group of one rank, forward and
+   gradients against one float64 call.
+5. Speed (``bench/gpu/timing.py``): against SDPA's flash, cuDNN and efficient
    backends; packed documents against FlexAttention and SDPA with a dense mask;
    forward + backward against SDPA flash; memory growth with L.
 
@@ -426,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-speed", action="store_true", help="correctness only")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("--cases", default=None,
-                        help="comma-separated accuracy case and speed shape names (all)")
+                        help="comma-separated accuracy case, context-parallel case and "
+                        "speed shape names (all)")
     parser.add_argument("--skip", default="",
                         help="comma-separated sections not to run (e.g. conformance)")
     parser.add_argument("--scale", type=int, default=CPU_SCALE,
@@ -449,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = None if args.cases is None else set(args.cases.split(","))
     if preflight(report, args.device):
         import accuracy
+        import context_parallel
         import timing
 
         sections = [("conformance", lambda: run_conformance(report, args.device, args.quick)),
@@ -461,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                         if args.quick else ("bfloat16", "float16", "float32")
                         if args.device == "cuda" else ("float16", "float32"),
                         [c for c in accuracy.CASES if chosen is None or c.name in chosen],
-                        tf32=not args.quick))]
+                        tf32=not args.quick)),
+                    ("context_parallel", lambda: context_parallel.run(
+                        report, args.device, scale, chosen))]
         if not args.no_speed:
             sections.append(("speed", lambda: timing.run(
                 report, args.device, scale, autotune=not args.quick,

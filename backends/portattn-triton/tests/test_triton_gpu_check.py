@@ -287,3 +287,21 @@ def test_conformance_reaches_kernels_that_prefer_to_leave_small_calls(gpu_check)
     assert not any("scores <" in why for why in checked.not_supported_reasons(small))
     plain = type("Plain", (Kernel,), {})()
     assert gpu_check.taking_every_call(plain) is plain  # no preferences: as it is
+
+
+def test_context_parallel_on_cpu(gpu_check, tmp_path, capsys):
+    out = tmp_path / "check.json"
+    argv = ["--device", "cpu", "--quick", "--no-speed", "--scale", "64", "--skip",
+            "conformance,gradients,accuracy", "--cases", "causal_gqa,causal_ulysses",
+            "--json", str(out)]
+    assert gpu_check.main(argv) == 0, capsys.readouterr().out
+    checks = [c for c in json.loads(out.read_text())["checks"]
+              if c["section"] == "context_parallel"]
+    assert {c["status"] for c in checks} == {"ok"}
+    names = {c["name"] for c in checks}
+    assert "threads 4 ranks ring zigzag float32 causal_gqa" in names
+    assert "gloo 1 rank ulysses zigzag float32 causal_ulysses" in names
+    assert not any("window" in n for n in names)  # --cases chose
+    for c in checks:
+        worst = max(c["errors"].values())
+        assert worst < (1e-5 if "float32" in c["name"] else 2e-2), (c["name"], worst)
