@@ -4,7 +4,8 @@ It runs what ``jax_dpa`` leaves (score matrices too large to materialise,
 ``return_lse``, ``softcap``, float64) in O(L * block) memory, forward and backward,
 and compiles to one loop nest whatever the sequence length. Every mask kind runs
 through its block form: the loops visit the tiles it lists and mask the partial ones
-with ``mask.allows``.
+with ``mask.allows``; a band joined to global tokens runs in three parts instead
+(:mod:`._flash_local`).
 """
 
 from __future__ import annotations
@@ -144,11 +145,15 @@ def attend(inputs: AttentionInputs) -> tuple[Any, Any]:
 
     from ._flash import compute_dtype
     from ._flash_call import flash_attention
+    from ._flash_local import band_and_tokens, local_attention
 
     lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
     if inputs.q_len == 0 or inputs.kv_len == 0 or not math.prod(inputs.batch_shape):
         out = jnp.zeros((*lead, inputs.value_head_dim), inputs.query.dtype)
         return out, jnp.full(lead, -jnp.inf, compute_dtype(inputs.query.dtype))
+    parts = band_and_tokens(inputs)
+    if parts is not None:  # a band with global tokens: in three parts (_flash_local)
+        return local_attention(inputs, *parts, attend)
     plan = flash_plan(inputs)
     word = dropout.seed_word(inputs) if inputs.dropout_p else None
     out, lse = flash_attention(plan, *flat_arguments(inputs, plan), word)
