@@ -63,6 +63,14 @@ def _visible(q, mask):
     return inputs.blocks(plan.block_q, plan.block_k).visible
 
 
+def _allowed(mask, length, rows=1024):
+    """Share of the pairs a NumPy ``mask`` allows, counted in blocks of rows."""
+    bound = mask.bind(np, (1,), 1, length, length)
+    total = sum(int(bound.tile(np, r, min(r + rows, length), 0, length, length, length).sum())
+                for r in range(0, length, rows))
+    return total / length**2
+
+
 def _loss(q, k, v, mask, kernel=None):
     return jnp.sum(portattn.attention(q, k, v, mask=mask, kernel=kernel) ** 2)
 
@@ -123,10 +131,13 @@ def test_window_with_global_tokens_forward(benchmark, in_turns):
     jax.block_until_ready((masked(q, k, v), full(q, k, v)))  # compile both
     best, median = in_turns(lambda: jax.block_until_ready(masked(q, k, v)),
                             lambda: jax.block_until_ready(full(q, k, v)), rounds=3)
-    visible = _visible(q, mask)
+    # jax_flash runs the band and the global tokens apart: the target is the share of
+    # pairs the mask allows, plus a tenth
+    allowed = _allowed(masks.sliding_window(512) | masks.global_tokens(np.asarray(positions)),
+                       WINDOW_LENGTH)
     name = "forward sliding_window(512) | global_tokens(16) / unmasked, L=16384"
-    FIGURES[f"{name} (target <= {visible + 0.1:.3f}), best"] = best
+    FIGURES[f"{name} (target <= {allowed + 0.1:.3f}), best"] = best
     FIGURES[f"{name}, median of rounds"] = median
-    FIGURES["share of pairs visited: window | global tokens"] = visible
-    benchmark.extra_info.update(ratio_best=best, ratio_median=median, target=visible + 0.1,
-                                visible=visible)
+    FIGURES["share of pairs allowed: window | global tokens"] = allowed
+    benchmark.extra_info.update(ratio_best=best, ratio_median=median, target=allowed + 0.1,
+                                allowed=allowed)
