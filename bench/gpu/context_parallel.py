@@ -186,6 +186,12 @@ def run(report: Report, device: str, scale: int = 1, chosen: set | None = None) 
                     _check(report, what, dtype, want, _threads, size, data, mask, layout,
                            strategy, getattr(torch, dtype), device == "cpu")
     backend = "nccl" if device == "cuda" else "gloo"
+    from importlib.util import find_spec
+
+    if find_spec("portattn_torch") is None:  # the engine comes with portattn-torch
+        report.check("context_parallel", f"{backend} 1 rank engine", "skip",
+                     "portattn-torch is not installed")
+        return
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1)

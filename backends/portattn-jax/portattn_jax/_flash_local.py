@@ -98,7 +98,7 @@ def local_attention(inputs: AttentionInputs, band_mask: Any, tokens: Any,
     positions = jnp.broadcast_to(jnp.reshape(positions, (-1, n)), (flat, n)).astype(jnp.int32)
     # an entry counts if used, below Lk, and the first of its value
     earlier = jnp.tril(jnp.ones((n, n), bool), -1)
-    repeated = jnp.any((positions[:, :, None] == positions[:, None, :]) & earlier, axis=-1)
+    repeated = jnp.any((positions[:, :, None] == positions[:, None, :]) & earlier[None], axis=-1)
     used = (positions >= 0) & (positions < lk) & ~repeated  # (F, n)
     index = jnp.where(used, positions, 0)
 
@@ -118,7 +118,7 @@ def local_attention(inputs: AttentionInputs, band_mask: Any, tokens: Any,
     # gradient, as anything the mask hides
     kg = jnp.where(used[:, None, :, None], gathered(k), 0)
     vg = jnp.where(used[:, None, :, None], gathered(v).astype(ct), 0)
-    offsets = index[:, None, :] - jnp.arange(lq, dtype=jnp.int32)[:, None]  # (F, Lq, n)
+    offsets = index[:, None, :] - jnp.arange(lq, dtype=jnp.int32)[None, :, None]  # (F, Lq, n)
     # the band holds these pairs already (an open side bounded past every pair: the
     # same program whatever the lengths)
     lower = -lq if band.lower is None else band.lower
@@ -162,7 +162,7 @@ def local_attention(inputs: AttentionInputs, band_mask: Any, tokens: Any,
     out3 = jnp.einsum("fhgqk,fhkd->fhgqd", e3, v.astype(ct),
                       precision=highest) / total3[..., None]
     # which of the n entries each row is (if any)
-    hits = (jnp.arange(lq, dtype=jnp.int32)[:, None] == row_index[:, None, :]) \
+    hits = (jnp.arange(lq, dtype=jnp.int32)[None, :, None] == row_index[:, None, :]) \
         & row_used[:, None, :]  # (F, Lq, n)
     is_global = jnp.any(hits, axis=-1)
     which = jnp.argmax(hits, axis=-1).astype(jnp.int32)  # (F, Lq)

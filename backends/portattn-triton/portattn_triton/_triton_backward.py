@@ -162,14 +162,15 @@ def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi,
                                 HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_BAD, SOFTCAP, BLOCK_M,
                                 BLOCK_N, True)
         pT = tl.math.exp2(sT - lse[None, :])
-        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         if DROPOUT:
+            dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
             keepT = kept(drop_key, rows[None, :], offs_n[:, None], drop_threshold)
             dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv,
                         input_precision=INPUT_PRECISION)
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
-        else:
+        else:  # dV first: the order the register budget of the table's tiles is set for
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+            dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
             dsT = dsT * (1.0 - tT * tT)

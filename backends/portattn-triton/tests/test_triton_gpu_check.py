@@ -297,11 +297,19 @@ def test_context_parallel_on_cpu(gpu_check, tmp_path, capsys):
     assert gpu_check.main(argv) == 0, capsys.readouterr().out
     checks = [c for c in json.loads(out.read_text())["checks"]
               if c["section"] == "context_parallel"]
-    assert {c["status"] for c in checks} == {"ok"}
     names = {c["name"] for c in checks}
     assert "threads 4 ranks ring zigzag float32 causal_gqa" in names
-    assert "gloo 1 rank ulysses zigzag float32 causal_ulysses" in names
     assert not any("window" in n for n in names)  # --cases chose
+    from importlib.util import find_spec
+
+    if find_spec("portattn_torch") is None:  # the torch.distributed engine's cases
+        engine = [c for c in checks if c["name"].startswith("gloo")]
+        assert [(c["status"], c["detail"]) for c in engine] == [
+            ("skip", "portattn-torch is not installed")]
+        checks = [c for c in checks if c not in engine]
+    else:
+        assert "gloo 1 rank ulysses zigzag float32 causal_ulysses" in names
+    assert {c["status"] for c in checks} == {"ok"}
     for c in checks:
         worst = max(c["errors"].values())
         assert worst < (1e-5 if "float32" in c["name"] else 2e-2), (c["name"], worst)
