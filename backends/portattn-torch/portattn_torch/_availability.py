@@ -25,6 +25,17 @@ def torch_unavailable() -> str | None:
     return None
 
 
+def aten_ops_missing(*names: str) -> str | None:
+    """None when torch has every ``aten`` op named, else the first it lacks (torch is
+    imported: ask after :func:`torch_unavailable`)."""
+    import torch
+
+    for name in names:
+        if not hasattr(torch.ops.aten, name):
+            return f"torch has no aten.{name}"
+    return None
+
+
 def _installed_version() -> tuple[int, int] | None:
     torch = sys.modules.get("torch")
     if torch is not None:

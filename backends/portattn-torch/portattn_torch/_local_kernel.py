@@ -23,13 +23,12 @@ gradients go to other kernels.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from portattn.kernel import Kernel
 
-from ._availability import torch_unavailable
+from ._availability import aten_ops_missing, torch_unavailable
 from ._translate import as_4d, scores_may_overflow
 
 if TYPE_CHECKING:
@@ -63,7 +62,8 @@ class TorchLocalKernel(Kernel):
 
     @classmethod
     def check_available(cls) -> str | None:
-        return torch_unavailable() or _op_unavailable()
+        return torch_unavailable() or aten_ops_missing(
+            "_scaled_dot_product_flash_attention_for_cpu")
 
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
@@ -80,14 +80,6 @@ class TorchLocalKernel(Kernel):
         out, lse = local_attention(inputs)
         return out, lse if inputs.return_lse else None, None
 
-
-@functools.cache
-def _op_unavailable() -> str | None:
-    import torch
-
-    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return "torch has no aten._scaled_dot_product_flash_attention_for_cpu"
-    return None
 
 
 def _members(mask: Any) -> tuple[Any, ...]:

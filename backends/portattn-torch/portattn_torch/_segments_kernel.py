@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from portattn.autograd import attach_for, flash_forward
 from portattn.kernel import Kernel
 
-from ._availability import torch_unavailable
+from ._availability import aten_ops_missing, torch_unavailable
 from ._segments import KINDS, Plan, Segment, plan_of, supported_structure
 from ._translate import as_4d, scores_may_overflow
 
@@ -63,7 +63,9 @@ class TorchSegmentsKernel(Kernel):
 
     @classmethod
     def check_available(cls) -> str | None:
-        return torch_unavailable() or _op_unavailable()
+        return torch_unavailable() or aten_ops_missing(
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward")
 
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
@@ -89,16 +91,6 @@ class TorchSegmentsKernel(Kernel):
         out, lse = segments_attention(inputs)
         return out, lse if inputs.return_lse else None, None
 
-
-@functools.cache
-def _op_unavailable() -> str | None:
-    import torch
-
-    for name in ("_scaled_dot_product_flash_attention_for_cpu",
-                 "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        if not hasattr(torch.ops.aten, name):
-            return f"torch has no aten.{name}"
-    return None
 
 
 def segments_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
