@@ -6,6 +6,8 @@
 - Bytes each rank sends per forward and per backward, against the ideal (``(P - 1) / P``
   of K and V per pass), counted on a :class:`~portattn.distributed.LocalGroup` (threads
   as ranks, NumPy float32), for both strategies.
+- Forward seconds of each strategy on LocalGroup threads, and what ``"auto"``
+  chooses, against the fastest.
 
 Run: ``pytest -c pyproject.toml bench/test_distributed.py -s``.
 """
@@ -98,3 +100,19 @@ def test_bytes_sent(strategy):
     FIGURES[f"{strategy}: forward bytes per rank / ideal"] = max(f for f, _ in sent) / ideal
     FIGURES[f"{strategy}: backward bytes per rank / ideal"] = max(b for _, b in sent) / ideal
     assert max(f for f, _ in sent) == pytest.approx(ideal)
+
+
+@pytest.mark.parametrize("case", ["short MHA", "medium MHA", "medium GQA"])
+def test_strategy_times(case):
+    """Each strategy's forward on 4 threads (LocalGroup, NumPy): nothing crosses a
+    network, so this shows what the schedules cost in compute alone; the figures for
+    processes (gloo, forward and backward) come from ``distributed_strategies.py``."""
+    from distributed_strategies import CASES, _auto, _local
+
+    size = 4
+    times = _local(size, [case], repeat=3)
+    for (_, strategy), seconds in times.items():
+        FIGURES[f"{case} L={CASES[case][0]} P={size} {strategy}: forward s"] = seconds
+    fastest = min(t for t in times.values())
+    FIGURES[f"{case} P={size} auto ({_auto(case, size)}): time / fastest"] = \
+        times[(case, _auto(case, size))] / fastest

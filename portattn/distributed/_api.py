@@ -14,6 +14,7 @@ from array_api_compat import device as device_of
 from .._inputs import namespace_name
 from ..errors import PluginWarning
 from ..masks import Mask, dense
+from ._choice import AUTO, StrategyChoice, choose, mask_heads_problem
 from ._layout import LAYOUTS, Layout
 from ._strategies import STRATEGIES, backward, forward
 from ._ulysses import heads_problem
@@ -22,7 +23,7 @@ from .engine import GROUP
 if TYPE_CHECKING:
     from ._plan import Problem
 
-__all__ = ["attention", "shard", "unshard"]
+__all__ = ["attention", "explain", "shard", "unshard"]
 
 _engines: dict[str, Any] = {}
 
@@ -91,6 +92,23 @@ def _layout(kind: str | Layout, local: int, length: int | None, size: int,
     return layout
 
 
+def _layouts(query: Any, key: Any, value: Any, size: int, layout: str | Layout,
+             query_length: int | None, key_length: int | None) -> tuple[Layout, Layout]:
+    """The validated layouts of the queries and the keys of a call."""
+    if not isinstance(layout, Layout):
+        _check_choice("layout", layout, LAYOUTS)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if len(x.shape) < 3:
+            msg = f"{name} must be (..., heads, length, dim); got {name}.shape={tuple(x.shape)}"
+            raise ValueError(msg)
+    if key.shape[-2] != value.shape[-2]:
+        msg = (f"key and value shards must have the same length; got key.shape[-2]="
+               f"{key.shape[-2]}, value.shape[-2]={value.shape[-2]}")
+        raise ValueError(msg)
+    return (_layout(layout, query.shape[-2], query_length, size, "query"),
+            _layout(layout, key.shape[-2], key_length, size, "key"))
+
+
 def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any = None,
             layout: str | Layout = "contiguous", query_length: int | None = None,
             key_length: int | None = None, scale: float | None = None,
@@ -120,18 +138,7 @@ def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any
     from ._plan import Problem
 
     xp = array_namespace(query, key, value)
-    if not isinstance(layout, Layout):
-        _check_choice("layout", layout, LAYOUTS)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if len(x.shape) < 3:
-            msg = f"{name} must be (..., heads, length, dim); got {name}.shape={tuple(x.shape)}"
-            raise ValueError(msg)
-    if key.shape[-2] != value.shape[-2]:
-        msg = (f"key and value shards must have the same length; got key.shape[-2]="
-               f"{key.shape[-2]}, value.shape[-2]={value.shape[-2]}")
-        raise ValueError(msg)
-    queries = _layout(layout, query.shape[-2], query_length, size, "query")
-    keys = _layout(layout, key.shape[-2], key_length, size, "key")
+    queries, keys = _layouts(query, key, value, size, layout, query_length, key_length)
     if mask is not None and not isinstance(mask, Mask):
         mask = dense(mask)
     bound = mask
@@ -142,7 +149,7 @@ def problem(query: Any, key: Any, value: Any, *, rank: int, size: int, mask: Any
 
 
 def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = None,
-              strategy: str = "ring", layout: str | Layout = "contiguous",
+              strategy: str = AUTO, layout: str | Layout = "contiguous",
               query_length: int | None = None, key_length: int | None = None,
               scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False) -> Any:
@@ -164,11 +171,13 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
             :class:`LocalGroup` (threads in one process; forward only).
         mask: a :mod:`portattn.masks` mask in global positions, or a boolean array
             ``(..., Lq, Lk)``.
-        strategy: ``"ring"`` (K/V shards pass rank to rank, overlapped with compute;
-            memory for two shards), ``"all_gather"`` (one collective; memory for the
-            whole K/V: short sequences, few K/V heads) or ``"ulysses"`` (all-to-all
-            from sequence shards to head shards and back: heads that divide by the
-            ranks, a mask that does not vary by head).
+        strategy: ``"auto"`` (the default: one of the others, chosen from the
+            shapes, dtype, number of ranks and mask alike on every rank; see
+            :func:`explain`), ``"ring"`` (K/V shards pass rank to rank, overlapped
+            with compute; memory for two shards), ``"all_gather"`` (one collective;
+            memory for the whole K/V: short sequences, few K/V heads) or
+            ``"ulysses"`` (all-to-all from sequence shards to head shards and back:
+            heads that divide by the ranks, a mask that does not vary by head).
         layout: ``"contiguous"``, ``"zigzag"`` (balances causal masks), or a
             :class:`Layout` (:meth:`Layout.balanced` for any mask), as given to
             :func:`shard`.
@@ -185,8 +194,9 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         rows hold 0 and lse ``-inf``.
 
     Raises:
-        ValueError: an unknown ``strategy`` or ``layout``, or shards whose lengths do
-            not fit the layout.
+        ValueError: an unknown ``strategy`` or ``layout``, shards whose lengths do
+            not fit the layout, or ``strategy="ulysses"`` with heads that do not
+            divide by the ranks or a mask array with a head axis.
         TypeError: ``group`` is neither a group of an installed engine nor a
             :class:`LocalGroup`.
 
@@ -206,11 +216,16 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         >>> bool(np.allclose(outs[0], expected)), outs[0].shape
         (True, (1, 2, 10, 4))
     """
-    _check_choice("strategy", strategy, STRATEGIES)
+    _check_choice("strategy", strategy, (AUTO, *STRATEGIES))
     xp = array_namespace(query, key, value)
     engine, rank, size = _rank_and_size(group, namespace_name(xp))
-    if strategy == "ulysses" and (why := heads_problem(query, key, size)) is not None:
-        raise ValueError(why)
+    if strategy == AUTO:  # engines only ever see a concrete strategy
+        strategy = explain(query, key, value, size=size, mask=mask, layout=layout,
+                           query_length=query_length, key_length=key_length).strategy
+    elif strategy == "ulysses":
+        why = heads_problem(query, key, size) or _array_heads_problem(mask)
+        if why is not None:
+            raise ValueError(why)
     prob = problem(query, key, value, rank=0 if rank is None else rank, size=size,
                    mask=mask, layout=layout,
                    query_length=query_length, key_length=key_length, scale=scale,
@@ -223,9 +238,69 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
     return (out, lse) if return_lse else out
 
 
+def explain(query: Any, key: Any, value: Any, /, *, size: int, mask: Any = None,
+            layout: str | Layout = "contiguous", query_length: int | None = None,
+            key_length: int | None = None) -> StrategyChoice:
+    """The strategy ``strategy="auto"`` would run for these shards, and what each
+    strategy would cost; needs no process group and computes nothing.
+
+    The choice reads only what every rank knows alike (shapes, dtype, ``size``, the
+    mask's structure and the layout), so every rank of a call chooses the same. In
+    order: one rank runs ``"ring"``; ``"all_gather"`` when the whole K/V of all ranks
+    is at most 4 MiB; ``"ulysses"`` when it can run (heads that divide by ``size``, a
+    mask that does not vary by head) and sends fewer bytes than the ring;
+    ``"all_gather"`` when the whole K/V is no larger than a rank's queries and output
+    (few K/V heads); else ``"ring"``.
+
+    Args:
+        query, key, value: one rank's shards, as for :func:`attention` (any objects
+            with ``shape`` and ``dtype``).
+        size: the number of ranks.
+        mask, layout, query_length, key_length: as for :func:`attention`.
+
+    Returns:
+        A :class:`StrategyChoice`: ``choice.strategy`` the strategy chosen,
+        ``choice.why`` the rule that chose it, ``choice.options`` each strategy with
+        the reasons it cannot run and the bytes a rank sends and holds, and
+        ``str(choice)`` a report of all of it.
+
+    Raises:
+        ValueError: ``size`` is not an int >= 1, or as :func:`attention` for shards
+            that do not fit the layout.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn import distributed, masks
+        >>> q = np.zeros((1, 8, 4096, 64), dtype=np.float32)   # shards of 32768
+        >>> choice = distributed.explain(q, q, q, size=8, mask=masks.causal())
+        >>> choice.strategy
+        'ulysses'
+        >>> kv = np.zeros((1, 1, 4096, 64), dtype=np.float32)  # 8 query heads per K/V head
+        >>> distributed.explain(q, kv, kv, size=8).strategy
+        'all_gather'
+        >>> choice = distributed.explain(q, q, q, size=3)   # 8 heads over 3 ranks
+        >>> choice.strategy, choice.option("ulysses").reasons[0].split(";")[0]
+        ('ring', "strategy='ulysses' splits the heads over the 3 ranks")
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        msg = f"size must be an int >= 1; got size={size!r}"
+        raise ValueError(msg)
+    queries, keys = _layouts(query, key, value, size, layout, query_length, key_length)
+    if mask is not None and not isinstance(mask, Mask):
+        mask = dense(mask)
+    return choose(query, key, value, size=size, mask=mask, queries=queries, keys=keys)
+
+
+def _array_heads_problem(mask: Any) -> str | None:
+    """A mask array with a head axis, which ``"ulysses"`` cannot split (a function
+    mask that reads the head index is the caller's to avoid)."""
+    why = mask_heads_problem(mask)
+    return None if why is None or "function mask" in why else f"strategy='ulysses': {why}"
+
+
 def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: Any,
               lse: Any, dout: Any, dlse: Any = None,
-              strategy: str = "ring") -> tuple[Any, Any, Any]:
+              strategy: str = AUTO) -> tuple[Any, Any, Any]:
     """Gradients of this rank's query, key and value shards: the portable backward of
     :func:`attention` run over a communicator (an engine's autograd calls the same).
 
@@ -235,11 +310,15 @@ def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: 
         query, key, value: this rank's shards.
         out, lse: what :func:`attention` returned for them (``return_lse=True``).
         dout, dlse: the gradients of ``out`` and ``lse`` (``dlse`` None for zero).
-        strategy: as given to :func:`attention`.
+        strategy: as given to :func:`attention` (``"auto"`` is resolved the same way).
 
     Returns:
         ``(dquery, dkey, dvalue)``, each in its shard's dtype.
     """
+    _check_choice("strategy", strategy, (AUTO, *STRATEGIES))
+    if strategy == AUTO:
+        strategy = choose(query, key, value, size=prob.size, mask=prob.given,
+                          queries=prob.queries, keys=prob.keys).strategy
     return backward(group, prob, query, key, value, out, lse, dout, dlse, strategy)
 
 

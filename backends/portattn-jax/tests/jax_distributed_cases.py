@@ -33,6 +33,7 @@ CASES = {
                                        "all_gather", "contiguous"),
     "causal_gqa-ulysses-zigzag": (2, 23, 23, 4, 2, masks.causal(), None, "ulysses",
                                   "zigzag"),
+    "causal-auto-zigzag": (2, 23, 23, 2, 2, masks.causal(), None, "auto", "zigzag"),
 }
 
 

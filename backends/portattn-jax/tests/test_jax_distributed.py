@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("jax")
 
 CASES = Path(__file__).with_name("jax_distributed_cases.py")
-# each case compiles for seconds: one per strategy, the ring over 4 devices
+# each case compiles for seconds: one per strategy (and "auto"), the ring over 4 devices
 RUNS = {"causal_gqa_softcap-ring-zigzag": 4, "cross_window-gather-contiguous": 2,
-        "causal_gqa-ulysses-zigzag": 2}
+        "causal_gqa-ulysses-zigzag": 2, "causal-auto-zigzag": 2}
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ CASES = {
     "cross_gqa-ulysses-contiguous": (9, 23, 8, 4, "causal", 5.0, "ulysses", "contiguous",
                                      "float32"),
     "causal64-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "float64"),
+    "gqa-auto-zigzag": (23, 23, 4, 2, "causal", None, "auto", "zigzag", "float32"),
     "causal_bf16-ring-zigzag": (23, 23, 2, 2, "causal", None, "ring", "zigzag", "bfloat16"),
 }
 SIZES = (2, 4)
