@@ -200,3 +200,26 @@ def test_engines_only_see_a_concrete_strategy(monkeypatch):
     for strategy in ("auto", "ring", "all_gather"):
         distributed.attention(q, kv, kv, group="axis", strategy=strategy)
     assert seen == ["all_gather", "ring", "all_gather"]
+
+
+@pytest.mark.parametrize("budget", [0, 16 * 2**20])  # auto: ulysses, then all_gather
+def test_gradients_resolve_auto(monkeypatch, budget):
+    monkeypatch.setattr(_choice, "ALL_GATHER_BYTES", budget)
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((1, 4, 12, 8)) for _ in range(4))
+    mask = masks.causal()
+
+    def grads(strategy):
+        def rank_work(group):
+            shards = [distributed.shard(x, group) for x in (q, k, v)]
+            prob = distributed.problem(*shards, rank=group.rank, size=group.size, mask=mask)
+            out, lse = distributed.attention(*shards, group=group, mask=mask,
+                                             return_lse=True)
+            got = distributed.gradients(group, prob, *shards, out, lse,
+                                        distributed.shard(dout, group), strategy=strategy)
+            return [distributed.unshard(g, group, length=12) for g in got]
+
+        return distributed.run_local(rank_work, 4)[0]
+
+    for got, want in zip(grads("auto"), grads("ring"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)

@@ -310,7 +310,9 @@ def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: 
         query, key, value: this rank's shards.
         out, lse: what :func:`attention` returned for them (``return_lse=True``).
         dout, dlse: the gradients of ``out`` and ``lse`` (``dlse`` None for zero).
-        strategy: as given to :func:`attention` (``"auto"`` is resolved the same way).
+        strategy: as given to :func:`attention`; ``"auto"`` is resolved the same way,
+            with ``"ring"`` for ``"ulysses"`` (whose gradients come from the library's
+            autograd: every strategy's backward gives the same gradients).
 
     Returns:
         ``(dquery, dkey, dvalue)``, each in its shard's dtype.
@@ -319,6 +321,8 @@ def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: 
     if strategy == AUTO:
         strategy = choose(query, key, value, size=prob.size, mask=prob.given,
                           queries=prob.queries, keys=prob.keys).strategy
+        if strategy == "ulysses":  # no portable backward; the ring's is as exact
+            strategy = "ring"
     return backward(group, prob, query, key, value, out, lse, dout, dlse, strategy)
 
 
