@@ -66,8 +66,10 @@ def _rank(rank, size, port, length, strategy, out):
 
     def step(inputs):
         n = inputs[0].shape[-2]
-        q, k, v = (distributed.shard(x, (rank, size), layout="zigzag").requires_grad_()
-                   for x in inputs)
+        # every rank's shards are its own arrays (a middle rank's zigzag shard is a
+        # slice of the whole inputs, which the measurement would not count)
+        q, k, v = (distributed.shard(x, (rank, size), layout="zigzag").contiguous()
+                   .requires_grad_() for x in inputs)
         distributed.attention(q, k, v, group=None, mask=masks.causal(), layout="zigzag",
                               strategy=strategy, query_length=n,
                               key_length=n).sum().backward()

@@ -14,14 +14,12 @@ from array_api_compat import device as device_of
 from .._api import attention
 from .._flash_backward import flash_backward
 from .._inputs import describe, dtype_name
-from .._merge import merge
 
 if TYPE_CHECKING:
-    from ._layout import Segment
     from ._plan import Pair, Problem
 
 __all__ = ["Partials", "add_pair_grads", "backward_step", "compute_dtype", "forward_step",
-           "placed", "zeros_like_shard"]
+           "zeros_like_shard"]
 
 
 def compute_dtype(xp: Any, dtype: Any) -> Any:
@@ -34,66 +32,48 @@ def _rows(x: Any, rows: slice) -> Any:
 
 
 class Partials:
-    """The running ``(out, lse)`` of each query segment of a rank, in the compute
-    dtype, merged pair by pair as key blocks arrive."""
+    """The running ``(out, lse)`` of a rank's whole query shard, in the compute dtype,
+    into which each pair's result merges as key blocks arrive: in place where the
+    library allows, into accumulators allocated once (no list of parts, no
+    concatenation at the end)."""
 
     def __init__(self, problem: Problem, query: Any) -> None:
         self.problem, self.query = problem, query
         self.ct = compute_dtype(problem.xp, query.dtype)
-        self.acc: dict[int, tuple[Any, Any]] = {}
+        self.out: Any = None
+        self.lse: Any = None
+
+    def _start(self, dv: int) -> None:
+        xp, q = self.problem.xp, self.query
+        rows = tuple(q.shape[:-1])
+        self.out = xp.zeros((*rows, dv), dtype=self.ct, device=device_of(q))
+        self.lse = xp.full(rows, -float("inf"), dtype=self.ct, device=device_of(q))
 
     def add(self, pair: Pair, key: Any, value: Any) -> None:
         xp = self.problem.xp
-        ks = pair.key.local
-        out, lse = attention(_rows(self.query, pair.query.local), _rows(key, ks),
-                             _rows(value, ks), mask=pair.mask, return_lse=True,
-                             **self.problem.options)
+        ks, qs = pair.key.local, pair.query.local
+        out, lse = attention(_rows(self.query, qs), _rows(key, ks), _rows(value, ks),
+                             mask=pair.mask, return_lse=True, **self.problem.options)
+        if self.out is None:
+            self._start(value.shape[-1])
         out, lse = xp.astype(out, self.ct, copy=False), xp.astype(lse, self.ct, copy=False)
-        before = self.acc.get(pair.query.start)
-        if before is not None:
-            out, lse = merge([before[0], out], [before[1], lse])
-        self.acc[pair.query.start] = (out, lse)
+        # The merge of two parts (portattn.merge), into the pair's rows: each part
+        # weighs exp(its lse - the total lse).
+        before = self.lse[..., qs]
+        total = xp.logaddexp(before, lse)
+        # a row no key has reached has total -inf: both weights are then exp(-inf) = 0
+        empty = xp.isinf(total) & (total < 0)
+        shift = xp.where(empty, xp.zeros_like(total), total)
+        self.out = xpx.at(self.out)[..., qs, :].multiply(xp.exp(before - shift)[..., None])
+        self.out = xpx.at(self.out)[..., qs, :].add(out * xp.exp(lse - shift)[..., None])
+        self.lse = xpx.at(self.lse)[..., qs].set(total)
 
     def result(self, dv: int) -> tuple[Any, Any]:
         """``(out, lse)`` of the rank's whole shard: padding rows and rows that see no
         key give 0 and ``-inf``."""
-        xp, q = self.problem.xp, self.query
-        layout = self.problem.queries
-        lead = tuple(q.shape[:-2])
-        segments = layout.segments(self.problem.rank)
-        outs = {s.start: a[0] for s, a in ((s, self.acc.get(s.start)) for s in segments)
-                if a is not None}
-        lses = {s.start: a[1] for s, a in ((s, self.acc.get(s.start)) for s in segments)
-                if a is not None}
-        out = placed(xp, outs, segments, layout.shard_length, (*lead, dv), self.ct,
-                     device_of(q), fill=0.0)
-        lse = placed(xp, {k: v[..., None] for k, v in lses.items()}, segments,
-                     layout.shard_length, (*lead, 1), self.ct, device_of(q),
-                     fill=-float("inf"))
-        return out, lse[..., 0]
-
-
-def placed(xp: Any, parts: dict[int, Any], segments: tuple[Segment, ...], length: int,
-           shape: tuple[int, ...], dtype: Any, device: Any, fill: float = 0.0) -> Any:
-    """A shard ``(*shape[:-1], length, shape[-1])`` holding ``parts[segment.start]``
-    at each segment's local rows and ``fill`` elsewhere."""
-    pieces, filled = [], 0
-    lead, last = shape[:-1], shape[-1]
-
-    def gap(n: int) -> Any:
-        return xp.full((*lead, n, last), fill, dtype=dtype, device=device)
-
-    for seg in segments:
-        part = parts.get(seg.start)
-        if part is None:
-            continue
-        if seg.offset > filled:
-            pieces.append(gap(seg.offset - filled))
-        pieces.append(xp.astype(part, dtype, copy=False))
-        filled = seg.offset + len(seg)
-    if length > filled or not pieces:
-        pieces.append(gap(length - filled))
-    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
+        if self.out is None:
+            self._start(dv)
+        return self.out, self.lse
 
 
 def zeros_like_shard(xp: Any, like: Any, dtype: Any) -> Any:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..masks import Mask
     from ._layout import Layout, Segment
 
-__all__ = ["Pair", "Problem", "visible_work"]
+__all__ = ["Pair", "Problem", "pieces", "visible_work"]
 
 
 class Pair(NamedTuple):
@@ -45,7 +45,7 @@ class Problem:
     scale: float | None = None
     softcap: float | None = None
     given: Mask | None = None
-    _pairs: dict[tuple[int, int], tuple[Pair, ...]] = field(default_factory=dict, repr=False)
+    _pairs: dict[tuple[Any, ...], tuple[Pair, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
@@ -64,20 +64,23 @@ class Problem:
     def unbound(self) -> Mask | None:
         return self.mask if self.given is None else self.given
 
-    def pairs(self, source: int, rank: int | None = None) -> tuple[Pair, ...]:
+    def pairs(self, source: int, rank: int | None = None,
+              rows: tuple[int, int] | None = None) -> tuple[Pair, ...]:
         """The visible pairs of ``rank``'s queries (default: this rank) against the
-        keys of ``source``."""
+        keys of ``source``; with ``rows = (a, b)``, against the keys at rows ``[a, b)``
+        of its shard only, their segments' offsets counted from ``a`` (a piece of the
+        shard that travels alone)."""
         rank = self.rank if rank is None else rank
-        found = self._pairs.get((rank, source))
+        found = self._pairs.get((rank, source, rows))
         if found is None:
-            found = tuple(self._visible(rank, source))
-            self._pairs[(rank, source)] = found
+            found = tuple(self._visible(rank, source, rows))
+            self._pairs[(rank, source, rows)] = found
         return found
 
-    def _visible(self, rank: int, source: int) -> Any:
+    def _visible(self, rank: int, source: int, rows: tuple[int, int] | None) -> Any:
         lq, lk = self.queries.length, self.keys.length
         for qs in self.queries.segments(rank):
-            for ks in self.keys.segments(source):
+            for ks in _within(self.keys.segments(source), rows):
                 box = (qs.start, qs.stop, ks.start, ks.stop, lq, lk)
                 if self.mask is None:
                     yield Pair(source, qs, ks, None)
@@ -89,6 +92,25 @@ class Problem:
                     yield Pair(source, qs, ks,
                                self.unbound.restrict(self.xp, qs.start, qs.stop, ks.start,
                                                   ks.stop, lq, lk))
+
+
+def _within(segments: tuple[Segment, ...], rows: tuple[int, int] | None) -> Any:
+    """The parts of ``segments`` at local rows ``[a, b)``, offsets counted from ``a``."""
+    if rows is None:
+        yield from segments
+        return
+    a, b = rows
+    for seg in segments:
+        lo, hi = max(seg.offset, a), min(seg.offset + len(seg), b)
+        if lo < hi:
+            yield type(seg)(seg.start + lo - seg.offset, seg.start + hi - seg.offset, lo - a)
+
+
+def pieces(length: int, count: int) -> list[tuple[int, int]]:
+    """``[a, b)`` row ranges cutting a shard of ``length`` rows into ``count`` pieces
+    (fewer for a shorter shard), as equal as can be."""
+    count = max(1, min(count, length))
+    return [(length * i // count, length * (i + 1) // count) for i in range(count)]
 
 
 def visible_work(problem: Problem) -> list[int]:

@@ -2,8 +2,9 @@
 collectives), so every engine runs the same schedule.
 
 - ``"ring"``: K/V shards travel rank to rank (``size - 1`` shifts, each started before
-  the current block's compute so the two overlap). The backward sends K/V round again
-  and the dK/dV accumulators after them (``size`` shifts: they end at their owner).
+  the current block's compute so the two overlap), in :data:`PIECES` pieces of rows
+  that each shift alone. The backward sends K/V round again and the dK/dV accumulators
+  of each piece after it (``size`` shifts: they end at their owner).
 - ``"all_gather"``: every rank gathers every K/V shard at once (one collective; memory
   for the whole K/V), and the backward reduce-scatters dK/dV.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._compute import Partials, add_pair_grads, compute_dtype, zeros_like_shard
+from ._plan import pieces
 from ._ulysses import ulysses
 
 if TYPE_CHECKING:
@@ -23,6 +25,11 @@ if TYPE_CHECKING:
 __all__ = ["STRATEGIES", "Communicator", "backward", "forward"]
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
+
+PIECES = 4
+"""The ring moves each K/V shard as this many pieces of rows, each sent on before its
+compute: besides its own shards a rank then holds ``1 + 1 / PIECES`` K/V shards (the
+piece in use, those waiting for their turn, the one arriving) instead of two."""
 
 
 class Communicator(Protocol):
@@ -63,15 +70,22 @@ def forward(comm: Communicator, problem: Problem, query: Any, key: Any,
             for pair in problem.pairs(source):
                 partials.add(pair, keys[source], values[source])
     else:
-        kv = [key, value]
+        spans = pieces(key.shape[-2], PIECES)
+        held = _pieces_of(key, value, spans)
         for step in range(size):
-            pending = comm.start_shift(kv) if step < size - 1 else None
-            for pair in problem.pairs((rank - step) % size):
-                partials.add(pair, *kv)
-            if pending is not None:
-                kv = comm.finish_shift(pending)
-                pending = None  # the handle keeps the shards just used alive
+            for i, rows in enumerate(spans):
+                kv = held[i]
+                pending = comm.start_shift(kv) if step < size - 1 else None
+                for pair in problem.pairs((rank - step) % size, rows=rows):
+                    partials.add(pair, *kv)
+                # piece i of the next step's shard (the handle keeps the sent one alive)
+                held[i] = None if pending is None else comm.finish_shift(pending)
+                del kv, pending
     return partials.result(value.shape[-1])
+
+
+def _pieces_of(key: Any, value: Any, spans: list[tuple[int, int]]) -> list[Any]:
+    return [[key[..., a:b, :], value[..., a:b, :]] for a, b in spans]
 
 
 def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: Any,
@@ -79,11 +93,11 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
              strategy: str) -> tuple[Any, Any, Any]:
     """Gradients of this rank's query, key and value shards, each in its dtype.
 
-    Every visible pair adds its gradients into whole-shard accumulators (in place where
-    the library allows). The ring holds one pair of dK/dV accumulators at a time: the
-    pair that arrived from the previous rank is waited for before the step's compute
-    and shifted on after it (the K/V shift still overlaps the compute), so a rank holds
-    its shards, the output, dQ, two K/V shards and one dK/dV pair.
+    Every visible pair adds its gradients into accumulators (in place where the library
+    allows). The ring works piece by piece: each piece's K/V shift overlaps its compute,
+    and its dK/dV pair is shifted on right after it, the previous rank's arriving in
+    exchange; so a rank holds its shards, the output, dQ, ``1 + 1 / PIECES`` K/V shards
+    and one shard's worth of dK/dV pieces.
     """
     if strategy == "ulysses":
         msg = ("strategy='ulysses' has no backward of its own: its gradients come from "
@@ -93,10 +107,11 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
     ct = compute_dtype(xp, query.dtype)
     dq = zeros_like_shard(xp, query, ct)
 
-    def visit(source: int, k: Any, v: Any, dk: Any, dv: Any) -> tuple[Any, Any]:
+    def visit(source: int, rows: tuple[int, int] | None, k: Any, v: Any, dk: Any,
+              dv: Any) -> tuple[Any, Any]:
         nonlocal dq
         grads = (dq, dk, dv)
-        for pair in problem.pairs(source):
+        for pair in problem.pairs(source, rows=rows):
             grads = add_pair_grads(problem, pair, query, k, v, out, lse, dout, dlse, grads)
         dq = grads[0]
         return grads[1], grads[2]
@@ -105,32 +120,35 @@ def backward(comm: Communicator, problem: Problem, query: Any, key: Any, value: 
         keys, values = comm.all_gather(key), comm.all_gather(value)
         dks, dvs = [], []
         for source in range(size):
-            dk, dv = visit(source, keys[source], values[source],
+            dk, dv = visit(source, None, keys[source], values[source],
                            zeros_like_shard(xp, key, ct), zeros_like_shard(xp, value, ct))
             dks.append(dk)
             dvs.append(dv)
         dkey, dvalue = comm.reduce_scatter(dks), comm.reduce_scatter(dvs)
     else:
-        kv = [key, value]
-        carried = None
+        spans = pieces(key.shape[-2], PIECES)
+        held = _pieces_of(key, value, spans)
+        grads: list[Any] = [None] * len(spans)  # each piece's dK/dV, for its next step
         for step in range(size):
             source = (rank - step) % size
-            if carried is None:
-                dk, dv = zeros_like_shard(xp, key, ct), zeros_like_shard(xp, value, ct)
-            else:  # the accumulators of this source, from the previous rank
-                dk, dv = comm.finish_shift(carried)
-                carried = None  # the handle keeps the sent pair alive
-            pending = comm.start_shift(kv) if step < size - 1 else None
-            dk, dv = visit(source, *kv, dk, dv)
-            if pending is not None:
-                kv = comm.finish_shift(pending)
-                pending = None
-            if size == 1:  # nothing travels: the block is home
-                break
-            carried = comm.start_shift([dk, dv])
-            del dk, dv
-        if carried is not None:
-            dk, dv = comm.finish_shift(carried)
-        dkey, dvalue = dk, dv
+            for i, rows in enumerate(spans):
+                kv = held[i]
+                dk, dv = grads[i] or [zeros_like_shard(xp, a, ct) for a in kv]
+                grads[i] = None
+                pending = comm.start_shift(kv) if step < size - 1 else None
+                dk, dv = visit(source, rows, *kv, dk, dv)
+                held[i] = None if pending is None else comm.finish_shift(pending)
+                del kv, pending
+                # Sent on at once, and the previous rank's pair for the next step (after
+                # the last step: this rank's own) waited for: overlapping this transfer
+                # too would hold a second set of pieces in flight.
+                grads[i] = [dk, dv] if size == 1 else comm.finish_shift(
+                    comm.start_shift([dk, dv]))
+                del dk, dv
+        dkey, dvalue = (_joined(xp, [g[j] for g in grads]) for j in (0, 1))
     return (xp.astype(dq, query.dtype, copy=False), xp.astype(dkey, key.dtype, copy=False),
             xp.astype(dvalue, value.dtype, copy=False))
+
+
+def _joined(xp: Any, parts: list[Any]) -> Any:
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
