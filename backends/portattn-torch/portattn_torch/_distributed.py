@@ -8,7 +8,10 @@ autograd: the forward saves only the shards, the output and the log-sum-exp, and
 backward recomputes each visible pair from them (FlashAttention-2), sending dK/dV back
 to their owners. ``"ulysses"`` trades sequence shards for head shards with
 differentiable all-to-alls and lets torch autograd run the kernel's own backward.
-Works with any backend torch.distributed has (gloo on CPU, NCCL on CUDA).
+Works with any backend torch.distributed has (gloo on CPU, NCCL on CUDA). Under
+``torch.compile`` the call is a graph break (``torch.compiler.disable``): the model's
+other parts compile, this runs eagerly; ``fullgraph=True`` raises Dynamo's error with
+the reason.
 """
 
 from __future__ import annotations
@@ -100,6 +103,12 @@ class Communicator:
         return out
 
 
+_EAGER = ("portattn.distributed.attention runs eagerly under torch.compile (a graph "
+          "break): its ring's point-to-point transfers and its autograd.Function over "
+          "collectives are not traceable, so fullgraph=True cannot include it")
+
+
+@torch.compiler.disable(reason=_EAGER)
 def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
               strategy: str) -> tuple[Any, Any]:
     """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""

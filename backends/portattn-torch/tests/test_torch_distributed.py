@@ -54,6 +54,7 @@ CASES = {
 SIZES = (2, 4)
 EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "examples" / "context_parallel_torch.py"
 STEPS, LENGTH = 50, 61
+COMPILED = ("ring", "all_gather", "ulysses")
 
 
 def _mask(kind, lq, lk):
@@ -107,6 +108,64 @@ def _one_case(case, group):
             "dv": whole(shards[2].grad, lk), "dtypes": (str(out.dtype), str(lse.dtype))}
 
 
+class _Block(torch.nn.Module):
+    """A projection, distributed causal attention over 2 heads of 4, a projection."""
+
+    def __init__(self, strategy, length):
+        super().__init__()
+        self.strategy, self.length = strategy, length
+        self.qkv, self.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        out = distributed.attention(q, k, v, group=None, mask=masks.causal(),
+                                    strategy=self.strategy, layout="zigzag",
+                                    query_length=self.length, key_length=self.length)
+        return self.proj(out.transpose(1, 2).flatten(-2)).tanh()
+
+
+def _compiled_and_eager(strategy, length=11, steps=2):
+    """Losses, gradients and the output of the last step of a few SGD steps, eager and
+    under torch.compile (the same initial weights and shards on every rank)."""
+    torch.manual_seed(0)
+    eager = _Block(strategy, length)
+    compiled = _Block(strategy, length)
+    compiled.load_state_dict(eager.state_dict())
+    x = distributed.shard(torch.randn(1, length, 8, generator=torch.Generator().manual_seed(1)),
+                          None, axis=-2, layout="zigzag")
+    runs = {}
+    for name, model, call in (("eager", eager, eager), ("compiled", compiled,
+                                                         torch.compile(compiled))):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for _ in range(steps):
+            sgd.zero_grad()
+            out = call(x)
+            loss = out.square().sum()
+            loss.backward()
+            sgd.step()
+            losses.append(loss.detach())
+        runs[name] = {"losses": torch.stack(losses), "out": out.detach(),
+                      **{n: p.grad.clone() for n, p in model.named_parameters()}}
+    return runs
+
+
+def _graph_break():
+    """What Dynamo makes of the call: its graphs and breaks, and fullgraph's error."""
+    torch.compiler.reset()  # else graphs compiled before are reused
+    block = _Block("all_gather", 11)
+    x = distributed.shard(torch.zeros(1, 11, 8), None, axis=-2, layout="zigzag")
+    explained = torch._dynamo.explain(block)(x)
+    found = {"graphs": explained.graph_count,
+             "breaks": [str(r.reason) for r in explained.break_reasons], "fullgraph": None}
+    torch.compiler.reset()
+    try:
+        torch.compile(block, fullgraph=True)(x)
+    except Exception as e:  # Dynamo's error names the function and the reason
+        found["fullgraph"] = f"{type(e).__name__}: {e}"
+    return found
+
+
 def _worker(rank, size, port, path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -118,6 +177,9 @@ def _worker(rank, size, port, path):
         results["subgroup"] = _one_case("causal-ring-zigzag", sub)
         train = runpy.run_path(os.fspath(EXAMPLE))["train"]
         results["training"] = train(STEPS, LENGTH, dist.group.WORLD, "zigzag", "ring")
+        if size == 2:  # compiling costs seconds: one world size
+            results["compiled"] = {s: _compiled_and_eager(s) for s in COMPILED}
+            results["graph_break"] = _graph_break()
         if rank == 0:
             torch.save(results, path)
     finally:
@@ -212,6 +274,36 @@ def test_training_follows_the_one_process_loss_curve(gathered):
     assert len(split) == len(whole) == STEPS
     assert whole[-1] < whole[0] - 0.1  # it learns
     assert max(abs(a - b) for a, b in zip(split, whole, strict=True)) < 1e-4, size
+
+
+@pytest.mark.parametrize("strategy", COMPILED)
+def test_torch_compile_trains_as_eager(gathered, strategy):
+    """torch.compile(model) around the call (a graph break there, the projections
+    compiled): the same losses, gradients and outputs as eager, to float32 rounding
+    (the compiled projections may sum in another order)."""
+    size, results = gathered
+    if size != 2:
+        pytest.skip("compiled on 2 ranks only")
+    runs = results["compiled"][strategy]
+    assert runs["compiled"].keys() == runs["eager"].keys()
+    assert runs["eager"]["losses"][1] < runs["eager"]["losses"][0]  # it trains
+    for name, want in runs["eager"].items():
+        torch.testing.assert_close(runs["compiled"][name], want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{strategy} {name}: {m}")
+
+
+def test_torch_compile_breaks_the_graph_at_the_call_only(gathered):
+    """The projections before and after are graphs; the one break is the call, and
+    fullgraph=True refuses it with the reason."""
+    size, results = gathered
+    if size != 2:
+        pytest.skip("compiled on 2 ranks only")
+    found, reason = results["graph_break"], "portattn.distributed.attention runs eagerly"
+    assert found["graphs"] >= 2, found  # before and after the call (and the call's own)
+    assert len(found["breaks"]) == 1, found
+    assert reason in found["breaks"][0]
+    assert found["fullgraph"] is not None
+    assert reason in found["fullgraph"]
 
 
 def test_errors_without_a_process_group():
