@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import array_api_extra as xpx
 
 from ._portable import (
+    add_rows,
     cast,
     dropped,
     finite_or_zero,
@@ -36,8 +37,10 @@ from ._portable import (
     is_empty,
     kept,
     per_head_column,
+    rows,
     scores,
     split_nonfinite,
+    transposed,
     ungroup,
 )
 from ._tiled import block_sizes
@@ -109,9 +112,9 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     word = seed_word(inputs) if inputs.dropout_p else None
     for a in range(blocks.num_q_blocks):
         q0, q1 = blocks.q_range(a)
-        q = group_queries(xp, cast(xp, query[..., q0:q1, :], ct) * inputs.scale, hkv)
-        do = cast(xp, dout[..., q0:q1, :], ct)
-        d = xp.sum(do * cast(xp, out[..., q0:q1, :], ct), axis=-1, keepdims=True)
+        q = group_queries(xp, cast(xp, rows(query, q0, q1), ct) * inputs.scale, hkv)
+        do = cast(xp, rows(dout, q0, q1), ct)
+        d = xp.sum(do * cast(xp, rows(out, q0, q1), ct), axis=-1, keepdims=True)
         if dlse is not None:
             d = d - cast(xp, dlse[..., q0:q1, None], ct)
         do, d = group_queries(xp, do, hkv), group_queries(xp, d, hkv)
@@ -123,25 +126,25 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
         dq_block = None
         for b, full in blocks.kv_blocks(a):  # the tiles the forward visited
             k0, k1 = blocks.kv_range(b)
-            tile = scores(inputs, q, k[..., k0:k1, :], q0, q1, k0, k1, masked=not full)
+            tile = scores(inputs, q, rows(k, k0, k1), q0, q1, k0, k1, masked=not full)
             p, t = tile.weights(xp, m), tile.tanh
             keep = kept(inputs, word, q0, q1, k0, k1)
-            dv_tile = xp.sum(xp.matmul(xp.matrix_transpose(dropped(inputs, p, keep)), do),
+            dv_tile = xp.sum(xp.matmul(transposed(xp, dropped(inputs, p, keep)), do),
                              axis=-3)
-            dp = dropped(inputs, xp.matmul(do, xp.matrix_transpose(v[..., k0:k1, :])), keep)
+            dp = dropped(inputs, xp.matmul(do, transposed(xp, rows(v, k0, k1))), keep)
             ds = p * (dp - d)
             if bias is not None:
                 bias.add(ds, q0, q1, k0, k1)
             if t is not None:
                 ds = ds * (1 - t * t)
-            dq_tile = xp.matmul(ds, k[..., k0:k1, :])
-            dk_tile = xp.sum(xp.matmul(xp.matrix_transpose(ds), q), axis=-3)
+            dq_tile = xp.matmul(ds, rows(k, k0, k1))
+            dk_tile = xp.sum(xp.matmul(transposed(xp, ds), q), axis=-3)
             dq_block = dq_tile if dq_block is None else dq_block + dq_tile
-            dk = xpx.at(dk)[..., k0:k1, :].add(cast(xp, dk_tile, dk.dtype))
-            dv = xpx.at(dv)[..., k0:k1, :].add(cast(xp, dv_tile, dv.dtype))
+            dk = add_rows(xp, dk, k0, k1, cast(xp, dk_tile, dk.dtype))
+            dv = add_rows(xp, dv, k0, k1, cast(xp, dv_tile, dv.dtype))
         if dq_block is not None:  # else the mask leaves this query block no keys
             dq_block = ungroup(xp, dq_block) * inputs.scale
-            dq = xpx.at(dq)[..., q0:q1, :].add(cast(xp, dq_block, dq.dtype))
+            dq = add_rows(xp, dq, q0, q1, cast(xp, dq_block, dq.dtype))
     if into is None:
         dq, dk, dv = (cast(xp, g, a.dtype) for g, a in zip(
             (dq, dk, dv), (inputs.query, inputs.key, inputs.value), strict=True))
@@ -178,10 +181,6 @@ def _accumulate(blocks: dict[Any, Any], key: Any, tile: Any) -> None:
     blocks[key] = tile if key not in blocks else blocks[key] + tile
 
 
-def _concat(xp: Any, parts: list[Any], axis: int) -> Any:
-    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=axis)
-
-
 class _BiasGrad:
     """Accumulates ``dS`` tiles reduced to the bias's broadcast shape.
 
@@ -214,18 +213,16 @@ class _BiasGrad:
 
     def result(self) -> Any:
         inputs, xp = self.inputs, self.inputs.xp
-        lead = tuple(inputs.bias.shape[:-2])
-        rows = []
-        for r0, r1 in self.rows:
-            cols = []
-            for c0, c1 in self.cols:
-                tile = self.tiles.get((r0, c0))
-                if tile is None:  # a tile the mask hides entirely
-                    tile = xp.zeros((*lead, r1 - r0, c1 - c0), dtype=inputs.compute_dtype,
-                                    device=inputs.device_obj)
-                cols.append(tile)
-            rows.append(_concat(xp, cols, axis=-1))
-        return cast(xp, _concat(xp, rows, axis=-2), inputs.bias.dtype)
+        if len(self.tiles) == len(self.rows) * len(self.cols) == 1:
+            return cast(xp, self.tiles[0, 0], inputs.bias.dtype)
+        shape = (*inputs.bias.shape[:-2], self.rows[-1][1], self.cols[-1][1])
+        total = xp.zeros(shape, dtype=inputs.compute_dtype, device=inputs.device_obj)
+        if self.tiles:  # batched under vmap, as the tiles are, so they add in place
+            total = total + xp.sum(xp.zeros_like(next(iter(self.tiles.values()))))
+        for (r0, c0), tile in self.tiles.items():  # tiles the mask hides stay 0
+            r1, c1 = r0 + tile.shape[-2], c0 + tile.shape[-1]
+            total = xpx.at(total)[..., r0:r1, c0:c1].add(tile)
+        return cast(xp, total, inputs.bias.dtype)
 
 
 def _grid(length: int, block: int) -> list[tuple[int, int]]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import array_api_extra as xpx
+
 from . import dropout
 from .kernel import ANY, Kernel
 from .masks import KINDS, slice_tile, values_readable
@@ -38,6 +40,31 @@ def cast(xp: Any, x: Any, dtype: Any) -> Any:
     """``x`` in ``dtype``, itself when it already is (``astype`` copies; with
     ``copy=False`` torch makes an alias, which torch.func.vmap cannot batch)."""
     return x if x.dtype == dtype else xp.astype(x, dtype)
+
+
+def rows(x: Any, start: int, stop: int) -> Any:
+    """Positions ``start:stop`` of ``x`` (axis -2); ``x`` itself when that is all of
+    them (torch makes a whole-axis slice an alias, which its legacy batching used by
+    ``gradcheck(check_batched_grad=True)`` cannot batch)."""
+    if start == 0 and stop >= x.shape[-2]:
+        return x
+    return x[..., start:stop, :]
+
+
+def transposed(xp: Any, x: Any) -> Any:
+    """``x`` with its last two axes swapped (``permute_dims``: torch's legacy batching
+    has a rule for it and none for the ``swapaxes`` that ``matrix_transpose`` is)."""
+    n = x.ndim
+    return xp.permute_dims(x, (*range(n - 2), n - 1, n - 2))
+
+
+def add_rows(xp: Any, acc: Any, start: int, stop: int, part: Any) -> Any:
+    """``acc`` with ``part`` added to its positions ``start:stop`` (axis -2), in place
+    where the library allows."""
+    if start == 0 and stop >= acc.shape[-2]:
+        acc += part  # in place on mutable arrays; a new array on JAX
+        return acc
+    return xpx.at(acc)[..., start:stop, :].add(part)
 
 
 def group_queries(xp: Any, x: Any, num_kv_heads: int) -> Any:
@@ -101,7 +128,7 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
     are grouped, in the compute dtype, and ``q`` is already multiplied by the scale
     (cheaper than scaling the scores)."""
     xp = inputs.xp
-    s = xp.matmul(q, xp.matrix_transpose(k))
+    s = xp.matmul(q, transposed(xp, k))
     t = None
     if inputs.softcap is not None:
         t = xp.tanh(s / inputs.softcap)
@@ -133,7 +160,7 @@ def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: 
     xp, s = inputs.xp, tile.s
     bad = xp.zeros((), dtype=s.dtype, device=inputs.device_obj)
     bad = bad + (0 if bad_q is None else bad_q) + (
-        0 if bad_k is None else xp.matrix_transpose(bad_k))
+        0 if bad_k is None else transposed(xp, bad_k))
     nan = xp.asarray(math.nan, dtype=s.dtype, device=inputs.device_obj)
     return tile._replace(s=xp.where((bad > 0) & tile.visible(xp), nan, s))
 

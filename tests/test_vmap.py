@@ -68,3 +68,40 @@ def test_jax_vmap_of_grad_on_every_kernel():
                 np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=2e-5,
                                            atol=2e-5, err_msg=name)
     assert "tiled" in ran
+
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_torch_gradcheck_with_batched_gradients_on_every_kernel(tiles, monkeypatch):
+    """``gradcheck(check_batched_grad=True)`` vmaps the backward with torch's legacy
+    batching, which has no rule for an alias (a slice of a whole axis) nor for
+    ``swapaxes``."""
+    torch = require_library("torch")
+    if tiles == "small":  # several query and key blocks: the slices are partial
+        import portattn._tiled as tiled
+
+        for name, value in (("MAX_BLOCK_K", 4), ("MIN_BLOCK_Q", 2), ("TILE_ELEMENTS", 16)):
+            monkeypatch.setattr(tiled, name, value)
+    rng = np.random.default_rng(2)
+    q, k, v = (torch.tensor(rng.standard_normal(s), requires_grad=True)
+               for s in [(1, 4, 6, 3), (1, 2, 9, 3), (1, 2, 9, 3)])
+    bias = torch.tensor(rng.standard_normal((1, 4, 6, 9)), requires_grad=True)
+    mask = masks.causal() & masks.key_lengths(torch.tensor([7]))
+    calls = {
+        "masked": (lambda q, k, v: portattn.attention(q, k, v, mask=mask), (q, k, v)),
+        "bias, softcap": (lambda q, k, v, b: portattn.attention(q, k, v, bias=b, softcap=2.0),
+                          (q, k, v, bias)),
+    }
+    ran = []
+    for name in _grad_kernels("torch"):
+        for what, (call, args) in calls.items():
+            with portattn.use_kernel(name):
+                try:
+                    call(*args)
+                except KernelNotUsableError:
+                    continue
+                assert torch.autograd.gradcheck(call, args, check_batched_grad=True), (
+                    name, what)
+            ran.append((name, what))
+    assert {("tiled", "masked"), ("tiled", "bias, softcap")} <= set(ran)
