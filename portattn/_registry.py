@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
+from ._wiring import load_for_imported
 from .errors import PluginWarning
 from .kernel import Kernel
 
@@ -207,6 +208,7 @@ def _discover_once() -> tuple[list[KernelEntry], str | None]:
     global _discovered
     if _discovered is None:
         _discovered = (discover(), os.environ.get(FORCE_ENV) or None)
+        load_for_imported()
     return _discovered
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
     from ._inputs import AttentionInputs
 
-__all__ = ["GROUP", "SEEDS", "attach_for", "seeds_for"]
+__all__ = ["GROUP", "SEEDS", "attach_for", "load_for_imported", "seeds_for"]
 
 GROUP = "portattn.autograd"
 SEEDS = "portattn.seeds"
@@ -63,6 +64,23 @@ def seeds_for(namespace: str) -> Any:
         _seeds[namespace] = _load(SEEDS, namespace, "the dropout seeds", (
             "dropout on it takes integer seeds only"))
     return _seeds[namespace]
+
+
+def load_for_imported() -> None:
+    """Load what plugins register for every library imported now (kernel discovery
+    calls this): a call later traced by torch.compile then finds it with a dict
+    lookup, since dynamo cannot follow the entry-point lookup."""
+    for group, loaded, lookup in ((GROUP, _attached, attach_for), (SEEDS, _seeds, seeds_for)):
+        for ep in entry_points(group=group):
+            if _imported(ep.name) and ep.name not in loaded:
+                lookup(ep.name)
+
+
+def _imported(name: str) -> bool:
+    """Whether module ``name`` is imported, and not still being imported by another
+    thread (a plugin loaded then would fail, and be remembered as broken)."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return spec is not None and not getattr(spec, "_initializing", False)
 
 
 def _load(group: str, namespace: str, what: str, instead: str) -> Any:

@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ._base import FULL, HIDDEN, PARTIAL, Grid
+from ._values import torch_compiling
 
 if TYPE_CHECKING:
     from ._base import Mask
@@ -187,6 +188,26 @@ class BlockMask:
                 f"{lead}, {self.visible:.1%} visible, {self.partial:.1%} partial)")
 
 
+class _EveryTile(BlockMask):
+    """Every tile partial, known without NumPy (``states`` is None): what a call
+    traced by torch.compile visits when no eager call built its block form. The
+    same answer; no tile skipped."""
+
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return -(-self.kv_len // self.block_k)
+
+    def kv_blocks(self, a: int) -> list[tuple[int, bool]]:
+        return [(b, False) for b in range(self.num_kv_blocks)]
+
+    def q_blocks(self, b: int) -> list[tuple[int, bool]]:
+        return [(a, False) for a in range(self.num_q_blocks)]
+
+
 def _lists(selected: Any) -> tuple[Any, Any]:
     """Counts and indices (selected first, in order) along the last axis."""
     import numpy as np
@@ -234,6 +255,8 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
         [[[1, 0], [1, 0]], [[2, 2], [2, 2]]]
     """
     key = (q_len, kv_len, block_q, block_k)
+    if torch_compiling():
+        return _while_tracing(mask, *key)
     if mask is not None and mask.arrays:
         own = mask.__dict__.get("_block_masks")
         if own is None:  # masks are frozen: the cache is set once, like a field
@@ -255,6 +278,19 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return found
+
+
+def _while_tracing(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
+                   block_k: int) -> BlockMask:
+    """The block form while torch.compile traces, which can follow neither a lock nor
+    the NumPy that builds a form (its values would be the graph's, unknown to the host
+    loops): one built before, by an eager call, or every tile visited."""
+    if mask is None or not mask.arrays:  # a dict read needs no lock
+        found = _cache.get((None if mask is None else mask.key(), q_len, kv_len, block_q,
+                            block_k))
+        if found is not None:
+            return found
+    return _EveryTile(q_len, kv_len, block_q, block_k, None, mask)
 
 
 def _build(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
