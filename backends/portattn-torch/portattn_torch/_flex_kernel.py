@@ -195,9 +195,23 @@ def _flex_unavailable() -> str | None:
     return None
 
 
-@functools.cache
+_device_checks: dict[str, str | None] = {}
+
+
 def _device_unsupported(device: str) -> str | None:
-    """Why compiled flex cannot run on ``device`` here (checked once per device)."""
+    """Why compiled flex cannot run on ``device`` here, checked once per device (a
+    plain dict, which torch.compile reads as it traces; it cannot trace the check)."""
+    import torch
+
+    if device not in _device_checks:
+        if torch.compiler.is_compiling():
+            return (f"flex on {device} was not checked before torch.compile traced this "
+                    "call (one eager call checks it)")
+        _device_checks[device] = _check_device(device)
+    return _device_checks[device]
+
+
+def _check_device(device: str) -> str | None:
     import torch
 
     if device == "cuda":

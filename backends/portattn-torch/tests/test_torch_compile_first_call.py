@@ -102,3 +102,43 @@ def test_tiled_forward_and_backward_while_compiling(order):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+_FLEX = """
+import torch
+import portattn
+from portattn import masks
+
+from portattn_torch._flex_kernel import _check_device
+
+portattn.kernels()
+if (why := _check_device("cpu")) is not None:  # leaves the check to the calls
+    raise SystemExit(f"skip: {why}")
+q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
+
+
+def call(q, k, v, kernel=None):
+    return portattn.attention(q, k, v, mask=masks.causal() & masks.sliding_window(64),
+                              kernel=kernel)
+
+
+want = call(q, k, v, "reference")
+# flex's device check was not run yet: a traced call goes to another kernel
+torch.testing.assert_close(torch.compile(call, fullgraph=True)(q, k, v), want,
+                           rtol=2e-5, atol=2e-5)
+eager = call(q, k, v, "torch_flex")  # checks the device
+forced = torch.compile(lambda q, k, v: call(q, k, v, "torch_flex"), fullgraph=True)
+torch.testing.assert_close(forced(q, k, v), want, rtol=2e-5, atol=2e-5)
+print("ok")
+"""
+
+
+def test_torch_flex_while_compiling_after_its_device_was_checked():
+    """flex's device check cannot be traced: asked first while tracing, flex declines
+    the call with that reason; once an eager call checked it, a traced call runs."""
+    run = subprocess.run([sys.executable, "-c", _FLEX], capture_output=True, text=True,
+                         timeout=600)
+    if "skip: " in run.stderr:
+        pytest.skip(run.stderr.split("skip: ")[-1].strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("ok")
