@@ -137,6 +137,18 @@ def test_explicit_ulysses_refuses_a_mask_with_a_head_axis():
             strategy="ulysses"), 2)
 
 
+def test_explicit_ulysses_refuses_a_function_mask():
+    """Each rank attends for some of the heads: a function reading the head index
+    would see that rank's own numbering."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 8, 4)) for _ in range(3))
+    mask = masks.function(lambda b, h, q, k: (q >= k) | (h == 1))
+    with pytest.raises(ValueError, match=r"ulysses.*function mask.*'ring'"):
+        distributed.run_local(lambda g: distributed.attention(
+            *(distributed.shard(x, g) for x in (q, k, v)), group=g, mask=mask,
+            strategy="ulysses"), 2)
+
+
 def _run(q, k, v, size, mask, strategy):
     lq = q.shape[-2]
 

@@ -223,7 +223,7 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         strategy = explain(query, key, value, size=size, mask=mask, layout=layout,
                            query_length=query_length, key_length=key_length).strategy
     elif strategy == "ulysses":
-        why = heads_problem(query, key, size) or _array_heads_problem(mask)
+        why = heads_problem(query, key, size) or _mask_heads_problem(mask)
         if why is not None:
             raise ValueError(why)
     prob = problem(query, key, value, rank=0 if rank is None else rank, size=size,
@@ -291,11 +291,11 @@ def explain(query: Any, key: Any, value: Any, /, *, size: int, mask: Any = None,
     return choose(query, key, value, size=size, mask=mask, queries=queries, keys=keys)
 
 
-def _array_heads_problem(mask: Any) -> str | None:
-    """A mask array with a head axis, which ``"ulysses"`` cannot split (a function
-    mask that reads the head index is the caller's to avoid)."""
+def _mask_heads_problem(mask: Any) -> str | None:
+    """A mask that varies by head, or may (a function mask reads the head index,
+    which would be this rank's own on each rank): ``"ulysses"`` cannot split it."""
     why = mask_heads_problem(mask)
-    return None if why is None or "function mask" in why else f"strategy='ulysses': {why}"
+    return None if why is None else f"strategy='ulysses': {why}; use 'ring' or 'all_gather'"
 
 
 def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: Any,
