@@ -9,9 +9,11 @@ backward recomputes each visible pair from them (FlashAttention-2), sending dK/d
 to their owners. ``"ulysses"`` trades sequence shards for head shards with
 differentiable all-to-alls and lets torch autograd run the kernel's own backward.
 Works with any backend torch.distributed has (gloo on CPU, NCCL on CUDA). Under
-``torch.compile`` the call is a graph break (``torch.compiler.disable``): the model's
-other parts compile, this runs eagerly; ``fullgraph=True`` raises Dynamo's error with
-the reason.
+``torch.compile`` the ring and the all-gather are a graph break
+(``torch.compiler.disable``): the model's other parts compile, the call runs eagerly,
+and ``fullgraph=True`` raises Dynamo's error with the reason. ``"ulysses"`` is traced
+(its all-to-alls are functional collectives), with ``fullgraph=True`` too once an eager
+call has found portattn's plugins.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ class Communicator:
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank, self.size = rank_and_size(group)
-        self._next = self._global((self.rank + 1) % self.size)
-        self._prev = self._global((self.rank - 1) % self.size)
         self._shifts = 0
 
-    def _global(self, rank: int) -> int:
+    def _neighbour(self, step: int) -> int:
+        """The global rank of the rank ``step`` after this one in the group."""
+        rank = (self.rank + step) % self.size
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def start_shift(self, arrays: Sequence[Any]) -> Any:
@@ -74,9 +76,10 @@ class Communicator:
         # receive with its send even when two shifts are in flight (backends with tags)
         tags = [(self._shifts * len(sent) + i) % _TAGS for i in range(len(sent))]
         self._shifts += 1
-        ops = [dist.P2POp(dist.isend, a, self._next, self.group, tag)
+        after, before = self._neighbour(1), self._neighbour(-1)
+        ops = [dist.P2POp(dist.isend, a, after, self.group, tag)
                for a, tag in zip(sent, tags, strict=True)]
-        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group, tag)
+        ops += [dist.P2POp(dist.irecv, r, before, self.group, tag)
                 for r, tag in zip(received, tags, strict=True)]
         return dist.batch_isend_irecv(ops), sent, received
 
@@ -90,11 +93,12 @@ class Communicator:
         return all_gather(x, self.group)
 
     def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
-        from torch.distributed.nn.functional import all_to_all  # differentiable
+        # a functional collective: differentiable, and traceable by torch.compile
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        parts = [p.contiguous() for p in parts]
-        received = [torch.empty_like(p) for p in parts]
-        return list(all_to_all(received, parts, group=self.group))
+        group = dist.group.WORLD if self.group is None else self.group
+        received = all_to_all_single_autograd(torch.stack(list(parts)), None, None, group)
+        return list(received.unbind(0))
 
     def reduce_scatter(self, parts: Sequence[Any]) -> Any:
         parts = [p.contiguous() for p in parts]
@@ -103,17 +107,23 @@ class Communicator:
         return out
 
 
-_EAGER = ("portattn.distributed.attention runs eagerly under torch.compile (a graph "
-          "break): its ring's point-to-point transfers and its autograd.Function over "
-          "collectives are not traceable, so fullgraph=True cannot include it")
+_EAGER = ("portattn.distributed.attention with strategy='ring' or 'all_gather' runs "
+          "eagerly under torch.compile (a graph break): the ring's point-to-point "
+          "transfers and the autograd.Function over collectives are not traceable, so "
+          "fullgraph=True cannot include it ('ulysses' can be traced)")
 
 
-@torch.compiler.disable(reason=_EAGER)
 def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
               strategy: str) -> tuple[Any, Any]:
     """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""
     if strategy == "ulysses":  # autograd flows through the all-to-alls and the kernel
         return forward(Communicator(group), problem, query, key, value, strategy)
+    return _scheduled(problem, query, key, value, group, strategy)
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _scheduled(problem: Problem, query: Any, key: Any, value: Any, group: Any,
+               strategy: str) -> tuple[Any, Any]:
     return _Attention.apply(query, key, value, _Call(problem, group, strategy))
 
 
