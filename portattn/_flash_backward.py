@@ -142,6 +142,8 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
             dq_block = dq_tile if dq_block is None else dq_block + dq_tile
             dk = add_rows(xp, dk, k0, k1, cast(xp, dk_tile, dk.dtype))
             dv = add_rows(xp, dv, k0, k1, cast(xp, dv_tile, dv.dtype))
+            # freed now, not when the next tile's replace them: one tile's set alive
+            del tile, p, t, keep, dv_tile, dp, ds, dq_tile, dk_tile
         if dq_block is not None:  # else the mask leaves this query block no keys
             dq_block = ungroup(xp, dq_block) * inputs.scale
             dq = add_rows(xp, dq, q0, q1, cast(xp, dq_block, dq.dtype))
