@@ -173,9 +173,10 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
             ``(..., Lq, Lk)``.
         strategy: ``"auto"`` (the default: one of the others, chosen from the
             shapes, dtype, number of ranks and mask alike on every rank; see
-            :func:`explain`), ``"ring"`` (K/V shards pass rank to rank, overlapped
-            with compute; memory for two shards), ``"all_gather"`` (one collective;
-            memory for the whole K/V: short sequences, few K/V heads) or
+            :func:`explain`), ``"ring"`` (K/V shards pass rank to rank in pieces,
+            overlapped with compute; memory for 1.25 more shards), ``"all_gather"``
+            (one collective; memory for the whole K/V: short sequences, few K/V
+            heads) or
             ``"ulysses"`` (all-to-all from sequence shards to head shards and back:
             heads that divide by the ranks, a mask that does not vary by head).
         layout: ``"contiguous"``, ``"zigzag"`` (balances causal masks), or a

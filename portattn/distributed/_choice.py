@@ -13,7 +13,8 @@ The rule, in order (figures in ``docs/context_parallel.md``, "Choosing a strateg
 4. ``"all_gather"`` when the whole K/V is no larger than a rank's own queries and
    output (few K/V heads per query head): gathering it at most doubles what a rank
    holds;
-5. ``"ring"``: memory for two K/V shards, whatever the length.
+5. ``"ring"``: memory for 1.25 K/V shards besides a rank's own (they travel in
+   pieces), whatever the length.
 """
 
 from __future__ import annotations
