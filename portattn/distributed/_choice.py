@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._inputs import dtype_name
 from ..masks import Mask, dense
+from ._strategies import PIECES
 from ._ulysses import heads_problem
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ class StrategyOption:
     """Bytes each rank sends in the forward (the backward of ``"ring"`` sends about
     2.3 times as much, of ``"all_gather"`` twice)."""
     holds: int
-    """Bytes of other ranks' data a rank holds at once during the forward."""
+    """Bytes of K/V a rank holds at once during the forward besides its own shards
+    (``"all_gather"``: the whole gathered K/V, its own shard's copy included)."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,10 @@ def choose(query: Any, key: Any, value: Any, *, size: int, mask: Any,
 
     ulysses_reasons = tuple(r for r in (heads_problem(query, key, size),
                                         mask_heads_problem(mask)) if r)
+    # the ring's shard in use and the next arriving, in pieces: 1 + 1 / PIECES shards
+    ring_holds = min(kv_bytes * (PIECES + 1) // PIECES, (size - 1) * kv_bytes)
     options = (
-        StrategyOption("ring", (), (size - 1) * kv_bytes, min(2, size - 1) * kv_bytes),
+        StrategyOption("ring", (), (size - 1) * kv_bytes, ring_holds),
         StrategyOption("all_gather", (), (size - 1) * kv_bytes, whole_kv),
         StrategyOption("ulysses", ulysses_reasons,
                        round(share * (q_bytes + kv_bytes + out_bytes + lse_bytes)),
