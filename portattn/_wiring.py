@@ -1,5 +1,6 @@
 """Lookup of what plugins register per library: the autograd wiring (see
-:mod:`portattn.autograd`) and dropout's seeds (see :mod:`portattn._dropout`)."""
+:mod:`portattn.autograd`), dropout's seeds (see :mod:`portattn.dropout`) and the
+engine of :mod:`portattn.distributed`."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ if TYPE_CHECKING:
 
     from ._inputs import AttentionInputs
 
-__all__ = ["GROUP", "SEEDS", "attach_for", "load_for_imported", "seeds_for"]
+__all__ = ["DISTRIBUTED", "GROUP", "SEEDS", "attach_for", "engine_for", "load_for_imported",
+           "seeds_for"]
 
 GROUP = "portattn.autograd"
 SEEDS = "portattn.seeds"
+DISTRIBUTED = "portattn.distributed"
 
 
 _attached: dict[str, Any] = {}
 _seeds: dict[str, Any] = {}
+_engines: dict[str, Any] = {}
 
 
 def attach_for(namespace: str) -> Callable[[AttentionInputs], tuple[Any, Any]] | None:
@@ -66,11 +70,22 @@ def seeds_for(namespace: str) -> Any:
     return _seeds[namespace]
 
 
+def engine_for(namespace: str) -> Any:
+    """The :mod:`portattn.distributed` engine a plugin registers for ``namespace``
+    (entry-point group ``portattn.distributed``, see
+    :mod:`portattn.distributed.engine`), or None."""
+    if namespace not in _engines:
+        _engines[namespace] = _load(DISTRIBUTED, namespace, "the distributed engine", (
+            "portattn.distributed takes only a LocalGroup for it"))
+    return _engines[namespace]
+
+
 def load_for_imported() -> None:
     """Load what plugins register for every library imported now (kernel discovery
     calls this): a call later traced by torch.compile then finds it with a dict
     lookup, since dynamo cannot follow the entry-point lookup."""
-    for group, loaded, lookup in ((GROUP, _attached, attach_for), (SEEDS, _seeds, seeds_for)):
+    for group, loaded, lookup in ((GROUP, _attached, attach_for), (SEEDS, _seeds, seeds_for),
+                                  (DISTRIBUTED, _engines, engine_for)):
         for ep in entry_points(group=group):
             if _imported(ep.name) and ep.name not in loaded:
                 lookup(ep.name)

@@ -4,43 +4,23 @@ engine that runs a call (a plugin found by the arrays' namespace, or a
 
 from __future__ import annotations
 
-import warnings
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
 from .._inputs import namespace_name
-from ..errors import PluginWarning
+from .._wiring import engine_for
 from ..masks import Mask, dense
 from ._choice import AUTO, StrategyChoice, choose, mask_heads_problem
 from ._layout import LAYOUTS, Layout
 from ._strategies import STRATEGIES, backward, forward
 from ._ulysses import heads_problem
-from .engine import GROUP
 
 if TYPE_CHECKING:
     from ._plan import Problem
 
 __all__ = ["attention", "explain", "shard", "unshard"]
-
-_engines: dict[str, Any] = {}
-
-
-def _engine(namespace: str) -> Any:
-    if namespace not in _engines:
-        found = [ep for ep in entry_points(group=GROUP) if ep.name == namespace]
-        engine = None
-        if found:
-            try:
-                engine = found[0].load()
-            except Exception as e:  # a broken plugin is a warning, then "no engine"
-                msg = (f"portattn: the distributed engine {found[0].name} = "
-                       f"{found[0].value!r} could not be loaded ({type(e).__name__}: {e})")
-                warnings.warn(msg, PluginWarning, stacklevel=3)
-        _engines[namespace] = engine
-    return _engines[namespace]
 
 
 def _is_local(group: Any) -> bool:
@@ -53,7 +33,7 @@ def _rank_and_size(group: Any, namespace: str) -> tuple[Any, int, int]:
     ``group`` (no autograd: forward only)."""
     if _is_local(group):
         return None, group.rank, group.size
-    engine = _engine(namespace)
+    engine = engine_for(namespace)
     if engine is None:
         msg = (f"no distributed engine for {namespace} arrays is installed, and "
                f"group={group!r} is not a portattn.distributed.LocalGroup (engines: "

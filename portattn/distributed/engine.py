@@ -19,6 +19,7 @@ backward calls :func:`backward`).
 
 from __future__ import annotations
 
+from .._wiring import DISTRIBUTED
 from ._compute import backward_step, forward_step
 from ._plan import Pair, Problem, visible_work
 from ._strategies import STRATEGIES, Communicator, backward, forward
@@ -26,4 +27,4 @@ from ._strategies import STRATEGIES, Communicator, backward, forward
 __all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "backward",
            "backward_step", "forward", "forward_step", "visible_work"]
 
-GROUP = "portattn.distributed"
+GROUP = DISTRIBUTED

@@ -12,8 +12,8 @@ Works with any backend torch.distributed has (gloo on CPU, NCCL on CUDA). Under
 ``torch.compile`` the ring and the all-gather are a graph break
 (``torch.compiler.disable``): the model's other parts compile, the call runs eagerly,
 and ``fullgraph=True`` raises Dynamo's error with the reason. ``"ulysses"`` is traced
-(its all-to-alls are functional collectives), with ``fullgraph=True`` too once an eager
-call has found portattn's plugins.
+(its all-to-alls are functional collectives), with ``fullgraph=True`` too once portattn
+has found its plugins (``portattn.kernels()``).
 """
 
 from __future__ import annotations

@@ -142,3 +142,19 @@ def test_torch_flex_while_compiling_after_its_device_was_checked():
         pytest.skip(run.stderr.split("skip: ")[-1].strip())
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_discovery_loads_what_the_plugin_registers_for_torch(monkeypatch):
+    """What a traced call would otherwise look up in entry points, which dynamo cannot
+    trace: the autograd wiring, the dropout seeds and the distributed engine."""
+    import torch  # noqa: F401  (imported: its plugin's parts load with the kernels)
+
+    import portattn
+    from portattn import _wiring
+
+    for name in ("_attached", "_seeds", "_engines"):
+        monkeypatch.setattr(_wiring, name, {})
+    portattn.refresh_kernels()
+    assert _wiring._attached["torch"] is not None
+    assert _wiring._seeds["torch"] is not None
+    assert _wiring._engines["torch"] is not None
