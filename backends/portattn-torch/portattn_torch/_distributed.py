@@ -118,10 +118,15 @@ def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
     """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""
     if strategy == "ulysses":  # autograd flows through the all-to-alls and the kernel
         return forward(Communicator(group), problem, query, key, value, strategy)
-    return _scheduled(problem, query, key, value, group, strategy)
+    scheduled = _eager.get("scheduled")
+    if scheduled is None:  # wrapped on first use: torch.compiler imports Dynamo (seconds)
+        scheduled = _eager["scheduled"] = torch.compiler.disable(_scheduled, reason=_EAGER)
+    return scheduled(problem, query, key, value, group, strategy)
 
 
-@torch.compiler.disable(reason=_EAGER)
+_eager: dict[str, Any] = {}
+
+
 def _scheduled(problem: Problem, query: Any, key: Any, value: Any, group: Any,
                strategy: str) -> tuple[Any, Any]:
     return _Attention.apply(query, key, value, _Call(problem, group, strategy))
