@@ -156,9 +156,9 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
             :func:`explain`), ``"ring"`` (K/V shards pass rank to rank in pieces,
             overlapped with compute; memory for 1.25 more shards), ``"all_gather"``
             (one collective; memory for the whole K/V: short sequences, few K/V
-            heads) or
-            ``"ulysses"`` (all-to-all from sequence shards to head shards and back:
-            heads that divide by the ranks, a mask that does not vary by head).
+            heads) or ``"ulysses"`` (all-to-all from sequence shards to head shards
+            and back: heads that divide by the ranks, a mask that does not vary by
+            head).
         layout: ``"contiguous"``, ``"zigzag"`` (balances causal masks), or a
             :class:`Layout` (:meth:`Layout.balanced` for any mask), as given to
             :func:`shard`.
@@ -177,7 +177,7 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
     Raises:
         ValueError: an unknown ``strategy`` or ``layout``, shards whose lengths do
             not fit the layout, or ``strategy="ulysses"`` with heads that do not
-            divide by the ranks or a mask array with a head axis.
+            divide by the ranks, a mask array with a head axis or a function mask.
         TypeError: ``group`` is neither a group of an installed engine nor a
             :class:`LocalGroup`.
 

@@ -19,11 +19,13 @@ The rule, in order (figures in ``docs/context_parallel.md``, "Choosing a strateg
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._inputs import dtype_name
 from ..masks import Mask, dense
+from ..masks._base import leaves
 from ._strategies import PIECES
 from ._ulysses import heads_problem
 
@@ -106,7 +108,7 @@ def mask_heads_problem(mask: Any) -> str | None:
         return None
     if not isinstance(mask, Mask):
         mask = dense(mask)
-    for part in _leaves(mask):
+    for part in leaves(mask):
         if part.kind == "function":
             return f"mask={part!r} may read the head index (a function mask)"
         if part.kind in ("dense", "block_layout"):
@@ -116,23 +118,12 @@ def mask_heads_problem(mask: Any) -> str | None:
     return None
 
 
-def _leaves(mask: Mask) -> list[Mask]:
-    found = []
-    for part in mask.parts:
-        found += _leaves_of_union(part) if part.kind == "union" else [part]
-    return found
-
-
-def _leaves_of_union(union: Any) -> list[Mask]:
-    return [leaf for member in union.members for leaf in _leaves(member)]
-
-
 def choose(query: Any, key: Any, value: Any, *, size: int, mask: Any,
            queries: Layout, keys: Layout) -> StrategyChoice:
     """The :class:`StrategyChoice` of a call with these shards over ``size`` ranks
     (``queries``, ``keys``: the validated layouts); reads shapes and dtypes only."""
     item = _itemsize(query.dtype)
-    lead = _prod(query.shape[:-3])
+    lead = math.prod(int(n) for n in query.shape[:-3])
     hq, hkv = query.shape[-3], key.shape[-3]
     d, dv = query.shape[-1], value.shape[-1]
     sq, sk = queries.shard_length, keys.shard_length
@@ -189,13 +180,6 @@ def _itemsize(dtype: Any) -> int:
         return _ITEMSIZE[name]
     size = getattr(dtype, "itemsize", None)
     return size if isinstance(size, int) else 4
-
-
-def _prod(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _size(n: float) -> str:

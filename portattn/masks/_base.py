@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
 __all__ = ["FULL", "HIDDEN", "PARTIAL", "POSITIONAL", "Band", "Grid", "Intersection", "Mask",
-           "Union", "along", "band_states", "expand_to_rank", "interval_states", "linear_index",
+           "Union", "along", "band_states", "expand_to_rank", "interval_states", "leaves",
+           "linear_index",
            "LIBRARY_HOOKS", "per_batch", "per_position", "same_rank", "slice_tile",
            "tile_states",
            "within"]
@@ -560,6 +561,17 @@ def tile_state(mask: Mask, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int)
         return HIDDEN
     low, high = int(states.min()), int(states.max())
     return HIDDEN if high == HIDDEN else FULL if low == FULL else PARTIAL
+
+
+def leaves(mask: Mask | None) -> list[Mask]:
+    """Every single-kind part of ``mask``, inside intersections and unions."""
+    if mask is None:
+        return []
+    found = []
+    for p in mask.parts:
+        found += [m for member in p.members for m in leaves(member)] if isinstance(
+            p, Union) else [p]
+    return found
 
 
 def _alternatives(mask: Mask) -> tuple[Mask, ...]:

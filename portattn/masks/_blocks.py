@@ -207,6 +207,16 @@ class _EveryTile(BlockMask):
     def q_blocks(self, b: int) -> list[tuple[int, bool]]:
         return [(a, False) for a in range(self.num_q_blocks)]
 
+    def tables(self) -> BlockTables:
+        msg = ("a call traced by torch.compile has no index tables for its mask unless "
+               "an eager call with the same mask and sizes built its block form first")
+        raise RuntimeError(msg)
+
+    def __repr__(self) -> str:
+        return (f"BlockMask(Lq={self.q_len}, Lk={self.kv_len}, tiles of "
+                f"{self.block_q}x{self.block_k}: {self.num_q_blocks}x{self.num_kv_blocks}, "
+                "every tile visited)")
+
 
 def _lists(selected: Any) -> tuple[Any, Any]:
     """Counts and indices (selected first, in order) along the last axis."""
@@ -256,7 +266,7 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
     """
     key = (q_len, kv_len, block_q, block_k)
     if torch_compiling():
-        return _while_tracing(mask, *key)
+        return _while_tracing(mask, key)
     if mask is not None and mask.arrays:
         own = mask.__dict__.get("_block_masks")
         if own is None:  # masks are frozen: the cache is set once, like a field
@@ -266,7 +276,7 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
         if found is None:
             found = own[key] = _build(mask, *key)
         return found
-    shared = (None if mask is None else mask.key(), *key)
+    shared = _shared_key(mask, key)
     with _cache_lock:
         found = _cache.get(shared)
         if found is not None:
@@ -280,17 +290,20 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
     return found
 
 
-def _while_tracing(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
-                   block_k: int) -> BlockMask:
+def _shared_key(mask: Mask | None, key: tuple[int, int, int, int]) -> tuple:
+    """The cache key of the block form of a mask that holds no arrays."""
+    return (None if mask is None else mask.key(), *key)
+
+
+def _while_tracing(mask: Mask | None, key: tuple[int, int, int, int]) -> BlockMask:
     """The block form while torch.compile traces, which can follow neither a lock nor
     the NumPy that builds a form (its values would be the graph's, unknown to the host
     loops): one built before, by an eager call, or every tile visited."""
     if mask is None or not mask.arrays:  # a dict read needs no lock
-        found = _cache.get((None if mask is None else mask.key(), q_len, kv_len, block_q,
-                            block_k))
+        found = _cache.get(_shared_key(mask, key))
         if found is not None:
             return found
-    return _EveryTile(q_len, kv_len, block_q, block_k, None, mask)
+    return _EveryTile(*key, None, mask)
 
 
 def _build(mask: Mask | None, q_len: int, kv_len: int, block_q: int,

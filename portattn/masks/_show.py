@@ -15,7 +15,7 @@ import operator
 import textwrap
 from typing import Any
 
-from ._base import FULL, HIDDEN, PARTIAL, Mask, before_creating
+from ._base import FULL, HIDDEN, PARTIAL, Mask, before_creating, leaves
 from ._blocks import block_mask
 from ._dense import Dense
 from ._values import host_copy
@@ -257,7 +257,7 @@ def _shape_of(mask: Mask | None) -> tuple[tuple[int, ...] | None, int, bool]:
     import numpy as np
 
     exact, leads, heads = [], [], [1]
-    for p in _leaves(mask):
+    for p in leaves(mask):
         for shape in _exact_shapes(p):
             exact.append(shape)
         if p.kind in ("dense", "block_layout"):
@@ -289,21 +289,6 @@ def _exact_shapes(p: Mask) -> list[tuple[int, ...]]:
     if p.kind == "global_tokens" and len(p.positions.shape) > 1:
         return [tuple(p.positions.shape[:-1])]
     return []
-
-
-def _leaves(mask: Mask | None) -> list[Mask]:
-    """Every single-kind part, inside intersections and unions."""
-    if mask is None:
-        return []
-    found = []
-    for p in mask.parts:
-        members = getattr(p, "members", None) if p.kind == "union" else None
-        if members:
-            for m in members:
-                found.extend(_leaves(m))
-        else:
-            found.append(p)
-    return found
 
 
 def _as_mask(mask: Any, function: str) -> Mask | None:

@@ -113,6 +113,10 @@ _EAGER = ("portattn.distributed.attention with strategy='ring' or 'all_gather' r
           "fullgraph=True cannot include it ('ulysses' can be traced)")
 
 
+_eager: dict[str, Any] = {}
+"""The ring's and all-gather's entry wrapped as a graph break, made on first use."""
+
+
 def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
               strategy: str) -> tuple[Any, Any]:
     """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""
@@ -122,9 +126,6 @@ def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
     if scheduled is None:  # wrapped on first use: torch.compiler imports Dynamo (seconds)
         scheduled = _eager["scheduled"] = torch.compiler.disable(_scheduled, reason=_EAGER)
     return scheduled(problem, query, key, value, group, strategy)
-
-
-_eager: dict[str, Any] = {}
 
 
 def _scheduled(problem: Problem, query: Any, key: Any, value: Any, group: Any,
