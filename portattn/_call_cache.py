@@ -7,12 +7,12 @@ layout), so both are remembered per signature and reused with the new arrays. A
 repeated call then costs one dictionary lookup instead of validation and a walk over
 the kernels.
 
-The signature is built from the call's arguments generically (every option by name,
-type and value), so a new option is remembered correctly without being listed here.
-Only calls that are fully described by hashable values are remembered: no arrays in
-the mask or the options, and arrays whose type carries a standard ``.device`` (not
-Dask, whose device hides in its chunks; a traced JAX array raises on ``.device`` and is
-never remembered, so no tracer is kept alive).
+The signature is built from the call's arguments generically (every option by name, type
+and value), so a new option is remembered correctly without being listed here. Only
+calls that are fully described by hashable values are remembered: no arrays in the mask
+or the options, no mask function that may read anything, and arrays whose type carries a
+standard ``.device`` (not Dask, whose device hides in its chunks; a traced JAX array
+raises on ``.device`` and is never remembered, so no tracer is kept alive).
 """
 
 from __future__ import annotations
@@ -81,11 +81,15 @@ def _signature(query: Any, key: Any, value: Any, options: dict[str, Any],
     described = []
     for name, option in options.items():
         if isinstance(option, Mask):
-            if option.arrays:  # lengths and dense masks are validated by value
+            # Lengths and dense masks are validated by value and copied at each call;
+            # a mask function's block form is built anew unless it says what it reads.
+            if option.arrays:
                 return None
-            # By its key, not the object: under torch.compile a mask built inside the
-            # traced function does not exist yet as an object to hash.
-            option = option.key()
+            # By its content key, not the object: under torch.compile a mask built
+            # inside the traced function does not exist yet as an object to hash.
+            option = option.content_key()
+            if option is None:
+                return None
         elif type(option) not in _PLAIN:  # arrays (bias, a boolean mask), numpy scalars
             return None
         # the type too: 1 == True, and a remembered True must not accept return_lse=1

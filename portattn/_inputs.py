@@ -18,6 +18,7 @@ from . import dropout as _dropout
 from . import masks as _masks
 from ._layout import check_layout, shown
 from .masks import values_readable
+from .masks._values import check_beside, device_kind, namespace_name
 
 if TYPE_CHECKING:
     from .masks import BlockMask, Mask
@@ -26,21 +27,6 @@ __all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespac
            "needs_grad"]
 
 _HALF = ("float16", "bfloat16")
-
-
-_namespace_names: dict[str, str] = {}
-
-
-def namespace_name(xp: Any) -> str:
-    """Short library name of an array namespace: numpy, torch, jax, cupy, dask, ..."""
-    # keyed by the module's name: torch.compile cannot hash a module
-    full = xp.__name__
-    name = _namespace_names.get(full)
-    if name is None:
-        short = full.removeprefix("array_api_compat.")
-        name = {"dask.array": "dask", "jax.numpy": "jax"}.get(short, short.split(".")[0])
-        _namespace_names[full] = name
-    return name
 
 
 # Caches keyed by (type, dtype): a lookup compares keys of equal hash, and
@@ -57,35 +43,6 @@ def dtype_name(dtype: Any) -> str:
         name = name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
         _dtype_names[key] = name
     return name
-
-
-_device_kinds: dict[tuple[type, Any], str] = {}
-
-
-def device_kind(dev: Any) -> str:
-    """Normalised device kind: ``cpu``, ``cuda``, ..."""
-    key = (type(dev), dev)
-    try:
-        kind = _device_kinds.get(key)
-    except TypeError:  # unhashable: CuPy's Device defines == but no hash
-        return _device_kind(dev)
-    if kind is None:
-        kind = _device_kinds[key] = _device_kind(dev)
-    return kind
-
-
-def _device_kind(dev: Any) -> str:
-    kind = getattr(dev, "type", None)  # torch.device
-    if isinstance(kind, str):
-        return kind
-    platform = getattr(dev, "platform", None)  # jax Device
-    if isinstance(platform, str):
-        return "cuda" if platform == "gpu" else platform
-    text = str(dev).lower()
-    for known in ("cpu", "cuda", "rocm"):
-        if known in text:
-            return known
-    return text
 
 
 def needs_grad(arrays: tuple[Any, ...]) -> bool:
@@ -270,11 +227,9 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
             else:
                 msg = f"mask must be a portattn.masks mask or a boolean array; got {mask!r}"
                 raise TypeError(msg)
-        for a in mask.arrays:
-            _check_same_library(xp, dev, a, f"mask {mask!r}")
-        mask = mask.bind(xp, batch, hq, lq, lk, dev)
+        mask = mask.bind(xp, batch, hq, lq, lk, dev)  # the call's own copy
     if bias is not None:
-        _check_same_library(xp, dev, bias, "bias")
+        check_beside(xp, dev, bias, "bias")
         bias = _in_native_order(xp, bias)
         if not xp.isdtype(bias.dtype, "real floating"):
             msg = f"bias must have a real floating dtype; got dtype={dtype_name(bias.dtype)}"
@@ -292,23 +247,15 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     scale = _check_scale(scale, default=1.0 / math.sqrt(d) if d else 1.0)
     if softcap is not None:
         softcap = _check_positive("softcap", softcap)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
-            0.0 <= dropout_p < 1.0):
-        msg = f"dropout_p must be a float in [0, 1); got dropout_p={dropout_p!r}"
-        raise ValueError(msg)
+    dropout_p = _check_dropout_p(xp, dropout_p)
     namespace = namespace_name(xp)
-    if dropout_p:
-        if dropout_seed is not None and not isinstance(dropout_seed, int):
-            _check_same_library(xp, dev, dropout_seed, "dropout_seed")
-        dropout_seed = _dropout.check_seed(xp, dropout_seed, namespace)
-    else:
-        dropout_seed = None  # nothing is dropped
+    dropout_seed = _check_dropout_seed(xp, dev, dropout_seed, namespace, dropout_p)
 
     return AttentionInputs(
         query=query, key=key, value=value, mask=mask, bias=bias, scale=scale,
         softcap=softcap, return_lse=_check_flag("return_lse", return_lse),
         return_weights=_check_flag("return_weights", return_weights),
-        dropout_p=float(dropout_p), xp=xp, namespace=namespace,
+        dropout_p=dropout_p, xp=xp, namespace=namespace,
         device="cpu" if dev is None else device_kind(dev), device_obj=dev,
         dtype=dtype_name(query.dtype),
         batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
@@ -321,9 +268,83 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     )
 
 
+def _check_dropout_p(xp: Any, value: Any) -> float:
+    """``dropout_p`` as a float in ``[0, 1)``: a real number (Python's, NumPy's of any
+    width, or a 0-d array of the query's library whose value can be read now)."""
+    number = _probability(xp, value)
+    if not 0.0 <= number < 1.0:  # NaN too
+        msg = f"dropout_p must be a float in [0, 1); got dropout_p={value!r}"
+        raise ValueError(msg)
+    return number
+
+
+def _probability(xp: Any, value: Any) -> float:
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        msg = ("dropout_p must be a float in [0, 1), a real number, not a bool; got "
+               f"dropout_p={value}")
+        raise ValueError(msg)
+    if isinstance(value, (int, float)) or _numpy_scalar(value, "integer", "floating"):
+        return float(value)
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        msg = (f"dropout_p must be a float in [0, 1) (a Python or NumPy number, or a 0-d "
+               f"array of the query's library); got dropout_p={value!r} "
+               f"({type(value).__name__})")
+        raise ValueError(msg)
+    if tuple(value.shape) != ():
+        msg = (f"dropout_p must be a float in [0, 1), a number or a 0-d array; got "
+               f"dropout_p of shape {tuple(value.shape)}")
+        raise ValueError(msg)
+    library = _library_of(value)
+    if library != namespace_name(xp):
+        msg = (f"dropout_p must be a float in [0, 1); a 0-d array must come from the "
+               f"query's library ({namespace_name(xp)}); got dropout_p from {library}")
+        raise ValueError(msg)
+    if not xp.isdtype(value.dtype, ("integral", "real floating")):
+        msg = (f"dropout_p must be a float in [0, 1), a real number; got dropout_p of "
+               f"dtype {dtype_name(value.dtype)}")
+        raise ValueError(msg)
+    if not values_readable(value):
+        msg = (f"dropout_p must be a float in [0, 1) readable now; got dropout_p of type "
+               f"{type(value).__name__}, lazy or traced (pass a Python number)")
+        raise ValueError(msg)
+    return float(value)
+
+
+def _library_of(a: Any) -> str:
+    try:
+        return namespace_name(array_namespace(a))
+    except TypeError:
+        return type(a).__module__.split(".")[0]
+
+
+def _check_dropout_seed(xp: Any, dev: Any, seed: Any, namespace: str,
+                        dropout_p: float) -> Any:
+    """The seed the call's kernels read (None without dropout). A seed given is checked
+    with or without dropout, so a bad one fails alike; NumPy integer scalars are the
+    ints they hold, whatever the call's library."""
+    if seed is None and not dropout_p:
+        return None
+    if _numpy_scalar(seed, "integer"):
+        seed = int(seed)
+    elif seed is not None and not isinstance(seed, int):
+        if _numpy_scalar(seed, "generic") or not hasattr(seed, "dtype"):
+            msg = f"dropout_seed must be an int or an integer array; got {seed!r}"
+            raise TypeError(msg)
+        check_beside(xp, dev, seed, "dropout_seed")
+    seed = _dropout.check_seed(xp, seed, namespace)  # bools refused there
+    return seed if dropout_p else None  # nothing is dropped
+
+
+def _numpy_scalar(value: Any, *kinds: str) -> bool:
+    """Whether ``value`` is a NumPy scalar of one of these abstract kinds
+    (``"integer"``, ``"floating"``, ``"generic"``); never imports NumPy."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, tuple(getattr(numpy, k) for k in kinds))
+
+
 def _per_head(xp: Any, dev: Any, a: Any, name: str, batch: tuple[int, ...], heads: int) -> Any:
     """A float value per query head, ``(Hq,)`` or ``(*batch, Hq)``, as ``(*batch | 1, Hq)``."""
-    _check_same_library(xp, dev, a, name)
+    check_beside(xp, dev, a, name)
     if not xp.isdtype(a.dtype, "real floating"):
         msg = f"{name} must have a real floating dtype; got {name}.dtype={dtype_name(a.dtype)}"
         raise TypeError(msg)
@@ -345,7 +366,9 @@ def _in_native_order(xp: Any, a: Any) -> Any:
     compute and return native dtypes, and compiled loops take nothing else."""
     if _native(a):
         return a
-    return xp.astype(a, getattr(xp, dtype_name(a.dtype)))
+    # The dtype's own native twin: a namespace may lack the name (float16 is no Array
+    # API dtype, and array-api-compat's Dask namespace has none).
+    return xp.astype(a, a.dtype.newbyteorder("="))
 
 
 _namespaces: dict[tuple[type, ...], Any] = {}
@@ -401,22 +424,6 @@ def _common_device(arrays: dict[str, Any]) -> Any:
         msg = f"query, key and value must be on one device; got {listed}"
         raise ValueError(msg)
     return known[0] if known else None  # None: ``device=None`` works in every library
-
-
-def _check_same_library(xp: Any, dev: Any, a: Any, what: str) -> None:
-    try:
-        other = array_namespace(a)
-    except TypeError as e:
-        msg = f"{what} must be an array of the query's library; got {type(a).__name__}"
-        raise TypeError(msg) from e
-    if namespace_name(other) != namespace_name(xp):
-        msg = (f"{what} must come from the query's library ({namespace_name(xp)}); "
-               f"got {namespace_name(other)}")
-        raise TypeError(msg)
-    a_dev = _device(a)
-    if a_dev is not None and dev is not None and device_kind(a_dev) != device_kind(dev):
-        msg = f"{what} must be on the query's device ({dev}); got {a_dev}"
-        raise ValueError(msg)
 
 
 _floating: dict[tuple[type, Any], bool] = {}

@@ -177,22 +177,34 @@ def test_tables_list_the_tiles_of_the_states():
     assert 0 < form.visible < masks.block_mask(masks.causal(), 64, 64, 16, 16).visible
 
 
-def test_a_function_is_evaluated_once_per_shape():
-    calls = []
-
+def _counted_causal(calls):
     def fn(b, h, q, k):
         calls.append(q.size * k.size)  # bind also checks one pair
         return q >= k
+    return fn
 
-    mask = masks.function(fn)
+
+def test_a_function_that_declares_its_reads_is_evaluated_once_per_shape():
+    calls = []
+    mask = masks.function(_counted_causal(calls), args=())
     for _ in range(3):  # as three layers would call it
         bound = mask.bind(np, (1,), 2, 64, 64)
         form = masks.block_mask(bound, 64, 64, 16, 16)
         assert (form.merged == masks.block_mask(masks.causal(), 64, 64, 16, 16).merged).all()
     evaluated = sum(n for n in calls if n > 1)
     assert evaluated == 64 * 64  # every pair once, for the first call
-    masks.block_mask(mask.bind(np, (1,), 2, 64, 64), 64, 64, 16, 16)
+    # a new mask object of the same function and arguments is the same mask
+    again = masks.function(mask.fn, args=())
+    masks.block_mask(again.bind(np, (1,), 2, 64, 64), 64, 64, 16, 16)
     assert sum(n for n in calls if n > 1) == evaluated  # nothing evaluated again
+
+
+def test_a_function_that_may_read_anything_is_evaluated_at_every_call():
+    calls = []
+    mask = masks.function(_counted_causal(calls))
+    for _ in range(3):
+        masks.block_mask(mask.bind(np, (1,), 2, 64, 64), 64, 64, 16, 16)
+    assert sum(n for n in calls if n > 1) == 3 * 64 * 64
 
 
 def test_kinds_of_a_union_name_the_union_and_its_members():
@@ -206,7 +218,7 @@ def test_kinds_of_a_union_name_the_union_and_its_members():
     (lambda: masks.sink_tokens(-1), ValueError, "sink_tokens count must be an int >= 0"),
     (lambda: masks.chunks(0), ValueError, "chunks size must be an int >= 1; got size=0"),
     (lambda: masks.block_layout(np.ones((2, 2), bool), 0), ValueError, "block_q must be"),
-    (lambda: masks.global_tokens([1, 2]), TypeError, "global_tokens expects an integer array"),
+    (lambda: masks.global_tokens("1, 2"), TypeError, "global_tokens expects an integer array"),
     (lambda: masks.function(3), TypeError, "function expects a callable"),
 ])
 def test_bad_constructor_arguments_are_named(build, error, message):

@@ -98,10 +98,15 @@ def test_arrays_from_different_libraries():
 
 
 @pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
-def test_lengths_from_another_library():
+def test_lengths_from_another_library_are_moved_to_the_query_library():
     torch = require_library("torch")
-    with pytest.raises(TypeError, match=r"query's library \(numpy\); got torch"):
-        portattn.attention(Q, K, V, mask=masks.key_lengths(torch.tensor([3, 4])))
+    expected = portattn.attention(Q, K, V, mask=masks.key_lengths(np.array([3, 4])))
+    out = portattn.attention(Q, K, V, mask=masks.key_lengths(torch.tensor([3, 4])))
+    np.testing.assert_array_equal(out, expected)
+    # a dense mask holds Lq x Lk values: it must already be the query's
+    with pytest.raises(TypeError, match=r"dense mask must come from the query's library"):
+        portattn.attention(Q, K, V, mask=masks.dense(torch.ones(Q.shape[-2], K.shape[-2],
+                                                                dtype=torch.bool)))
 
 
 def test_dropout_without_a_seed_on_numpy_names_the_seed():

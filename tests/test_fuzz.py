@@ -208,8 +208,8 @@ def _part(spec: Spec, backend, part, arrays):
     if kind == "documents":
         q_ids, k_ids = next(arrays), next(arrays)
         return masks.documents(backend.asarray(q_ids), backend.asarray(k_ids))
-    if kind == "function":
-        return masks.function(mask_function(args[0]))
+    if kind == "function":  # one that says it reads nothing else, one that may read anything
+        return masks.function(mask_function(args[0]), args=() if args[0] == "strided" else None)
     return _part(spec, backend, args[0], arrays) | _part(spec, backend, args[1], arrays)
 
 

@@ -143,7 +143,7 @@ def test_masks_travel_with_their_arrays():
      "query_ranges start must lie in [0, Lq=4]"),
     (lambda: masks.sequence_causal(np.array([5]), np.array([3])), ValueError,
      "sequence_window query_lengths must lie in [0, Lq=4]; got"),
-    (lambda: masks.key_ranges([0], np.array([3])), TypeError, "got start of type list"),
+    (lambda: masks.key_ranges([0.5], np.array([3])), TypeError, "got start of type list"),
     (lambda: masks.sequence_window(-1, 0, query_lengths=np.array([1]),
                                    key_lengths=np.array([1])), ValueError, "left=-1"),
 ])

@@ -26,7 +26,7 @@ def _masks(jnp):
         "prefix_and_layout": (masks.causal() | masks.prefix(jnp.asarray([3, 4])))
         & masks.block_layout(jnp.asarray([[True, False], [True, True]]), 4, 4),
         "dense_and_function": masks.dense(jnp.tril(jnp.ones((8, 8), bool)))
-        & masks.function(lambda b, h, i, j: (i + j) % 3 != 1),
+        & masks.function(lambda b, h, i, j: (i + j) % 3 != 1, args=()),
     }
 
 

@@ -50,6 +50,7 @@ from ._base import (
     before_creating,
     combine_states,
     expand_to_rank,
+    leaves,
     slice_tile,
     tile_states,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "jax_tracer_type",
     "key_lengths",
     "key_ranges",
+    "leaves",
     "prefix",
     "query_lengths",
     "query_ranges",
@@ -620,26 +622,35 @@ def block_layout(layout: Any, block_q: int, block_k: int | None = None) -> Block
     return BlockLayout(layout, block_q, block_q if block_k is None else block_k)
 
 
-def function(fn: Callable[[Any, Any, Any, Any], Any]) -> Function:
-    """Pairs for which ``fn(b, h, q_idx, kv_idx)`` is True (FlexAttention's ``mask_mod``).
+def function(fn: Callable[..., Any], args: tuple[Any, ...] | None = None) -> Function:
+    """Pairs for which ``fn(b, h, q_idx, kv_idx, *args)`` is True (FlexAttention's
+    ``mask_mod``).
 
-    ``fn`` is evaluated tile by tile, and its block form is built once per call shape
-    and kept on the mask: reuse one mask object across calls and layers, and build a new
-    one when what ``fn`` reads changes.
+    ``fn`` is evaluated tile by tile. Give the arrays it reads as ``args`` (they are
+    then passed after the indices): they are copied into each call like any mask's
+    arrays, so the call sees them as they were when it began, and the block form,
+    which reads every pair, is remembered while their contents stay the same (under
+    ``jax.jit`` they are traced arguments, not constants). Without ``args``, ``fn`` may
+    read anything, so its block form is built anew at every call. Either way ``fn``
+    must give the same answers until the call's backward has run.
 
     Args:
         fn: a callable of ``b`` (the flat batch index), ``h`` (the query head), ``q_idx``
             and ``kv_idx`` (array indices), all integer arrays of the call's library that
-            broadcast together; written with operators and that library's functions, it
-            returns a boolean array.
+            broadcast together, then the ``args``; written with operators and that
+            library's functions, it returns a boolean array.
+        args: the arrays ``fn`` reads besides the indices (any library, or Python
+            integers), declaring that it reads nothing else; ``()`` for a function of
+            the indices alone. None (the default): unknown.
 
     Returns:
         A :class:`Function` mask.
 
     Raises:
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn`` is not callable, or ``args`` is not a tuple of arrays.
 
     Example:
+        >>> import numpy as np
         >>> from portattn import masks
         >>> in_pairs = masks.function(lambda b, h, q, k: (q >= k) & (q // 2 == k // 2))
         >>> print(masks.text(in_pairs, 4, 4))
@@ -647,6 +658,14 @@ def function(fn: Callable[[Any, Any, Any, Any], Any]) -> Function:
         ##..
         ..#.
         ..##
+        >>> def same_doc(b, h, q, k, doc):
+        ...     return doc[q] == doc[k]
+        >>> print(masks.text(masks.function(same_doc, args=(np.array([0, 0, 1, 1]),)), 4, 4))
+        ##..
+        ##..
+        ..##
+        ..##
     """
     before_creating()
-    return Function(fn)
+    return Function(fn, args=None if args is None else tuple(args) if isinstance(
+        args, list) else args)

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._values import torch_compiling
+from ._values import content_of, own_copy, torch_compiling
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -399,8 +399,9 @@ class Mask:
     - :meth:`allows`: the same question pair by pair, on indices that may only be
       known on the device (required);
     - :meth:`restrict`: the mask of a sub-problem in its own coordinates (required);
-    - :meth:`bind`: check the mask against the call's shapes and normalise it (the
-      default keeps it as it is);
+    - :meth:`for_call`: check the mask against the call's shapes and normalise it
+      (the default keeps it as it is); :meth:`bind` calls it once the mask holds the
+      call's own copies of its arrays;
     - :meth:`block_states`: the state of every tile of a :class:`Grid`, read by
       :func:`block_mask` (the default, None, counts every tile as partial);
     - :meth:`key_range`, :meth:`covers`, :meth:`hides`: one tile's needs, known
@@ -408,8 +409,10 @@ class Mask:
       :meth:`covers` and :meth:`hides` ask :meth:`block_states` about the tile);
     - :meth:`band`: for positional kinds (:data:`POSITIONAL`), the band they allow;
     - :attr:`arrays` and :meth:`with_arrays`: for kinds that hold arrays;
-    - :meth:`structure` and :meth:`key`: equality and hashing, and the key under
-      which block forms are remembered.
+    - :meth:`structure` and :meth:`key`: equality and hashing;
+      :meth:`content_key`: the key under which block forms and other derived data
+      are remembered across calls (override it for a kind whose pairs depend on
+      more than its parameters and arrays).
 
     :attr:`parts`, :attr:`kinds` and :meth:`parts_of` need no override.
 
@@ -539,9 +542,56 @@ class Mask:
 
     def bind(self, xp: Any, batch_shape: tuple[int, ...], num_heads: int, lq: int,
              lk: int, device: Any = None) -> Mask:
-        """Validate against a call's shapes (on ``device``); return the mask normalised
-        for it."""
+        """The mask of one call: holding the call's own copies of its arrays (in the
+        call's library ``xp``, on ``device``), checked against the call's shapes and
+        normalised for it (:meth:`~portattn.masks.Mask.for_call`).
+
+        The copies are what make a bound mask a value: whatever the caller writes to
+        the arrays afterwards, by any route, the call, its block form and its backward
+        see the mask as it was when the call began."""
+        if not self.arrays:
+            return self.for_call(xp, batch_shape, num_heads, lq, lk, device)
+        own = self.with_arrays([own_copy(xp, a, device) for a in self.arrays])
+        bound = own.for_call(xp, batch_shape, num_heads, lq, lk, device)
+        for part in (bound, *leaves(bound)):  # arrays no caller holds: content keys hold
+            object.__setattr__(part, "_own_arrays", True)
+        return bound
+
+    def for_call(self, xp: Any, batch_shape: tuple[int, ...], num_heads: int, lq: int,
+                 lk: int, device: Any = None) -> Mask:
+        """Check the mask against a call's shapes (its arrays are already the call's own,
+        in ``xp`` on ``device``) and return it normalised for the call: what a kind
+        overrides; callers use :meth:`~portattn.masks.Mask.bind`."""
         return self
+
+    def content_key(self) -> Any:
+        """What anything derived from this mask (a block form, index tables, plans) may
+        be remembered under across calls: equal keys mean the same pairs for every
+        call shape. None where no key can promise that.
+
+        A kind made of parameters alone gives its :meth:`~portattn.masks.Mask.key`; a
+        kind holding arrays adds what they hold (library, device, shape and values) once
+        bound to a call (:meth:`~portattn.masks.Mask.bind`: the arrays are then the
+        call's own copies), and gives None before that, when the values cannot be read
+        (tracing, lazy arrays) or are large (a long dense mask). A mask function gives
+        None unless it declares what it reads (``args``).
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import masks
+            >>> masks.causal().content_key() == masks.causal().content_key()
+            True
+            >>> a = masks.key_lengths(np.array([3, 4])).bind(np, (2,), 1, 4, 4)
+            >>> b = masks.key_lengths(np.array([3, 4])).bind(np, (2,), 1, 4, 4)
+            >>> a.content_key() == b.content_key(), a == b  # same values, other arrays
+            (True, False)
+        """
+        if not self.arrays:
+            return self.key()
+        if not self.__dict__.get("_own_arrays"):  # the caller's arrays may change
+            return None
+        content = content_of(self.arrays)
+        return None if content is None else (self.structure(), content)
 
     def restrict(self, xp: Any, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> Mask:
         """The mask of the sub-problem ``query[q0:q1]`` x ``key[k0:k1]``, in its own
@@ -564,7 +614,14 @@ def tile_state(mask: Mask, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int)
 
 
 def leaves(mask: Mask | None) -> list[Mask]:
-    """Every single-kind part of ``mask``, inside intersections and unions."""
+    """Every single-kind part of ``mask``, inside intersections and unions.
+
+    Example:
+        >>> from portattn import masks
+        >>> mask = masks.causal() & (masks.sliding_window(4) | masks.sink_tokens(2))
+        >>> [p.kind for p in masks.leaves(mask)]
+        ['causal', 'sliding_window', 'sink_tokens']
+    """
     if mask is None:
         return []
     found = []
@@ -613,9 +670,13 @@ class _Combination(Mask):
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         return type(self)(tuple(p.restrict(xp, q0, q1, k0, k1, lq, lk) for p in self.members))
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
-        return type(self)(tuple(p.bind(xp, batch_shape, num_heads, lq, lk, device)
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        return type(self)(tuple(p.for_call(xp, batch_shape, num_heads, lq, lk, device)
                                 for p in self.members))
+
+    def content_key(self):
+        keys = [p.content_key() for p in self.members]
+        return None if any(k is None for k in keys) else (self.kind, *keys)
 
     def block_states(self, grid):
         return combine_states([p.block_states(grid) for p in self.members], self.union)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BlockMask", "BlockTables", "block_mask"]
 
-#: Block forms of masks that hold no arrays, remembered by structure and shape.
+#: Block forms, remembered by their masks' content keys (``Mask.content_key``) and grids.
 CACHE_SIZE = 128
 _cache: OrderedDict[tuple, BlockMask] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -237,8 +237,10 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
                block_k: int) -> BlockMask:
     """The block form of a mask on a grid of ``block_q x block_k`` tiles.
 
-    Built once: per mask object for masks that hold arrays, per structure and shape
-    for the others (the last 128 of them). Kernels usually call
+    Built once per mask object and grid, and shared by masks of equal
+    :meth:`~Mask.content_key` (the last 128 forms): a mask with no content key (a mask
+    function that does not declare what it reads, large or unreadable arrays) builds
+    its own at each call. Kernels usually call
     :meth:`AttentionInputs.blocks <portattn.kernel.AttentionInputs.blocks>`, which
     passes the call's bound mask.
 
@@ -267,40 +269,46 @@ def block_mask(mask: Mask | None, q_len: int, kv_len: int, block_q: int,
     key = (q_len, kv_len, block_q, block_k)
     if torch_compiling():
         return _while_tracing(mask, key)
-    if mask is not None and mask.arrays:
-        own = mask.__dict__.get("_block_masks")
-        if own is None:  # masks are frozen: the cache is set once, like a field
-            own = {}
-            object.__setattr__(mask, "_block_masks", own)
-        found = own.get(key)
-        if found is None:
-            found = own[key] = _build(mask, *key)
-        return found
-    shared = _shared_key(mask, key)
+    if mask is None:
+        return _shared((None, *key), lambda: _build(None, *key))
+    own = mask.__dict__.get("_block_masks")
+    if own is None:  # masks are frozen: the memo is set once, like a field
+        own = {}
+        object.__setattr__(mask, "_block_masks", own)
+    found = own.get(key)
+    if found is None:
+        if "content" not in own:  # once per mask: a bound mask's arrays never change
+            own["content"] = mask.content_key()
+        content = own["content"]
+        found = _build(mask, *key) if content is None else _shared(
+            (content, *key), lambda: _build(mask, *key))
+        own[key] = found
+    return found
+
+
+def _shared(key: tuple, build: Any) -> BlockMask:
+    """The block form remembered under ``key`` (a content key and a grid), or ``build()``'s."""
     with _cache_lock:
-        found = _cache.get(shared)
+        found = _cache.get(key)
         if found is not None:
-            _cache.move_to_end(shared)
+            _cache.move_to_end(key)
             return found
-    found = _build(mask, *key)
+    found = build()
     with _cache_lock:
-        _cache[shared] = found
+        _cache[key] = found
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return found
 
 
-def _shared_key(mask: Mask | None, key: tuple[int, int, int, int]) -> tuple:
-    """The cache key of the block form of a mask that holds no arrays."""
-    return (None if mask is None else mask.key(), *key)
-
-
 def _while_tracing(mask: Mask | None, key: tuple[int, int, int, int]) -> BlockMask:
     """The block form while torch.compile traces, which can follow neither a lock nor
     the NumPy that builds a form (its values would be the graph's, unknown to the host
-    loops): one built before, by an eager call, or every tile visited."""
+    loops): one built before, by an eager call, for a mask of parameters alone (its
+    content key is its key, read without values), or every tile visited."""
     if mask is None or not mask.arrays:  # a dict read needs no lock
-        found = _cache.get(_shared_key(mask, key))
+        content = None if mask is None else mask.content_key()
+        found = None if mask is not None and content is None else _cache.get((content, *key))
         if found is not None:
             return found
     return _EveryTile(*key, None, mask)

@@ -1,7 +1,7 @@
 """Masks given pair by pair: an explicit boolean array (:class:`Dense`) and a mask
 function of the indices (:class:`Function`, FlexAttention's ``mask_mod``). Their block
-forms are the only ones read from every pair; a function's is remembered on the mask
-object, so one mask reused across calls and layers is evaluated once per shape."""
+forms are the only ones read from every pair; a function's is remembered across calls
+only when it declares the arrays it reads (``args``), by their contents."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from array_api_compat import is_dask_namespace
+
 from ._base import Mask, expand_to_rank, linear_index, replaced, slice_tile, tile_states
-from ._values import check_array, dtype_text, host_copy
+from ._values import array_argument, check_beside, dtype_text, host_copy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,7 +70,8 @@ class Dense(Mask):
     batch_shape: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        check_array(self.allowed, "dense", "a boolean array")
+        object.__setattr__(self, "allowed", array_argument(self.allowed, "dense",
+                                                           "a boolean array"))
 
     @property
     def arrays(self):
@@ -79,11 +82,26 @@ class Dense(Mask):
         return replaced(self, allowed=allowed)
 
     def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        # Lq x Lk values: moving them to another library or device at every call would
+        # be a large hidden cost, so the array must already be where the call runs.
+        check_beside(xp, device, self.allowed, "dense mask")
+        return super().bind(xp, batch_shape, num_heads, lq, lk, device)
+
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
+        full_shape = (*batch_shape, num_heads, lq, lk)
+        padding = _padding_hint(self.allowed, batch_shape, lk)
         if not xp.isdtype(self.allowed.dtype, "bool"):
+            floating = xp.isdtype(self.allowed.dtype, "real floating")
+            hint = (" (scores to add go in bias=)" if floating else padding
+                    or " (a 0/1 array: compare it, mask=allowed == 1)")
             msg = ("dense mask must have dtype bool (True = attend); got "
-                   f"dense.dtype={dtype_text(self.allowed.dtype)}")
+                   f"dense.dtype={dtype_text(self.allowed.dtype)}{hint}")
             raise TypeError(msg)
-        full = expand_to_rank(xp, self.allowed, (*batch_shape, num_heads, lq, lk), "dense mask")
+        try:
+            full = expand_to_rank(xp, self.allowed, full_shape, "dense mask")
+        except ValueError as e:
+            msg = f"{e}{padding}"
+            raise ValueError(msg) from None
         return replaced(self, allowed=full, batch_shape=tuple(batch_shape))
 
     # A single tile's state would read the array: kernels ask the block form instead.
@@ -115,16 +133,20 @@ class Dense(Mask):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Function(Mask):
-    """Pairs for which ``fn(b, h, q_idx, kv_idx)`` is True: ``b`` the flat batch index,
-    ``h`` the query head, ``q_idx`` and ``kv_idx`` the query and key indices of the
-    whole call. ``fn`` receives integer arrays of the call's library that broadcast
+    """Pairs for which ``fn(b, h, q_idx, kv_idx, *args)`` is True: ``b`` the flat batch
+    index, ``h`` the query head, ``q_idx`` and ``kv_idx`` the query and key indices of
+    the whole call. ``fn`` receives integer arrays of the call's library that broadcast
     against each other and returns a boolean array (write it with operators and the
     library's functions: ``(q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])``).
     Made by :func:`~portattn.masks.function`.
 
-    Its block form calls ``fn`` on every pair, once per grid, and is remembered on
-    the mask; :meth:`~Mask.restrict` moves ``q_origin`` and ``k_origin``, so ``fn``
-    still sees the whole call's indices.
+    ``args`` (None, or a tuple of arrays) are arrays ``fn`` reads, passed after the
+    indices: the mask's :attr:`~Mask.arrays`, copied into each call's library and
+    device like any mask's. Given (even empty), they declare that ``fn`` reads nothing
+    else, so its block form is remembered while their contents stay the same; without
+    them ``fn`` may read anything and its block form is built anew at every call.
+    :meth:`~Mask.restrict` moves ``q_origin`` and ``k_origin``, so ``fn`` still sees
+    the whole call's indices.
 
     Example:
         >>> import numpy as np
@@ -146,28 +168,52 @@ class Function(Mask):
     k_origin: int = 0
     batch_shape: tuple[int, ...] | None = None
     num_heads: int | None = None
+    args: tuple[Any, ...] | None = None
     context: Any = field(default=None, compare=False)
     """``(xp, device)`` of the call it is bound to."""
     _states: dict = field(default_factory=dict, compare=False)
-    """Block forms already built, per grid and library (shared by the copies bind makes)."""
+    """Block states already built for this call, per grid (each call binds anew)."""
     _lock: Any = field(default_factory=threading.Lock, compare=False)
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
             msg = f"function expects a callable fn(b, h, q_idx, kv_idx); got {self.fn!r}"
             raise TypeError(msg)
+        if self.args is not None:
+            if not isinstance(self.args, (tuple, list)):
+                msg = (f"function args must be a tuple of arrays fn reads; got "
+                       f"args of type {type(self.args).__name__}")
+                raise TypeError(msg)
+            object.__setattr__(self, "args", tuple(
+                array_argument(a, "function", "arrays", f"args[{n}]")
+                for n, a in enumerate(self.args)))
+
+    @property
+    def arrays(self):
+        return self.args or ()
+
+    def with_arrays(self, arrays):
+        if self.args is None:
+            return super().with_arrays(arrays)
+        if len(arrays) != len(self.args):
+            msg = f"{self!r} holds {len(self.args)} arrays; got {len(arrays)}"
+            raise ValueError(msg)
+        return replaced(self, args=tuple(arrays))
 
     def structure(self):
-        return (self.kind, self.fn, self.q_origin, self.k_origin, self.batch_shape,
-                self.num_heads)
+        return (self.kind, self.fn, None if self.args is None else len(self.args),
+                self.q_origin, self.k_origin, self.batch_shape, self.num_heads)
 
-    def key(self):
-        return self.structure()
+    def content_key(self):
+        # Without args, what fn reads is unknown: nothing derived from it is reused.
+        return None if self.args is None else super().content_key()
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         bound = replaced(self, batch_shape=tuple(batch_shape), num_heads=num_heads,
-                         context=(xp, device))
-        if lq and lk:  # one pair: a clear error now rather than deep inside a kernel
+                         context=(xp, device), _states={}, _lock=threading.Lock())
+        # One pair: a clear error now rather than deep inside a kernel. (Dask runs fn on
+        # its chunks, in their library: nothing to ask it now.)
+        if lq and lk and not is_dask_namespace(xp):
             probe = bound.tile(xp, 0, 1, 0, 1, lq, lk, device)
             if not xp.isdtype(probe.dtype, "bool"):
                 msg = ("a mask function must return a boolean array; got "
@@ -185,11 +231,11 @@ class Function(Mask):
         b, h = self._indices(xp, device)
         rows = xp.arange(q0 + self.q_origin, q1 + self.q_origin, device=device)[:, None]
         cols = xp.arange(k0 + self.k_origin, k1 + self.k_origin, device=device)[None, :]
-        allowed = self.fn(b, h, rows, cols)
+        allowed = self.fn(b, h, rows, cols, *self.arrays)
         return allowed if hasattr(allowed, "shape") else xp.asarray(allowed, device=device)
 
     def allows(self, xp, b, h, q, k, lq, lk):
-        return self.fn(b, h, q + self.q_origin, k + self.k_origin)
+        return self.fn(b, h, q + self.q_origin, k + self.k_origin, *self.arrays)
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         return q0 >= q1 or k0 >= k1
@@ -243,7 +289,19 @@ class Function(Mask):
     def __repr__(self) -> str:
         moved = "".join(f", {n}={getattr(self, n)}" for n in ("q_origin", "k_origin")
                         if getattr(self, n))
-        return f"function({_name(self.fn)}{moved})"
+        args = "" if self.args is None else ", args=(" + ", ".join(
+            f"shape={tuple(a.shape)}" for a in self.args) + ")"
+        return f"function({_name(self.fn)}{args}{moved})"
+
+
+def _padding_hint(allowed: Any, batch_shape: tuple[int, ...], lk: int) -> str:
+    """A hint for a ``(*batch, Lk)`` padding mask (transformers' ``attention_mask``),
+    which does not broadcast as a dense mask."""
+    if tuple(allowed.shape) != (*batch_shape, lk) or not batch_shape:
+        return ""
+    return ("; a (*batch, Lk) padding mask, like transformers' attention_mask, is "
+            "masks.key_lengths(lengths) (right padding) or masks.key_ranges(start, stop) "
+            "(left padding)")
 
 
 def _name(fn: Any) -> str:

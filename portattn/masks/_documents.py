@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ._base import Mask, interval_states, per_position, replaced
-from ._values import check_array, dtype_text, host_copy, signed
+from ._values import array_argument, dtype_text, host_copy, signed
 
 __all__ = ["DocumentPlan", "Documents", "ids_from_cu_seqlens"]
 
@@ -127,7 +127,8 @@ class Documents(Mask):
 
     def __post_init__(self) -> None:
         for name in ("query_ids", "key_ids"):
-            check_array(getattr(self, name), "documents", "integer arrays of segment ids", name)
+            object.__setattr__(self, name, array_argument(
+                getattr(self, name), "documents", "integer arrays of segment ids", name))
 
     @property
     def arrays(self):
@@ -137,7 +138,7 @@ class Documents(Mask):
         query_ids, key_ids = arrays
         return replaced(self, query_ids=query_ids, key_ids=key_ids, plan=None, host=None)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         ids = []
         for name, a, length, length_name in (("query_ids", self.query_ids, lq, "Lq"),
                                              ("key_ids", self.key_ids, lk, "Lk")):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ._base import Aligned, Mask, along, column, per_batch, replaced, tile_states
-from ._values import check_array, check_bounds, dtype_text, host_copy, signed
+from ._values import array_argument, check_bounds, dtype_text, host_copy, signed
 
 __all__ = ["KeyLengths", "Prefix", "QueryLengths"]
 
@@ -21,7 +21,8 @@ class _Lengths(Mask):
     host: Any
 
     def __post_init__(self) -> None:
-        check_array(self.lengths, self.kind, "an integer array with the batch shape")
+        object.__setattr__(self, "lengths", array_argument(
+            self.lengths, self.kind, "an integer array with the batch shape"))
 
     @property
     def arrays(self):
@@ -37,7 +38,7 @@ class _Lengths(Mask):
             return lk, "key_lengths lengths", "Lk"
         return lq, "query_lengths lengths", "Lq"
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         lengths = self.lengths
         if not xp.isdtype(lengths.dtype, "integral"):
             msg = (f"{self.kind} lengths must have an integer dtype; got "
@@ -162,10 +163,15 @@ class Prefix(_Lengths, Aligned):
     shift: int = 0
     origin: int = 0
     host: Any = field(default=None, compare=False)
+    cut: bool = False
+    """Cut from a larger call by :meth:`Mask.restrict` (its lengths are the whole's)."""
+
+    def _restricted_fields(self, xp, q0, q1, k0, k1):
+        return {"cut": True}
 
     def _limit(self, lq, lk):
         # Positions are those of the whole call: a part of it cannot check the end.
-        return None if self.origin or self.shift else (lk, "prefix lengths", "Lk")
+        return None if self.cut or self.origin or self.shift else (lk, "prefix lengths", "Lk")
 
     def structure(self):
         return (self.kind, self.shift, self.origin)

@@ -30,7 +30,7 @@ from ._base import (
     tile_states,
     within,
 )
-from ._values import check_array, check_bounds, check_integer_array, host_copy, signed
+from ._values import array_argument, check_bounds, check_integer_array, host_copy, signed
 
 __all__ = ["KeyRanges", "QueryRanges", "SequenceWindow"]
 
@@ -45,8 +45,8 @@ class _Ranges(Mask):
 
     def __post_init__(self) -> None:
         for name in ("start", "stop"):
-            check_array(getattr(self, name), self.kind, "integer arrays with the batch shape",
-                        name)
+            object.__setattr__(self, name, array_argument(
+                getattr(self, name), self.kind, "integer arrays with the batch shape", name))
 
     @property
     def summary(self) -> tuple[int, int, int, int] | None:
@@ -69,7 +69,7 @@ class _Ranges(Mask):
         # other arrays may hold other values: the copies of these ones are dropped
         return replaced(self, start=start, stop=stop, host=None)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         limit = lk if self.kind == "key_ranges" else lq
         start = check_integer_array(xp, self.start, f"{self.kind} start", batch_shape)
         stop = check_integer_array(xp, self.stop, f"{self.kind} stop", batch_shape)
@@ -256,11 +256,14 @@ class SequenceWindow(Mask):
     shift: int = 0
     host: Any = field(default=None, compare=False)
     """``key_lengths - query_lengths`` on the host, when the lengths were read."""
+    cut: bool = False
+    """Cut from a larger call by :meth:`Mask.restrict` (its lengths are the whole's)."""
 
     def __post_init__(self) -> None:
         for name in ("query_lengths", "key_lengths"):
-            check_array(getattr(self, name), "sequence_window",
-                        "integer arrays with the batch shape", name)
+            object.__setattr__(self, name, array_argument(
+                getattr(self, name), "sequence_window", "integer arrays with the batch shape",
+                name))
         for name in ("left", "right"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -279,13 +282,14 @@ class SequenceWindow(Mask):
     def structure(self) -> tuple:
         return (self.kind, self.left, self.right, self.shift)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         ql = check_integer_array(xp, self.query_lengths, "sequence_window query_lengths",
                                  batch_shape)
         kl = check_integer_array(xp, self.key_lengths, "sequence_window key_lengths",
                                  batch_shape)
-        check_bounds(xp, ql, lq, "sequence_window query_lengths", "Lq")
-        check_bounds(xp, kl, lk, "sequence_window key_lengths", "Lk")
+        if not self.cut:  # a part of a larger call cannot check the whole's lengths
+            check_bounds(xp, ql, lq, "sequence_window query_lengths", "Lq")
+            check_bounds(xp, kl, lk, "sequence_window key_lengths", "Lk")
         return replaced(self, query_lengths=ql, key_lengths=kl, host=host_copy(kl - ql))
 
     @property
@@ -347,7 +351,7 @@ class SequenceWindow(Mask):
 
     def restrict(self, xp, q0, q1, k0, k1, lq, lk):
         # local query i' = i - q0 and key j' = j - k0: j - i = j' - i' + k0 - q0
-        return replaced(self, shift=self.shift + q0 - k0)
+        return replaced(self, shift=self.shift + q0 - k0, cut=True)
 
     def __repr__(self) -> str:
         shift = f", shift={self.shift}" if self.shift else ""

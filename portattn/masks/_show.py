@@ -15,7 +15,16 @@ import operator
 import textwrap
 from typing import Any
 
-from ._base import FULL, HIDDEN, PARTIAL, Mask, before_creating, leaves
+from ._base import (
+    FULL,
+    HIDDEN,
+    PARTIAL,
+    Intersection,
+    Mask,
+    Union,
+    before_creating,
+    leaves,
+)
 from ._blocks import block_mask
 from ._dense import Dense
 from ._values import host_copy
@@ -35,6 +44,10 @@ TILE_STYLES = {
     PARTIAL: ("partial", "#ff7f0e", "none", "partial tile (elementwise mask)"),
     HIDDEN: ("skipped", "#8c8c8c", (0.55, 0.55, 0.55, 0.35), "skipped tile"),
 }
+#: Skipped tiles first, partial ones last: the edges that matter most stay on top.
+_DRAWING_ORDER = (HIDDEN, FULL, PARTIAL)
+#: Most global token positions a title lists; more are counted instead.
+TITLE_POSITIONS = 12
 
 
 def show(mask: Any, q_len: int, kv_len: int, *, block: int | tuple[int, int] | None = None,
@@ -114,7 +127,7 @@ def show(mask: Any, q_len: int, kv_len: int, *, block: int | tuple[int, int] | N
 
         _, ax = plt.subplots(figsize=(6.4, 6.4), layout="constrained")
     _draw_pairs(ax, allowed)
-    title = [*textwrap.wrap(repr(mask) if mask is not None else "no mask", 70),
+    title = [*textwrap.wrap(_named(mask, call.batch) if mask is not None else "no mask", 70),
              f"{allowed.mean():.1%} of {q_len}x{kv_len} pairs allowed{call.which()}"]
     handles = _pair_handles()
     if blocks is not None:
@@ -250,6 +263,44 @@ class _Call:
         return f" ({', '.join(parts)})" if parts else ""
 
 
+def _named(mask: Mask, batch: int) -> str:
+    """``repr(mask)``, but global tokens by their positions (those of the batch element
+    drawn) where they can be read: ``global_tokens([0, 5])`` says more than a shape."""
+    if isinstance(mask, (Intersection, Union)):
+        names = [_named(m, batch) for m in mask.members]
+        if isinstance(mask, Intersection):
+            return " & ".join(names)
+        return "(" + " | ".join(names) + ")"
+    if mask.kind == "global_tokens":
+        return _global_tokens_named(mask, batch) or repr(mask)
+    return repr(mask)
+
+
+def _global_tokens_named(mask: Mask, batch: int) -> str | None:
+    """``global_tokens([0, 5])``: the used (non-negative) positions, at most
+    :data:`TITLE_POSITIONS` of them; None when they cannot be read (traced)."""
+    import numpy as np
+    from array_api_compat import is_dask_array
+
+    positions = mask.positions
+    if is_dask_array(positions):  # lazy: a picture asks for the values, as pairs() does
+        positions = positions.compute()
+    positions = host_copy(positions)
+    if positions is None:
+        return None
+    rows = np.asarray(positions).reshape(-1, positions.shape[-1])
+    row = 0 if len(rows) == 1 else batch  # one row: the same positions in every element
+    if row >= len(rows):
+        return None
+    used = [int(p) for p in rows[row].tolist() if p >= 0]
+    listed = ", ".join(map(str, used[:TITLE_POSITIONS]))
+    if len(used) > TITLE_POSITIONS:
+        listed += f", ... ({len(used)} positions)"
+    moved = "".join(f", {n}={getattr(mask, n)}" for n in ("shift", "origin")
+                    if getattr(mask, n, 0))
+    return f"global_tokens([{listed}]{moved})"
+
+
 def _shape_of(mask: Mask | None) -> tuple[tuple[int, ...] | None, int, bool]:
     """The batch shape and head count a call may have for ``mask``, from the shapes of
     its arrays (None and 1 where they say nothing), and whether the batch shape is
@@ -374,19 +425,21 @@ def _draw_tiles(ax: Any, states: Any, q_len: int, kv_len: int, block_q: int,
     k0 = np.arange(states.shape[1]) * block_k
     q1, k1 = np.minimum(q0 + block_q, q_len), np.minimum(k0 + block_k, kv_len)
     counts = {}
-    # Pixel (i, j) covers [j - 0.5, j + 0.5] x [i - 0.5, i + 0.5]; each tile is drawn a
-    # little inside its bounds, so neighbours in other states keep their own edges.
-    inset = 0.04 * min(block_q, block_k, q_len, kv_len)
-    for state, (name, edge, face, _) in TILE_STYLES.items():
+    # Pixel (i, j) covers [j - 0.5, j + 0.5] x [i - 0.5, i + 0.5], so a tile's box lies on
+    # the edges of its first and last cells: every cell of a tile sits inside its box.
+    # Where tiles of two states meet, the edge drawn later (partial) stays on top.
+    for zorder, state in enumerate(_DRAWING_ORDER, start=2):
+        name, edge, face, _ = TILE_STYLES[state]
         rows, cols = np.nonzero(states == state)
         counts[state] = len(rows)
-        x0, x1 = k0[cols] - 0.5 + inset, k1[cols] - 0.5 - inset
-        y0, y1 = q0[rows] - 0.5 + inset, q1[rows] - 0.5 - inset
+        x0, x1 = k0[cols] - 0.5, k1[cols] - 0.5
+        y0, y1 = q0[rows] - 0.5, q1[rows] - 0.5
         corners = np.stack([np.stack([x0, y0], -1), np.stack([x1, y0], -1),
                             np.stack([x1, y1], -1), np.stack([x0, y1], -1)], axis=1)
         ax.add_collection(PolyCollection(
-            list(corners), facecolors=face, edgecolors=edge,
-            linewidths=1.5 if state != HIDDEN else 0.75, gid=f"tiles:{name}"))
+            list(corners), facecolors=face, edgecolors=edge, zorder=zorder,
+            linewidths=1.5 if state != HIDDEN else 0.75, gid=f"tiles:{name}",
+            clip_on=False))  # boxes on the picture's border keep their whole edge
     return counts
 
 

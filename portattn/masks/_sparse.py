@@ -31,7 +31,7 @@ from ._base import (
     replaced,
     tile_states,
 )
-from ._values import check_array, dtype_text, host_copy, signed
+from ._values import array_argument, dtype_text, host_copy, signed
 
 __all__ = ["BlockLayout", "Chunks", "GlobalTokens", "SinkTokens"]
 
@@ -183,9 +183,12 @@ class GlobalTokens(Aligned):
     shift: int = 0
     origin: int = 0
     host: Any = field(default=None, compare=False)
+    cut: bool = False
+    """Cut from a larger call by :meth:`Mask.restrict` (its positions are the whole's)."""
 
     def __post_init__(self) -> None:
-        check_array(self.positions, "global_tokens", "an integer array of positions")
+        object.__setattr__(self, "positions", array_argument(
+            self.positions, "global_tokens", "an integer array of positions"))
 
     @property
     def arrays(self):
@@ -198,7 +201,10 @@ class GlobalTokens(Aligned):
     def structure(self):
         return (self.kind, self.shift, self.origin)
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def _restricted_fields(self, xp, q0, q1, k0, k1):
+        return {"cut": True}
+
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         positions = self.positions
         if not xp.isdtype(positions.dtype, "integral"):
             msg = ("global_tokens positions must have an integer dtype; got "
@@ -212,7 +218,7 @@ class GlobalTokens(Aligned):
         positions = signed(xp, positions)
         host = host_copy(positions)
         # Positions are those of the whole call: a part of it cannot check the end.
-        if host is not None and host.size and not (self.origin or self.shift) \
+        if host is not None and host.size and not (self.cut or self.origin or self.shift) \
                 and host.max() >= lk:
             msg = (f"global_tokens positions must lie below Lk={lk} (negative ones are "
                    f"unused); got positions with max={int(host.max())}")
@@ -304,7 +310,8 @@ class BlockLayout(Aligned):
     """Cut from a larger call by :meth:`Mask.restrict` (its layout is the whole's)."""
 
     def __post_init__(self) -> None:
-        check_array(self.layout, "block_layout", "a boolean array")
+        object.__setattr__(self, "layout", array_argument(self.layout, "block_layout",
+                                                          "a boolean array"))
         _check_count("block_layout", "block_q", self.block_q, 1)
         _check_count("block_layout", "block_k", self.block_k, 1)
 
@@ -322,7 +329,7 @@ class BlockLayout(Aligned):
     def _restricted_fields(self, xp, q0, q1, k0, k1):
         return {"cut": True}
 
-    def bind(self, xp, batch_shape, num_heads, lq, lk, device=None):
+    def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         if not xp.isdtype(self.layout.dtype, "bool"):
             msg = ("block_layout layout must have dtype bool (True = attend); got "
                    f"layout.dtype={dtype_text(self.layout.dtype)}")

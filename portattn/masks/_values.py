@@ -14,8 +14,10 @@ import math
 import sys
 from typing import Any
 
-__all__ = ["check_array", "check_bounds", "check_integer_array", "check_range", "dtype_text",
-           "host_copy", "jax_tracer_type", "signed", "torch_compiling", "values_readable"]
+__all__ = ["CONTENT_BYTES", "Content", "array_argument", "check_beside", "check_bounds",
+           "check_integer_array", "check_range", "content_of", "device_kind", "dtype_text",
+           "host_copy", "jax_tracer_type", "namespace_name", "own_copy", "signed",
+           "torch_compiling", "values_readable"]
 
 
 def signed(xp: Any, lengths: Any) -> Any:
@@ -182,12 +184,213 @@ def check_integer_array(xp: Any, a: Any, name: str, shape: tuple[int, ...]) -> A
     return signed(xp, a)
 
 
-def check_array(a: Any, kind: str, what: str, name: str | None = None) -> None:
-    """A constructor's argument must be an array (checked before any binding)."""
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        got = type(a).__name__ if name is None else f"{name} of type {type(a).__name__}"
-        msg = f"{kind} expects {what}; got {got}"
+def array_argument(value: Any, kind: str, what: str, name: str | None = None) -> Any:
+    """A constructor's array argument: an array of any library as it is, or Python
+    integers and booleans (a number or nested sequences) as a NumPy array.
+
+    Checked before any binding; dtype, shape and values are checked when the mask
+    meets a call, which also moves the array to the call's library and device.
+
+    Raises:
+        TypeError: ``value`` is neither an array nor Python integers or booleans.
+    """
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return value
+    if _python_integers(value):
+        import numpy as np
+
+        return np.asarray(value)
+    got = type(value).__name__ if name is None else f"{name} of type {type(value).__name__}"
+    msg = f"{kind} expects {what} (an array, or Python integers); got {got}"
+    raise TypeError(msg)
+
+
+def _python_integers(value: Any) -> bool:
+    """Whether ``value`` is a Python int or bool, or a non-empty nest of lists and tuples
+    of them (an empty list says nothing of its dtype)."""
+    if isinstance(value, int):
+        return True
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    return all(_python_integers(v) if isinstance(v, (list, tuple)) else isinstance(v, int)
+               for v in value)
+
+
+def own_copy(xp: Any, a: Any, device: Any = None) -> Any:
+    """The call's own copy of a mask's array, in the call's library ``xp`` on ``device``.
+
+    What a bound mask holds, so nothing the caller writes afterwards (in place, through
+    a view, DLPack or another library sharing the memory) reaches a block form built
+    from it or a backward that reads it. Immutable arrays (JAX) need no copy; arrays of
+    another library move through a NumPy copy on the host.
+    """
+    from array_api_compat import array_namespace, is_writeable_array
+
+    try:
+        same = namespace_name(array_namespace(a)) == namespace_name(xp)
+    except TypeError:
+        same = False
+    if not same:
+        import numpy as np
+
+        host = host_copy(a)
+        if host is None:
+            msg = (f"a mask's array of type {type(a).__name__} cannot be read to move it "
+                   f"to the query's library ({namespace_name(xp)})")
+            raise TypeError(msg)
+        return xp.asarray(np.array(host, copy=True), device=device)
+    moved = a if device is None or _device_text(a) == str(device) else _to_device(a, device)
+    if moved is not a or not is_writeable_array(a):
+        return moved
+    return xp.asarray(a, copy=True)
+
+
+def _device_of(a: Any) -> Any:
+    from array_api_compat import device
+
+    try:
+        return device(a)
+    except Exception:  # a tracer that carries no device while being traced
+        return None
+
+
+def _device_text(a: Any) -> str | None:
+    found = _device_of(a)
+    return None if found is None else str(found)
+
+
+def _to_device(a: Any, device: Any) -> Any:
+    from array_api_compat import to_device
+
+    return to_device(a, device)
+
+
+_device_kinds: dict[tuple[type, Any], str] = {}
+
+
+def device_kind(dev: Any) -> str:
+    """Normalised device kind: ``cpu``, ``cuda``, ..."""
+    key = (type(dev), dev)
+    try:
+        kind = _device_kinds.get(key)
+    except TypeError:  # unhashable: CuPy's Device defines == but no hash
+        return _device_kind(dev)
+    if kind is None:
+        kind = _device_kinds[key] = _device_kind(dev)
+    return kind
+
+
+def _device_kind(dev: Any) -> str:
+    kind = getattr(dev, "type", None)  # torch.device
+    if isinstance(kind, str):
+        return kind
+    platform = getattr(dev, "platform", None)  # jax Device
+    if isinstance(platform, str):
+        return "cuda" if platform == "gpu" else platform
+    text = str(dev).lower()
+    for known in ("cpu", "cuda", "rocm"):
+        if known in text:
+            return known
+    return text
+
+
+def check_beside(xp: Any, dev: Any, a: Any, what: str) -> None:
+    """``a`` must be an array of the call's library ``xp`` on the kind of device ``dev``.
+
+    Raises:
+        TypeError: ``a`` is not an array of that library.
+        ValueError: ``a`` is on another kind of device.
+    """
+    from array_api_compat import array_namespace
+
+    try:
+        other = array_namespace(a)
+    except TypeError as e:
+        msg = f"{what} must be an array of the query's library; got {type(a).__name__}"
+        raise TypeError(msg) from e
+    if namespace_name(other) != namespace_name(xp):
+        msg = (f"{what} must come from the query's library ({namespace_name(xp)}); "
+               f"got {namespace_name(other)}")
         raise TypeError(msg)
+    a_dev = _device_of(a)
+    if a_dev is not None and dev is not None and device_kind(a_dev) != device_kind(dev):
+        msg = f"{what} must be on the query's device ({dev}); got {a_dev}"
+        raise ValueError(msg)
+
+
+_namespace_names: dict[str, str] = {}
+
+
+def namespace_name(xp: Any) -> str:
+    """Short library name of an array namespace: numpy, torch, jax, cupy, dask, ..."""
+    # keyed by the module's name: torch.compile cannot hash a module
+    full = xp.__name__
+    name = _namespace_names.get(full)
+    if name is None:
+        short = full.removeprefix("array_api_compat.")
+        name = {"dask.array": "dask", "jax.numpy": "jax"}.get(short, short.split(".")[0])
+        _namespace_names[full] = name
+    return name
+
+
+CONTENT_BYTES = 1 << 20
+"""The most bytes of arrays a mask's content key reads (see :func:`content_of`)."""
+
+
+def content_of(arrays: tuple[Any, ...]) -> Content | None:
+    """What ``arrays`` hold, as a hashable :class:`Content`; None when some values
+    cannot be read now, or they hold more than :data:`CONTENT_BYTES` (a long dense
+    mask: cheaper built again than compared)."""
+    from array_api_compat import array_namespace
+
+    if sum(math.prod(a.shape) * _itemsize(a) for a in arrays) > CONTENT_BYTES:
+        return None
+    found = []
+    for a in arrays:
+        host = host_copy(a)
+        if host is None:
+            return None
+        found.append((namespace_name(array_namespace(a)), _device_text(a), host))
+    return Content(tuple(found))
+
+
+class Content:
+    """Arrays' values as a dictionary key: equal when each array has the same library,
+    device, shape and values (compared in full); hashed from a cheap summary, so a key
+    costs a pass over the values, not a hash of their bytes. Holds the host copies:
+    take it from a bound mask, whose arrays no caller can write."""
+
+    __slots__ = ("_hash", "arrays")
+
+    def __init__(self, arrays: tuple[tuple[str, str | None, Any], ...]) -> None:
+        self.arrays = arrays
+        self._hash = hash(tuple((library, device, host.shape, _summary(host))
+                                for library, device, host in arrays))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Content) or other._hash != self._hash:
+            return False
+        import numpy as np
+
+        return all(a[:2] == b[:2] and a[2].shape == b[2].shape
+                   and np.array_equal(a[2], b[2])
+                   for a, b in zip(self.arrays, other.arrays, strict=True))
+
+
+def _summary(host: Any) -> Any:
+    """A number that equal arrays share (NaN-free integers and booleans in practice)."""
+    if host.dtype.kind in "biu":
+        return int(host.sum(dtype="int64"))
+    return float(host.sum()) if host.dtype.kind == "f" else host.size
+
+
+def _itemsize(a: Any) -> int:
+    dtype = a.dtype
+    size = getattr(dtype, "itemsize", None)
+    return size if isinstance(size, int) else 8
 
 
 def dtype_text(dtype: Any) -> str:

@@ -163,7 +163,7 @@ class Case:
             layout = rng.random((self.hq, rows, cols)) < density
             return masks.block_layout(convert(layout), block)
         if kind == "function":
-            return masks.function(MASK_FUNCTIONS[args[0]])
+            return masks.function(MASK_FUNCTIONS[args[0]], args=())  # of the indices alone
         if kind == "union":
             union = None
             for member in args:

@@ -138,8 +138,10 @@ def _host_mask(inputs: AttentionInputs) -> masks.Mask:
         values = _compute([arrays[n] for n in small])
         for n, value in zip(small, values, strict=True):
             arrays[n] = _batch_wide(_host(value), found[n], inputs.batch_shape)
-    return mask.with_arrays(arrays).bind(_numpy(), inputs.batch_shape, inputs.num_heads,
-                                         inputs.q_len, inputs.kv_len)
+    # for_call, not bind: the values were just read (copies already), and the dense
+    # arrays stay lazy, to be read block by block
+    return mask.with_arrays(arrays).for_call(_numpy(), inputs.batch_shape, inputs.num_heads,
+                                             inputs.q_len, inputs.kv_len)
 
 
 def _compute(arrays: list[Any]) -> tuple[Any, ...]:

@@ -50,5 +50,7 @@ def places(mask: masks.Mask | None) -> list[Place]:
     found = []
     for leaf in () if mask is None else leaves(mask):
         for array in leaf.arrays:
-            found.append(Place(leaf.kind, array.ndim - OWN_AXES.get(leaf.kind, 0)))
+            # a mask function's arguments are read whole, by any block
+            lead = 0 if leaf.kind == "function" else array.ndim - OWN_AXES.get(leaf.kind, 0)
+            found.append(Place(leaf.kind, lead))
     return found

@@ -14,7 +14,7 @@ three things cannot travel as they are and are rebuilt in the task:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from operator import and_, or_
 from typing import TYPE_CHECKING, Any
@@ -41,10 +41,13 @@ class FunctionAt:
     head_start: int
     q_start: int
     k_start: int
+    args: tuple[Any, ...] | None = field(default=None, compare=False)
+    """The function's arguments (host arrays), or None when it declares none; a mask's
+    content key holds their values (arrays do not hash)."""
 
-    def __call__(self, b: Any, h: Any, q: Any, k: Any) -> Any:
+    def __call__(self, b: Any, h: Any, q: Any, k: Any, *args: Any) -> Any:
         return self.fn(self._call_batch(b), h + self.head_start, q + self.q_start,
-                       k + self.k_start)
+                       k + self.k_start, *args)
 
     def _call_batch(self, b: Any) -> Any:
         """Flat batch index of the call from the block's flat index."""
@@ -123,7 +126,7 @@ def _encode(mask: masks.Mask, block: Block, dense_numbers: Any) -> Any:
         return DensePiece(next(dense_numbers))
     if mask.kind == "function":
         return FunctionAt(mask.fn, block.batch_shape, block.block_batch, block.batch_start,
-                          block.head_start, mask.q_origin, mask.k_origin)
+                          block.head_start, mask.q_origin, mask.k_origin, mask.args)
     if not mask.arrays:  # positions alone: a restricted kind fits any block
         return mask
     try:  # what the chunk call will do with it
@@ -141,7 +144,8 @@ def _build(tree: Any, dense: Sequence[Any], like: Any) -> masks.Mask:
     if isinstance(tree, DensePiece):
         return masks.dense(dense[tree.index])
     if isinstance(tree, FunctionAt):
-        return masks.function(tree)
+        return masks.function(tree, args=None if tree.args is None else tuple(
+            _like(a, like) for a in tree.args))
     if isinstance(tree, KindRule):
         return masks.function(KindRule(_moved(tree.mask, like), tree.q_len, tree.kv_len))
     return _moved(tree, like)

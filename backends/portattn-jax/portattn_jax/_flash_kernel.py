@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from portattn import dropout
 from portattn.kernel import ANY, Kernel
-from portattn.masks import KINDS
+from portattn.masks import KINDS, Function, leaves
 
 from ._pytree import register_mask_pytrees
 
@@ -50,6 +50,16 @@ class JaxFlashKernel(Kernel):
         from importlib.util import find_spec
 
         return None if find_spec("jax") is not None else "jax is not installed"
+
+    @classmethod
+    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        # The loops are compiled once per mask structure: a function that may read
+        # anything would be compiled with what it reads now, and kept.
+        if any(isinstance(p, Function) and p.args is None for p in leaves(inputs.mask)):
+            reasons.append("a mask function without args= (what it reads must be passed "
+                           "as args to be traced, not compiled in)")
+        return reasons
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         register_mask_pytrees()

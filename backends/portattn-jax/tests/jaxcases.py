@@ -107,8 +107,8 @@ def catalogue(convert: Any, batch: tuple[int, ...] = (2,), heads: int = 4, lq: i
         "chunks": masks.causal() & masks.chunks(12),
         "block_layout": masks.block_layout(
             convert(rng.random((heads, -(-lk // 8), -(-lk // 8))) < 0.4), 8),
-        "function": masks.function(chunked_causal),
-        "function_per_head": masks.function(per_batch_and_head),
+        "function": masks.function(chunked_causal, args=()),
+        "function_per_head": masks.function(per_batch_and_head, args=()),
         "documents_or_sinks": masks.documents(convert(ids[..., :lq]), convert(ids[..., :lk]))
         | masks.sink_tokens(2),
     }

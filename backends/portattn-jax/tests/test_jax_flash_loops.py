@@ -79,7 +79,7 @@ SKIPPING = {
     "chunks": lambda conv: masks.chunks(16),
     "key_ranges": lambda conv: masks.key_ranges(conv(np.array([9, 30])),
                                                 conv(np.array([33, 50]))),
-    "function": lambda conv: masks.function(lambda b, h, q, k: (q >= k) & (q - k < 12)),
+    "function": lambda conv: masks.function(lambda b, h, q, k: (q >= k) & (q - k < 12), args=()),
 }
 
 
@@ -123,7 +123,8 @@ PROGRAM_MASKS = {
     "documents": lambda n, a: masks.causal() & masks.documents(a["ids"]),
     "window_or_global": lambda n, a: masks.sliding_window(512) | masks.global_tokens(
         a["positions"]),
-    "function": lambda n, a: masks.function(lambda b, h, q, k: (q >= k) & (q - k < 300)),
+    "function": lambda n, a: masks.function(lambda b, h, q, k: (q >= k) & (q - k < 300),
+                                            args=()),
 }
 
 

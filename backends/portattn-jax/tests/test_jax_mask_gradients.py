@@ -38,7 +38,7 @@ MASKS = {
     "documents": lambda c: masks.causal() & masks.documents(c(IDS)),
     "window_or_global": lambda c: masks.sliding_window(4, 1) | masks.global_tokens(
         c(np.array([2, 30]))),
-    "function": lambda c: masks.function(_near),
+    "function": lambda c: masks.function(_near, args=()),
 }
 #: (mask, bias, softcap) of each case
 CASES = {"documents": ("documents", True, None),

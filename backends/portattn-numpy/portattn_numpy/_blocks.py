@@ -18,9 +18,10 @@ partial), read where the unit's batch element and head read it:
 * rows at either end of the unit that attend nothing are left out.
 
 Plans depend on the unit's rows and the states it reads: heads and batch elements that
-read the same states share them, and so do later calls of a mask that holds no arrays
-(``CallPlans.shared``). Each is made once: a thread that needs a plan another is making
-waits for it (the calling thread makes them ahead of the others, ``Tiles.prepare``).
+read the same states share them, and so do later calls of a mask of the same content key
+(``CallPlans.shared``, see ``Mask.content_key``). Each is made once: a thread that needs
+a plan another is making waits for it (the calling thread makes them ahead of the
+others, ``Tiles.prepare``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class UnitBlocks:
         return pack(self.blocks)
 
 
-#: Plans of masks that hold no arrays, by shape and settings: shared by later calls.
+#: Plans of masks with a content key, by shape and settings: shared by later calls.
 _shared_plans: Store[Any] = Store("blocks of units")
 #: Stored where a plan read a mask tile that varies where the states do not: each
 #: batch element and head then keeps its own.

@@ -105,8 +105,8 @@ def _band_and_tokens(inputs: AttentionInputs, config: Config) -> tuple[Any, Any]
     if len(tokens) != 1 or len(bands) != 1:
         return None
     found = tokens[0]
-    # a part of a larger call (shift, origin) keeps the block form's way
-    if found.shift or found.origin or found.host is None:
+    # a part of a larger call (cut, or shift and origin) keeps the block form's way
+    if found.shift or found.origin or found.cut or found.host is None:
         return None
     return bands[0], np.asarray(found.host, dtype=np.int64)
 

@@ -1,11 +1,11 @@
 """What calls of the same shape share: bounded stores of plans, kept across calls.
 
 The blocks of a unit, the diagonal shape of a mask and the plan of a unit along the
-diagonal depend on the mask's structure, the shapes and the settings only, where the
-mask holds no arrays; heads, batch elements, threads and later calls of that shape
-reuse them. Their keys hold the settings (``Config``), so a block with other settings
-never sees another's plans. What one call keeps for itself alone (:class:`CallPlans`)
-lasts while it runs.
+diagonal depend on the mask's content key (``Mask.content_key``: its structure, and the
+values of its arrays), the shapes and the settings only; heads, batch elements, threads
+and later calls of that shape reuse them. Their keys hold the settings (``Config``), so
+a block with other settings never sees another's plans. What one call keeps for itself
+alone (:class:`CallPlans`) lasts while it runs.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class Store(Generic[T]):
 
 class CallPlans:
     """What one call keeps while its threads work: the plans of its units, in a shared
-    :class:`Store` under ``shared`` (the settings, the mask's structure and the shapes)
-    where the mask holds no arrays, else in ``local``; and in ``local`` what it reads of
+    :class:`Store` under ``shared`` (the settings, the mask's content key and the
+    shapes) where the mask has one, else in ``local``; and in ``local`` what it reads of
     its mask once for every unit, and which thread is making which plan (``lock``)."""
 
     def __init__(self, shared: tuple | None) -> None:

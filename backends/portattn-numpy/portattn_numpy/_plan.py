@@ -115,9 +115,10 @@ def build(inputs: AttentionInputs, config: Config, tile_bytes: int, threads: int
                                    threads=threads)
     lead = (*inputs.batch_shape, hq)
     mask = inputs.mask
-    # a mask without arrays is the same for every call of its structure: so are its plans
-    shared = None if mask is not None and mask.arrays else (
-        config, None if mask is None else mask.key(), lq, lk, block_k)
+    # masks of equal content key are the same on every call: so are their plans
+    content = None if mask is None else mask.content_key()
+    shared = None if mask is not None and content is None else (
+        config, content, lq, lk, block_k)
     # a bias keeps the scores in base e: changing its base would cost a pass
     exponential = chosen(config.exponential, query.dtype, bias=inputs.bias is not None)
     base2 = exponential in BASE_2

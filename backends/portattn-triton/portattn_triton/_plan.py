@@ -28,13 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["Grid", "MaskPlan", "bias_view", "plan_for"]
 
 #: Grids shared by the calls of one shape, so their tables and bit tiles stay on the
-#: device instead of being built per call: those of masks that hold no arrays (none,
-#: causal, windows, sinks...), and of masks whose arrays are torch tensors that are
-#: still alive and unchanged (a model's layers calling with one batch's mask).
+#: device instead of being built per call: those of masks with a content key
+#: (``Mask.content_key``: none, causal, windows, sinks..., and small arrays by their
+#: values: a model's layers calling with one batch's mask).
 CACHE_SIZE = 64
-#: A shared grid keeps its mask's tensors alive: only those of masks this small (ids
-#: of packed documents, lengths; not a long dense mask).
-HELD_BYTES = 1 << 20
 _shared: OrderedDict[tuple, Any] = OrderedDict()
 _shared_lock = threading.Lock()
 
@@ -164,30 +161,24 @@ class MaskPlan:
 
     def _remembered(self, key: tuple, build: Callable[[], Any]) -> Any:
         """``build()``, once per plan; across calls too where there is no bias and the
-        mask holds no arrays, or only torch tensors still alive and unchanged since
-        (the same call shape then has the same tables and bit tiles)."""
+        mask has a content key (the same call shape then has the same tables and bit
+        tiles)."""
         if key in self._grids:
             return self._grids[key]
-        arrays = () if self.mask is None else self.mask.arrays
-        held = _held(arrays)
-        if self.bias is not None or held is None:
+        content = None if self.mask is None else self.mask.content_key()
+        if self.bias is not None or (self.mask is not None and content is None):
             found = self._grids[key] = build()
             return found
-        mask = None if self.mask is None else (
-            self.mask.key() if not arrays else (self.mask.structure(), held.key))
-        shared = (mask, self.batch_shape, self.num_heads, self.num_kv_heads, self.q_len,
+        shared = (content, self.batch_shape, self.num_heads, self.num_kv_heads, self.q_len,
                   self.kv_len, str(self.torch_device), *key)
         with _shared_lock:
-            entry = _shared.get(shared)
-            if entry is not None and entry[1].alive():
+            found = _shared.get(shared)
+            if found is not None:
                 _shared.move_to_end(shared)
-                found = entry[0]
-            else:
-                found = None
         if found is None:
             found = build()
             with _shared_lock:
-                _shared[shared] = (found, held)
+                _shared[shared] = found
                 while len(_shared) > CACHE_SIZE:
                     _shared.popitem(last=False)
         self._grids[key] = found
@@ -226,43 +217,6 @@ class MaskPlan:
 
         return bit_tiles(self.rest, self.xp, self.device, self.to_torch, self.torch_device,
                          coords, block_q, block_k, self.q_len, self.kv_len, decode_group)
-
-
-@dataclass(frozen=True)
-class _Held:
-    """What identifies a mask's torch tensors across calls: their storages (weakly:
-    while referenced, a storage's identity cannot pass to a new one), where they sit in
-    them and torch's version counters, which every in-place change through torch bumps
-    (as autograd checks the tensors it saved). Writes that bypass torch (through
-    DLPack, a NumPy view of the same memory, a custom kernel) are not seen: build the
-    mask anew after those."""
-
-    key: tuple
-    storages: tuple
-
-    def alive(self) -> bool:
-        return not any(s.expired() for s in self.storages)
-
-
-def _held(arrays: tuple[Any, ...]) -> _Held | None:
-    """The identity of ``arrays`` (empty for none), or None where they cannot be held
-    across calls: not torch tensors, tensors without a version counter (made in
-    inference mode), more than :data:`HELD_BYTES` of them."""
-    if not arrays:
-        return _Held((), ())
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    if not all(isinstance(a, torch.Tensor) and not a.is_inference() for a in arrays):
-        return None
-    storages = [a.untyped_storage() for a in arrays]
-    # what a shared grid keeps alive: whole storages, each counted once
-    if sum({s.data_ptr(): s.nbytes() for s in storages}.values()) > HELD_BYTES:
-        return None
-    refs = tuple(StorageWeakRef(s) for s in storages)
-    key = tuple((r.cdata, a.storage_offset(), tuple(a.shape), a.stride(), a.dtype,
-                 a._version) for r, a in zip(refs, arrays, strict=True))
-    return _Held(key, refs)
 
 
 class Grid:

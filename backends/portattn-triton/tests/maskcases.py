@@ -80,3 +80,16 @@ def reference(q, k, v, **kwargs):
     when the inputs require gradients)."""
     return portattn.attention(q.double(), k.double(), v.double(), return_lse=True,
                               kernel="reference", **kwargs)
+
+
+#: Ways to change a tensor in place: through torch, and around its version counter.
+WRITES = {
+    "copy_": lambda a, new: a.copy_(torch.as_tensor(new, dtype=a.dtype)),
+    ".data": lambda a, new: a.data.copy_(torch.as_tensor(new, dtype=a.dtype)),
+    ".numpy() view": lambda a, new: a.numpy().__setitem__(..., new),
+    "DLPack": lambda a, new: torch.from_dlpack(a).copy_(torch.as_tensor(new, dtype=a.dtype)),
+    "untyped_storage": lambda a, new: a.untyped_storage().copy_(
+        torch.as_tensor(new, dtype=a.dtype).untyped_storage()),
+    "torch.from_numpy(t.numpy())": lambda a, new: torch.from_numpy(a.numpy()).copy_(
+        torch.as_tensor(new, dtype=a.dtype)),
+}

@@ -20,7 +20,7 @@ from portattn import masks
 from portattn.testing import assert_close
 
 sys.path.insert(0, str(Path(__file__).parent))
-from maskcases import MASKS, inputs, reference
+from maskcases import MASKS, WRITES, inputs, reference
 
 SMALL = Config(16, 16, 1, 1)
 TALL = Config(32, 16, 1, 1)
@@ -144,3 +144,24 @@ def test_one_mask_over_many_calls_follows_its_tensors(path):
     check(None, path=path, lq=lq, mask=mask)
     ids[:] = torch.arange(70) // 25  # changed in place: new tables
     check(None, path=path, lq=lq, mask=mask)
+
+
+@pytest.mark.parametrize("route", sorted(WRITES))
+def test_ids_written_before_the_backward_or_the_next_call(route):
+    # the backward uses the mask its forward used; the next call the values it meets
+    old, new = torch.arange(48) // 20, torch.arange(48) // 7
+    ids = old.clone()
+    q, k, v = (x.requires_grad_(True) for x in inputs(torch.float32, (1,), 2, 1, 48, 48, 16))
+    out = portattn.attention(q, k, v, mask=masks.documents(ids) & masks.causal(),
+                             kernel="triton_flash")
+    WRITES[route](ids, new.numpy())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want, _ = reference(q, k, v, mask=masks.documents(old) & masks.causal())
+    wanted = torch.autograd.grad(want.sum(), (q, k, v))
+    assert_close(out.detach(), want.detach().numpy(), "float32")
+    for name, got, expected in zip("qkv", grads, wanted, strict=True):
+        assert_close(got, expected.numpy(), "float32", f"d{name}")
+    again = portattn.attention(q, k, v, mask=masks.documents(ids) & masks.causal(),
+                               kernel="triton_flash")
+    want_new, _ = reference(q, k, v, mask=masks.documents(new) & masks.causal())
+    assert_close(again.detach(), want_new.detach().numpy(), "float32")

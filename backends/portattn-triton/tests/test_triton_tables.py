@@ -14,7 +14,7 @@ from portattn_triton._plan import plan_for
 from portattn import masks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from maskcases import MASKS
+from maskcases import MASKS, WRITES
 
 BATCH, HEADS, KV_HEADS, LQ, LK = (2,), 4, 2, 45, 70
 
@@ -156,7 +156,8 @@ def test_a_mask_of_unchanged_tensors_shares_its_tables_across_calls():
         16, 16) is not first  # another view of the same memory: its own tables
 
 
-def test_tensors_changed_in_place_or_new_give_new_tables():
+@pytest.mark.parametrize("route", sorted(WRITES))
+def test_tensors_changed_in_place_by_any_route_give_their_new_tables(route):
     q = torch.empty(1, 1, 48, 16)
     ids = torch.arange(48) // 20
 
@@ -166,26 +167,32 @@ def test_tensors_changed_in_place_or_new_give_new_tables():
         return g
 
     first = grid(ids)
-    ids[:] = torch.arange(48) // 7  # through torch: its version counter moves
+    WRITES[route](ids, np.arange(48) // 7)
     changed = grid(ids)
     assert changed is not first
     fresh = grid(torch.arange(48) // 7)
-    assert fresh is not changed
-    assert _bits_of(changed).keys() == _bits_of(fresh).keys()
+    assert fresh is changed  # equal values: the same tables
     for tile, bits in _bits_of(fresh).items():
         np.testing.assert_array_equal(_bits_of(changed)[tile], bits)
 
 
-def test_masks_not_held_across_calls_build_their_own_tables():
+def test_masks_of_equal_values_share_their_tables_however_made():
     q = torch.empty(1, 1, 40, 16)
-    with torch.inference_mode():  # no version counter to tell a change by
+    with torch.inference_mode():  # no version counter: the values decide
         ids = torch.arange(40) // 9
-    assert plan_for(q, q, mask=masks.documents(ids)).grid(16, 16) is not \
-        plan_for(q, q, mask=masks.documents(ids)).grid(16, 16)
+    assert plan_for(q, q, mask=masks.documents(ids)).grid(16, 16) is \
+        plan_for(q, q, mask=masks.documents(torch.arange(40) // 9)).grid(16, 16)
     small = masks.dense(torch.rand(1, 1, 40, 40) < 0.5)
     assert _plan_grid(q, small) is _plan_grid(q, small)
-    # a view of more memory than HELD_BYTES, which a shared grid would keep alive
-    big = masks.dense((torch.rand(700, 40, 40) < 0.5)[:1, None])
+    # a view of much more memory: only the view's values count
+    view = masks.dense((torch.rand(700, 40, 40) < 0.5)[:1, None])
+    assert _plan_grid(q, view) is _plan_grid(q, view)
+
+
+def test_masks_too_large_to_compare_build_their_own_tables():
+    n = 1100  # a dense mask over CONTENT_BYTES: cheaper built again than compared
+    q = torch.empty(1, 1, n, 16)
+    big = masks.dense(torch.rand(1, 1, n, n) < 0.5)
     assert _plan_grid(q, big) is not _plan_grid(q, big)
 
 
