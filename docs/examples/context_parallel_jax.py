@@ -6,10 +6,11 @@ Runs on host (CPU) devices; on accelerators drop ``XLA_FLAGS``. One jitted train
 runs the model inside ``jax.shard_map`` over a mesh axis ``"seq"``: each device holds a
 shard of every sequence in the zigzag layout (the same causal work on every device),
 attention covers the whole sequence through ``portattn.distributed.attention`` with
-``group="seq"``, and the parameters' gradients are summed over the devices by JAX (they
-enter the ``shard_map`` replicated). The same model, from the same parameters and
-batches, is then trained on whole sequences on one device with ``portattn.attention``,
-and both loss curves are printed.
+``group="seq"`` (K/V moving by the ring; ``--strategy auto`` lets the shapes choose, or
+name ``all_gather`` or ``ulysses``), and the parameters' gradients are summed over the
+devices by JAX (they enter the ``shard_map`` replicated). The same model, from the same
+parameters and batches, is then trained on whole sequences on one device with
+``portattn.attention``, and both loss curves are printed.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--layout", default="zigzag", choices=distributed.LAYOUTS)
-    parser.add_argument("--strategy", default="ring", choices=distributed.STRATEGIES)
+    parser.add_argument("--strategy", default="ring", choices=("auto", *distributed.STRATEGIES),
+                        help="how K/V move between ranks ('auto': chosen from the shapes)")
     parser.add_argument("--json", action="store_true",
                         help="print both loss curves as one JSON line at the end")
     args = parser.parse_args()

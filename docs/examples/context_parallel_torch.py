@@ -5,9 +5,10 @@
 Runs on CPU processes (gloo); on GPUs pass ``--backend nccl`` and move the model and
 batches to each rank's device. Each rank holds a shard of every sequence, in the zigzag
 layout (the same causal work on every rank); attention covers the whole sequence through
-``portattn.distributed.attention``, and the parameters' gradients are summed over the
-ranks. Rank 0 then trains the same model on whole sequences in one process and prints
-both loss curves.
+``portattn.distributed.attention`` (K/V moving by the ring; ``--strategy auto`` lets the
+shapes choose, or name ``all_gather`` or ``ulysses``), and the parameters' gradients are
+summed over the ranks. Rank 0 then trains the same model on whole sequences in one
+process and prints both loss curves.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--length", type=int, default=61)
     parser.add_argument("--layout", default="zigzag", choices=distributed.LAYOUTS)
-    parser.add_argument("--strategy", default="ring", choices=distributed.STRATEGIES)
+    parser.add_argument("--strategy", default="ring", choices=("auto", *distributed.STRATEGIES),
+                        help="how K/V move between ranks ('auto': chosen from the shapes)")
     parser.add_argument("--backend", default="gloo")
     args = parser.parse_args()
     torch.set_num_threads(1)

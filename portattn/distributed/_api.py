@@ -9,12 +9,15 @@ from typing import TYPE_CHECKING, Any
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
-from .._inputs import namespace_name
+from .._inputs import describe, namespace_name
 from .._wiring import engine_for
 from ..masks import Mask, dense
+from ._agree import agree
 from ._choice import AUTO, StrategyChoice, choose, mask_heads_problem
+from ._faults import check_timeout
 from ._layout import LAYOUTS, Layout
 from ._strategies import STRATEGIES, backward, forward
+from ._together import aborting, tell_the_others, timed
 from ._ulysses import heads_problem
 
 if TYPE_CHECKING:
@@ -132,7 +135,7 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
               strategy: str = AUTO, layout: str | Layout = "contiguous",
               query_length: int | None = None, key_length: int | None = None,
               scale: float | None = None, softcap: float | None = None,
-              return_lse: bool = False) -> Any:
+              return_lse: bool = False, timeout: float | None = None) -> Any:
     """Exact attention over a sequence split across the ranks of ``group``.
 
     Every rank passes its shard of the queries, keys and values (made by
@@ -169,17 +172,37 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         softcap: scores become ``softcap * tanh(s / softcap)``.
         return_lse: also return this rank's rows of the log-sum-exp ``(..., Hq, Sq)``
             (float32 for half precision); gradients flow through it.
+        timeout: seconds any one collective of the call (the agreement, a shift of
+            the ring, a gather; in the backward too) waits for the other ranks before
+            it raises :class:`CollectiveError`. None (the default): the group's own,
+            the ``timeout`` given to ``torch.distributed.init_process_group`` (30
+            minutes on gloo, 10 on NCCL unless set) or :func:`run_local`'s. Not used
+            inside ``shard_map``, where every device runs one program.
 
     Returns:
         ``out`` ``(..., Hq, Sq, Dv)``, or ``(out, lse)`` with ``return_lse``. Padding
         rows hold 0 and lse ``-inf``.
 
+    Before the schedule the ranks agree: each describes its call (shard shapes and
+    dtypes, ``query_length``, ``key_length``, layout, the strategy as chosen,
+    ``scale``, ``softcap`` and a digest of the mask's parameters and values) in one
+    small collective. Ranks that disagree all raise the same ``ValueError`` naming
+    what differs and which ranks hold which value; a rank whose own inputs are
+    refused raises its error and the others a ``ValueError`` naming it. A rank that
+    raises during the schedule raises its own error; the others raise
+    :class:`CollectiveError` when their wait for it ends: at once where the engine
+    hears of it (threads; on gloo, when the failed rank's process exits), else after
+    ``timeout``. After a :class:`CollectiveError` the group is out of step: destroy it.
+
     Raises:
         ValueError: an unknown ``strategy`` or ``layout``, shards whose lengths do
-            not fit the layout, or ``strategy="ulysses"`` with heads that do not
-            divide by the ranks, a mask array with a head axis or a function mask.
+            not fit the layout, ``strategy="ulysses"`` with heads that do not
+            divide by the ranks, a mask array with a head axis or a function mask;
+            ranks that disagree, or another rank that could not start the call.
         TypeError: ``group`` is neither a group of an installed engine nor a
             :class:`LocalGroup`.
+        CollectiveError: another rank failed, was killed or did not answer within
+            ``timeout``.
 
     Example:
         >>> import numpy as np
@@ -197,26 +220,50 @@ def attention(query: Any, key: Any, value: Any, /, *, group: Any, mask: Any = No
         >>> bool(np.allclose(outs[0], expected)), outs[0].shape
         (True, (1, 2, 10, 4))
     """
-    _check_choice("strategy", strategy, (AUTO, *STRATEGIES))
     xp = array_namespace(query, key, value)
     engine, rank, size = _rank_and_size(group, namespace_name(xp))
+    try:
+        seconds = check_timeout(timeout)
+        comm = timed(group, seconds) if engine is None else None
+        strategy, prob = _prepared(query, key, value, rank, size, mask=mask,
+                                   strategy=strategy, layout=layout,
+                                   query_length=query_length, key_length=key_length,
+                                   scale=scale, softcap=softcap)
+    except Exception as e:
+        if rank is not None:  # inside shard_map every device runs one program
+            tell_the_others(e, engine, group, query, timeout)
+        raise
+    if engine is None:
+        agree(prob, query, key, value, strategy, comm.all_gather)
+        out, lse = aborting(comm, lambda: forward(comm, prob, query, key, value, strategy))
+    elif rank is None:
+        out, lse = engine.attention(prob, query, key, value, group, strategy)
+    else:  # the engine agrees first, where its host code runs (not traced)
+        out, lse = engine.attention(prob, query, key, value, group, strategy,
+                                    timeout=seconds)
+    out = xp.astype(out, query.dtype, copy=False)
+    return (out, lse) if return_lse else out
+
+
+def _prepared(query: Any, key: Any, value: Any, rank: int | None, size: int, *,
+              mask: Any, strategy: str, **options: Any) -> tuple[str, Problem]:
+    """The strategy as chosen and the call's :class:`Problem`: everything a rank can
+    refuse on its own inputs, checked before any collective."""
+    _check_choice("strategy", strategy, (AUTO, *STRATEGIES))
+    # the shards alone (dtypes, heads, head dims, scale, softcap): what every pair's
+    # call would refuse, refused here instead of in the middle of the schedule
+    describe(query, key, value, scale=options["scale"], softcap=options["softcap"])
     if strategy == AUTO:  # engines only ever see a concrete strategy
-        strategy = explain(query, key, value, size=size, mask=mask, layout=layout,
-                           query_length=query_length, key_length=key_length).strategy
+        strategy = explain(query, key, value, size=size, mask=mask, layout=options["layout"],
+                           query_length=options["query_length"],
+                           key_length=options["key_length"]).strategy
     elif strategy == "ulysses":
         why = heads_problem(query, key, size) or _mask_heads_problem(mask)
         if why is not None:
             raise ValueError(why)
     prob = problem(query, key, value, rank=0 if rank is None else rank, size=size,
-                   mask=mask, layout=layout,
-                   query_length=query_length, key_length=key_length, scale=scale,
-                   softcap=softcap)
-    if engine is None:
-        out, lse = forward(group, prob, query, key, value, strategy)
-    else:
-        out, lse = engine.attention(prob, query, key, value, group, strategy)
-    out = xp.astype(out, query.dtype, copy=False)
-    return (out, lse) if return_lse else out
+                   mask=mask, **options)
+    return strategy, prob
 
 
 def explain(query: Any, key: Any, value: Any, /, *, size: int, mask: Any = None,
@@ -304,7 +351,8 @@ def gradients(group: Any, prob: Problem, query: Any, key: Any, value: Any, out: 
                           queries=prob.queries, keys=prob.keys).strategy
         if strategy == "ulysses":  # no portable backward; the ring's is as exact
             strategy = "ring"
-    return backward(group, prob, query, key, value, out, lse, dout, dlse, strategy)
+    return aborting(group, lambda: backward(group, prob, query, key, value, out, lse, dout,
+                                            dlse, strategy))
 
 
 def shard(x: Any, group: Any, *, axis: int = -2, layout: str | Layout = "contiguous",

@@ -15,16 +15,26 @@ it is only known on the device, as inside JAX's ``shard_map``: the engine then r
 ``all_gather(x, group) -> list`` and ``attention(problem, query, key, value, group,
 strategy) -> (out, lse)``, the last with the library's autograd attached (its
 backward calls :func:`backward`).
+
+An engine whose rank is known on the host also has ``exchange(payload, group, like,
+timeout) -> list[bytes]`` (every rank's ``payload``, bytes of one fixed size, in rank
+order: one small collective on the device of the array ``like``), its ``attention``
+takes ``timeout`` (seconds each collective waits, None for the group's own, then
+:class:`~portattn.distributed.CollectiveError`, made by :func:`gave_up`), and it calls
+:func:`agree` before its schedule, where host code runs, so ranks that disagree all
+raise the same error before any shard moves.
 """
 
 from __future__ import annotations
 
 from .._wiring import DISTRIBUTED
+from ._agree import agree
 from ._compute import backward_step, forward_step
+from ._faults import gave_up
 from ._plan import Pair, Problem, visible_work
 from ._strategies import STRATEGIES, Communicator, backward, forward
 
-__all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "backward",
-           "backward_step", "forward", "forward_step", "visible_work"]
+__all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "agree", "backward",
+           "backward_step", "forward", "forward_step", "gave_up", "visible_work"]
 
 GROUP = DISTRIBUTED

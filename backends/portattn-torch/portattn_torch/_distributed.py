@@ -14,23 +14,35 @@ Works with any backend torch.distributed has (gloo on CPU, NCCL on CUDA). Under
 and ``fullgraph=True`` raises Dynamo's error with the reason. ``"ulysses"`` is traced
 (its all-to-alls are functional collectives), with ``fullgraph=True`` too once portattn
 has found its plugins (``portattn.kernels()``).
+
+Before the schedule the ranks agree on the call (:func:`exchange`: one ``all_gather``
+of a small fixed-size ``uint8`` tensor, then portattn's check), inside the eager part
+of the call; a traced ``"ulysses"`` call skips it. Every collective is started
+asynchronously and waited for with the call's ``timeout`` (``Work.wait(timeout)``;
+None: the group's own), so a rank that failed, died or never came turns into
+:class:`~portattn.distributed.CollectiveError` on the others. The dK/dV of the
+all-gather's backward are summed by an all-to-all and an addition on their owner:
+gloo's ``reduce_scatter`` blocks inside the call, where no timeout reaches it. Traced
+``"ulysses"`` calls use functional collectives, which wait as long as the group's
+own timeout.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from portattn.distributed.engine import backward, forward
+from portattn.distributed.engine import agree, backward, forward, gave_up
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from portattn.distributed.engine import Problem
 
-__all__ = ["all_gather", "attention", "rank_and_size"]
+__all__ = ["all_gather", "attention", "exchange", "rank_and_size"]
 
 _TAGS = 1 << 20
 
@@ -48,21 +60,52 @@ def rank_and_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather(x: Any, group: Any) -> list[Any]:
+def all_gather(x: Any, group: Any, timeout: float | None = None) -> list[Any]:
     """Every rank's ``x``, in rank order."""
     x = x.contiguous()
     out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, x, group=group)
+    work = dist.all_gather(out, x, group=group, async_op=True)
+    _wait(work, group, timeout, "in an all_gather")
     return out
 
 
-class Communicator:
-    """The collectives the portable schedule calls, over one process group."""
+def exchange(payload: bytes, group: Any, like: Any, timeout: float | None) -> list[bytes]:
+    """Every rank's ``payload`` (bytes of one size on every rank), in rank order: one
+    all_gather of a ``uint8`` tensor on the device of ``like`` (where the group's
+    backend moves tensors)."""
+    sent = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(like.device)
+    got = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(got, sent, group=group, async_op=True)
+    _wait(work, group, timeout, "while the ranks compared their calls")
+    return [t.cpu().numpy().tobytes() for t in got]
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+
+def _wait(work: Any, group: Any, timeout: float | None, where: str) -> None:
+    """Wait for ``work``; a timeout or a lost rank becomes a ``CollectiveError``."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:  # gloo and NCCL: timed out, or a peer went away
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        limit = "the group's timeout" if timeout is None else f"timeout={timeout:g} s"
+        why = (f"{str(e).strip()} (another rank failed, was killed, or did not answer "
+               f"within {limit})")
+        raise gave_up(rank, size, where, why) from e
+
+
+class Communicator:
+    """The collectives the portable schedule calls, over one process group, each
+    waited for at most ``timeout`` seconds."""
+
+    def __init__(self, group: Any, timeout: float | None = None) -> None:
+        self.group, self.timeout = group, timeout
         self.rank, self.size = rank_and_size(group)
         self._shifts = 0
+
+    def exchange(self, payload: bytes, like: Any) -> list[bytes]:
+        return exchange(payload, self.group, like, self.timeout)
 
     def _neighbour(self, step: int) -> int:
         """The global rank of the rank ``step`` after this one in the group."""
@@ -81,30 +124,46 @@ class Communicator:
                for a, tag in zip(sent, tags, strict=True)]
         ops += [dist.P2POp(dist.irecv, r, before, self.group, tag)
                 for r, tag in zip(received, tags, strict=True)]
-        return dist.batch_isend_irecv(ops), sent, received
+        return dist.batch_isend_irecv(ops), sent, received, self._shifts - 1
 
     def finish_shift(self, handle: Any) -> list[Any]:
-        requests, _, received = handle  # the sent tensors stay alive until here
+        requests, _, received, shift = handle  # the sent tensors stay alive until here
+        before = (self.rank - 1) % self.size
         for request in requests:
-            request.wait()
+            _wait(request, self.group, self.timeout,
+                  f"in shift {shift} (to rank {(self.rank + 1) % self.size}, from rank "
+                  f"{before})")
         return received
 
     def all_gather(self, x: Any) -> list[Any]:
-        return all_gather(x, self.group)
+        return all_gather(x, self.group, self.timeout)
 
     def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
-        # a functional collective: differentiable, and traceable by torch.compile
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        stacked = torch.stack(list(parts))
+        if torch.compiler.is_compiling():
+            # a functional collective: differentiable, and traceable by torch.compile
+            from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        group = dist.group.WORLD if self.group is None else self.group
-        received = all_to_all_single_autograd(torch.stack(list(parts)), None, None, group)
+            group = dist.group.WORLD if self.group is None else self.group
+            received = all_to_all_single_autograd(stacked, None, None, group)
+        else:  # eager: the same exchange, waited for with the call's timeout
+            received = _AllToAll.apply(stacked, self)
         return list(received.unbind(0))
 
-    def reduce_scatter(self, parts: Sequence[Any]) -> Any:
-        parts = [p.contiguous() for p in parts]
-        out = torch.empty_like(parts[self.rank])
-        dist.reduce_scatter(out, parts, group=self.group)
+    def all_to_all_single(self, x: Any, where: str = "in an all_to_all") -> Any:
+        """Row ``i`` of ``x`` to rank ``i``; row ``j`` of the result from rank ``j``."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        work = dist.all_to_all_single(out, x, group=self.group, async_op=True)
+        _wait(work, self.group, self.timeout, where)
         return out
+
+    def reduce_scatter(self, parts: Sequence[Any]) -> Any:
+        # an all-to-all and the sum on the owner, in rank order: gloo's reduce_scatter
+        # blocks inside the call, past any timeout given to its wait
+        received = self.all_to_all_single(torch.stack(list(parts)),
+                                          "in the reduce-scatter of dK/dV")
+        return received.sum(dim=0)
 
 
 _EAGER = ("portattn.distributed.attention with strategy='ring' or 'all_gather' runs "
@@ -118,33 +177,61 @@ _eager: dict[str, Any] = {}
 
 
 def attention(problem: Problem, query: Any, key: Any, value: Any, group: Any,
-              strategy: str) -> tuple[Any, Any]:
-    """``(out, lse)`` of this rank's shard, differentiable for query, key, value."""
+              strategy: str, *, timeout: float | None = None) -> tuple[Any, Any]:
+    """``(out, lse)`` of this rank's shard, differentiable for query, key, value, once
+    the ranks agree on the call; each collective waits at most ``timeout`` seconds."""
     if strategy == "ulysses":  # autograd flows through the all-to-alls and the kernel
-        return forward(Communicator(group), problem, query, key, value, strategy)
+        comm = Communicator(group, timeout)
+        if not torch.compiler.is_compiling():  # a traced call cannot wait on the host
+            _agree(comm, problem, query, key, value, strategy)
+        return forward(comm, problem, query, key, value, strategy)
     scheduled = _eager.get("scheduled")
     if scheduled is None:  # wrapped on first use: torch.compiler imports Dynamo (seconds)
         scheduled = _eager["scheduled"] = torch.compiler.disable(_scheduled, reason=_EAGER)
-    return scheduled(problem, query, key, value, group, strategy)
+    return scheduled(problem, query, key, value, group, strategy, timeout)
+
+
+def _agree(comm: Communicator, problem: Problem, query: Any, key: Any, value: Any,
+           strategy: str) -> None:
+    agree(problem, query, key, value, strategy,
+          lambda payload: comm.exchange(payload, query))
 
 
 def _scheduled(problem: Problem, query: Any, key: Any, value: Any, group: Any,
-               strategy: str) -> tuple[Any, Any]:
-    return _Attention.apply(query, key, value, _Call(problem, group, strategy))
+               strategy: str, timeout: float | None) -> tuple[Any, Any]:
+    call = _Call(problem, group, strategy, timeout)
+    _agree(Communicator(group, timeout), problem, query, key, value, strategy)
+    return _Attention.apply(query, key, value, call)
+
+
+class _AllToAll(torch.autograd.Function):
+    """An all-to-all whose gradient is the all-to-all of the gradients (it only moves
+    rows between ranks)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, comm: Communicator) -> Any:
+        ctx.comm = comm
+        return comm.all_to_all_single(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        return ctx.comm.all_to_all_single(grad), None
 
 
 class _Call:
     """What the autograd node keeps besides tensors."""
 
-    def __init__(self, problem: Problem, group: Any, strategy: str) -> None:
+    def __init__(self, problem: Problem, group: Any, strategy: str,
+                 timeout: float | None) -> None:
         self.problem, self.group, self.strategy = problem, group, strategy
+        self.timeout = timeout
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: Any, key: Any, value: Any, call: _Call) -> tuple[Any, Any]:
-        out, lse = forward(Communicator(call.group), call.problem, query, key, value,
-                           call.strategy)
+        out, lse = forward(Communicator(call.group, call.timeout), call.problem, query, key,
+                           value, call.strategy)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.call = call
         return out, lse
@@ -153,6 +240,6 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
         query, key, value, out, lse = ctx.saved_tensors
         call = ctx.call
-        grads = backward(Communicator(call.group), call.problem, query, key, value, out,
-                         lse, dout, dlse, call.strategy)
+        grads = backward(Communicator(call.group, call.timeout), call.problem, query, key,
+                         value, out, lse, dout, dlse, call.strategy)
         return *grads, None
