@@ -146,6 +146,21 @@ def _reasons(entry: KernelEntry, inputs: AttentionInputs,
         return [f"not_supported_reasons raised {type(e).__name__}: {e}"]
 
 
+PASSED_OVER = "passed over: "
+"""How :class:`Plan` shows a kernel's :meth:`~portattn.kernel.Kernel.dispatch_reasons`:
+it could run the call, dispatch would rather another did."""
+
+
+def _preferences(entry: KernelEntry, inputs: AttentionInputs) -> tuple[str, ...]:
+    """Why dispatch passes over ``entry``, which can run ``inputs``; empty when it
+    does not."""
+    try:
+        why = entry.kernel.dispatch_reasons(inputs)
+    except Exception as e:  # a broken preference is no refusal
+        why = [f"dispatch_reasons raised {type(e).__name__}: {e}"]
+    return tuple(PASSED_OVER + w for w in why)
+
+
 _elsewhere_reasons: dict[tuple[type, str, str], tuple[str, ...]] = {}
 
 
@@ -159,13 +174,44 @@ def _elsewhere(kernel: Kernel, inputs: AttentionInputs) -> tuple[str, ...]:
     return why
 
 
+LOOKS_TRANSPOSED = 256
+"""More heads than this, and than positions, looks like the length axis read as heads."""
+
+
+def axes_read(inputs: AttentionInputs, layout: str) -> list[str]:
+    """The lines of :class:`Plan`'s report that say which axes were read as what, and a
+    hint when they look swapped: arrays in the other layout run without an error."""
+    sizes = [f"batch={_batch_text(inputs.batch_shape)}"] if inputs.batch_shape else []
+    sizes += [f"heads={inputs.num_heads}", f"length={inputs.q_len}",
+              f"dim={inputs.head_dim}"]
+    if inputs.num_kv_heads != inputs.num_heads:
+        sizes.insert(-2, f"kv_heads={inputs.num_kv_heads}")
+    if inputs.kv_len != inputs.q_len:
+        sizes.insert(-1, f"kv_length={inputs.kv_len}")
+    if inputs.value_head_dim != inputs.head_dim:
+        sizes.append(f"value_dim={inputs.value_head_dim}")
+    lines = [f"    read as ({', '.join(sizes)}) with layout={layout!r}"]
+    if inputs.num_heads > max(inputs.q_len, LOOKS_TRANSPOSED):
+        other, axes = (("blhd", "(..., length, heads, dim)") if layout == "bhld"
+                       else ("bhld", "(..., heads, length, dim)"))
+        lines.append(f"    hint: {inputs.num_heads} heads of length {inputs.q_len} look "
+                     f"swapped; for {axes} arrays pass layout={other!r}")
+    return lines
+
+
+def _batch_text(shape: tuple[int, ...]) -> str:
+    return str(shape[0]) if len(shape) == 1 else str(shape)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What dispatch would do for one call, as :func:`explain` returns it.
 
     ``kernel`` is the chosen kernel's :class:`KernelEntry` (None when no kernel can
     run the call), ``candidates`` every kernel asked, in priority order, each with
-    the reasons it cannot run the call (empty when it can), ``inputs`` the call's
+    the reasons it cannot run the call (empty when it can; ``"passed over: ..."``
+    when it can but dispatch prefers another, see
+    :meth:`~portattn.kernel.Kernel.dispatch_reasons`), ``inputs`` the call's
     :class:`~portattn.kernel.AttentionInputs` and ``forced`` the kernel name forced
     by ``kernel=``, :func:`use_kernel` or ``PORTATTN_KERNEL`` (None when none was).
     ``str(plan)`` reads like a report of all of it.
@@ -190,13 +236,16 @@ class Plan:
     note: str | None = None
     """Why ``kernel`` was preferred over other kernels that can run the call, if not
     for its priority (e.g. a measurement)."""
+    layout: str = "bhld"
+    """The caller's ``layout``: ``str(plan)`` says how it read the arrays' axes."""
 
     def __str__(self) -> str:
         if self.kernel is not None:
             head = f"kernel: {self.kernel}" + (f" (forced: {self.forced})" if self.forced else "")
         else:
             head = "kernel: none can run these inputs"
-        lines = [head, "inputs:", self.inputs.block(), "kernels, in priority order:"]
+        lines = [head, "inputs:", self.inputs.block(), *axes_read(self.inputs, self.layout),
+                 "kernels, in priority order:"]
         for entry, why in self.candidates:
             if entry is self.kernel:
                 verdict = "chosen" + (f" ({self.note})" if self.note else "")
@@ -254,7 +303,10 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
 
     Kernels are asked in priority order; the forced kernel (``kernel=``,
     :func:`use_kernel`, ``PORTATTN_KERNEL``) runs if it can, else the measured fastest
-    of the kernels that can (``python -m portattn tune``), else the first of them.
+    of the kernels that can and that no preference of theirs passes over
+    (:meth:`~portattn.kernel.Kernel.dispatch_reasons`; ``python -m portattn tune``),
+    else the first of them, else the first kernel passed over: a preference never
+    leaves a call without a kernel, and a forced kernel is not asked for one.
     ``every=False`` stops at the first kernel that can run when no measurement could
     prefer another (what :func:`portattn.attention` needs); the kernels after it are
     then left out of ``Plan.candidates``. What is decided follows from the
@@ -270,12 +322,17 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
     disabled = current_overrides()[1]
     candidates: list[tuple[KernelEntry, tuple[str, ...]]] = []
     runnable: list[KernelEntry] = []
+    passed_over: list[KernelEntry] = []
     for entry in entries:
         if forced is not None and not every and entry.name != forced:
             continue
         why = tuple(_reasons(entry, inputs, disabled))
         if not why and nonfinite is not None and entry.kernel.finite_inputs_only:
             why = (f"exact on finite inputs only: {nonfinite}",)
+        if not why and entry.name != forced:
+            why = _preferences(entry, inputs)
+            if why:
+                passed_over.append(entry)
         candidates.append((entry, why))
         if not why:
             runnable.append(entry)
@@ -289,6 +346,9 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
         if measured is not None:
             chosen = next(e for e in runnable if e.name == measured[0])
             note = measured[1]
+    elif chosen is None and passed_over:
+        chosen = passed_over[0]
+        note = "every kernel that can run the call is passed over; the first of them runs"
     return Plan(chosen, tuple(candidates), inputs, forced, note)
 
 

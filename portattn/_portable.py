@@ -298,6 +298,13 @@ def empty_result(inputs: AttentionInputs) -> tuple[Any, Any]:
     return out, lse
 
 
+def empty_weights(inputs: AttentionInputs) -> Any:
+    """The zero weights ``(..., Hq, Lq, Lk)`` of a call with no keys (or no queries,
+    or rows)."""
+    shape = (*inputs.batch_shape, inputs.num_heads, inputs.q_len, inputs.kv_len)
+    return _full(inputs.xp, shape, 0.0, inputs.query.dtype, inputs.device_obj)
+
+
 def _full(xp: Any, shape: tuple[int, ...], value: float, dtype: Any, device: Any) -> Any:
     # Allocated with every axis at least 1, then sliced: Dask's automatic chunking
     # divides by zero on some zero-size shapes.

@@ -11,6 +11,7 @@ from ._portable import (
     cast,
     dropped,
     empty_result,
+    empty_weights,
     finish,
     group_kv,
     group_queries,
@@ -44,10 +45,7 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Any, Any, Any]:
     lq, lk = inputs.q_len, inputs.kv_len
     if is_empty(inputs):
         out, lse = empty_result(inputs)
-        weights = None
-        if inputs.return_weights:
-            weights = xp.zeros((*inputs.batch_shape, inputs.num_heads, lq, lk),
-                               dtype=inputs.query.dtype, device=inputs.device_obj)
+        weights = empty_weights(inputs) if inputs.return_weights else None
         if inputs.requires_grad:
             out = out + _nothing_of(inputs, out.dtype)
         return out, lse if inputs.return_lse else None, weights

@@ -62,8 +62,10 @@ def seeds_for(namespace: str) -> Any:
     """What a plugin registers for dropout's seeds on ``namespace`` (entry-point group
     ``portattn.seeds``), or None: an object (a module) with ``draw(like)``, an
     integer array drawn from the library's own generator for calls given no seed,
-    and/or ``words(seed)``, the library's own kind of seed (a typed JAX key) as an
-    integer array."""
+    and/or ``words(seed)``, given every array seed: the library's own kind of seed (a
+    typed JAX key) as an integer array, or one the core cannot split into words with
+    the library's operations (torch's unsigned tensors) as an integer array of the
+    same value; other seeds as they are."""
     if namespace not in _seeds:
         _seeds[namespace] = _load(SEEDS, namespace, "the dropout seeds", (
             "dropout on it takes integer seeds only"))

@@ -10,8 +10,17 @@ arithmetic (wrapping products, logical shifts by masking), which every Array API
 library, JAX without x64 and Triton compute alike; a pair is dropped when the low 31
 bits of its hash fall below ``dropout_p * 2**31``.
 
-A seed is an int or an integer array of up to four words (a legacy JAX PRNG key, a
-torch tensor). A library's plugin may take its own kind of seed (a typed JAX key) and,
+A seed is an integer, and one value gives one mask whatever holds it: a Python int,
+a NumPy integer scalar, or a 0-d integer array of the call's library, of any width and
+signedness. Its value counts modulo ``2**128`` (negative values in two's complement,
+as torch and JAX read negative seeds modulo ``2**64``); an int outside
+``[-2**127, 2**128)`` is refused. An integer array of up to 128 bits (up to four 32-bit
+words; a 64-bit entry is two words) holds the value of its words, the first the
+lowest (a legacy JAX PRNG key, torch's drawn words): ``[5, 7]`` as uint32 is
+``5 + 7 * 2**32``, and the top entry of a signed dtype carries the sign.
+
+A library's plugin may take its own kind of seed (a typed JAX key) or hold seeds its
+library cannot split into words (torch's unsigned tensors, which have no shifts) and,
 where the library has a global generator users seed (torch), draw one for calls given
 none; it registers an object with ``words(seed)`` and/or ``draw(like)`` under its
 namespace in the entry-point group ``portattn.seeds``.
@@ -30,8 +39,9 @@ from ._wiring import seeds_for
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs
 
-__all__ = ["KEY", "KEEP_BITS", "M1", "M2", "QUERY", "ROW", "check_seed", "kept", "mask", "mix",
-           "rows", "seed_word", "seed_words", "threshold", "tile"]
+__all__ = ["KEEP_BITS", "KEY", "M1", "M2", "MAX_WORDS", "QUERY", "ROW", "SEED_BITS",
+           "check_seed", "kept", "mask", "mix", "rows", "seed_word", "seed_words", "threshold",
+           "tile"]
 
 KEEP_BITS = 31
 """A pair is kept when the hash's low 31 bits reach :func:`threshold`."""
@@ -41,6 +51,7 @@ KEEP_BITS = 31
 M1, M2 = -2048144789, -1028477387  # 0x85EBCA6B, 0xC2B2AE35
 ROW, QUERY, KEY = -1640531527, 0x27D4EB2F, 0x165667B1
 MAX_WORDS = 4
+SEED_BITS = 32 * MAX_WORDS
 
 
 def _signed(word: int) -> int:
@@ -65,9 +76,10 @@ def threshold(dropout_p: float) -> int:
 
 
 def check_seed(xp: Any, seed: Any, namespace: str) -> Any:
-    """``seed`` as a call may hold it: an int, an integer array of at most
-    :data:`MAX_WORDS` elements (any shape), or what the library's plugin takes.
-    Raises ``TypeError``/``ValueError`` naming ``dropout_seed``."""
+    """``seed`` as a call may hold it: an int in ``[-2**127, 2**128)``, an integer array
+    of 1 to 4 words of 32 bits (any shape), what the library's plugin takes, or None
+    when the library has a generator to draw from. Raises ``TypeError``/``ValueError``
+    naming ``dropout_seed``."""
     if seed is None:
         plugin = seeds_for(namespace)
         if plugin is None or not hasattr(plugin, "draw"):
@@ -80,19 +92,25 @@ def check_seed(xp: Any, seed: Any, namespace: str) -> Any:
         msg = f"dropout_seed must be an int or an integer array; got {seed!r}"
         raise TypeError(msg)
     if isinstance(seed, int):
+        if not -(1 << (SEED_BITS - 1)) <= seed < 1 << SEED_BITS:
+            msg = (f"dropout_seed must be an int in [-2**127, 2**128) (it counts modulo "
+                   f"2**128); got dropout_seed={seed}")
+            raise ValueError(msg)
         return seed
+    plugin = seeds_for(namespace)
+    words = getattr(plugin, "words", None)
+    if not _integral(xp, seed.dtype) and words is not None:
+        seed = words(seed)  # a library's own kind of seed (a typed JAX key)
     if not _integral(xp, seed.dtype):
-        plugin = seeds_for(namespace)
-        if plugin is not None and hasattr(plugin, "words"):
-            seed = plugin.words(seed)
-        if not _integral(xp, seed.dtype):
-            msg = f"dropout_seed must have an integer dtype; got dtype={seed.dtype}"
-            raise TypeError(msg)
-    if math.prod(seed.shape) not in range(1, MAX_WORDS + 1):
-        msg = (f"dropout_seed must hold 1 to {MAX_WORDS} integers; got shape "
-               f"{tuple(seed.shape)}")
+        msg = f"dropout_seed must have an integer dtype; got dtype={seed.dtype}"
+        raise TypeError(msg)
+    count = math.prod(seed.shape) * (2 if xp.iinfo(seed.dtype).bits > 32 else 1)
+    if count not in range(1, MAX_WORDS + 1):
+        msg = (f"dropout_seed must hold 1 to {MAX_WORDS} integers of 32 bits (a 64-bit "
+               f"integer is two); got shape {tuple(seed.shape)}, dtype={_dtype_text(seed)}")
         raise ValueError(msg)
-    return seed
+    # words the library's operations cannot split (torch's unsigned tensors)
+    return seed if words is None else words(seed)
 
 
 def _integral(xp: Any, dtype: Any) -> bool:
@@ -102,17 +120,23 @@ def _integral(xp: Any, dtype: Any) -> bool:
         return False
 
 
+def _dtype_text(a: Any) -> str:
+    name = getattr(a.dtype, "name", None)
+    return name if isinstance(name, str) else str(a.dtype).rsplit(".", 1)[-1]
+
+
 def seed_words(inputs: AttentionInputs) -> Any:
-    """The call's seed as int32 words, a 1-d array on the call's device, drawn from
-    the library's generator when the call has no seed. A kernel whose backward runs
-    apart from its forward puts these in the call's ``dropout_seed`` before the forward
-    (words give themselves back), so both draw the same mask.
+    """The call's seed as its value's four int32 words modulo ``2**128``, the lowest
+    first, on the call's device; drawn from the library's generator when the call has
+    no seed. A kernel whose backward runs apart from its forward puts these in the
+    call's ``dropout_seed`` before the forward (words give themselves back), so both
+    draw the same mask.
 
     Args:
         inputs: the call's :class:`~portattn.kernel.AttentionInputs`.
 
     Returns:
-        ``(n,)`` int32, ``1 <= n``.
+        ``(4,)`` int32.
 
     Example:
         >>> import numpy as np
@@ -120,22 +144,28 @@ def seed_words(inputs: AttentionInputs) -> Any:
         >>> from portattn.kernel import describe
         >>> q = np.zeros((1, 1, 4, 8), np.float32)
         >>> dropout.seed_words(describe(q, q, q, dropout_p=0.5, dropout_seed=2**32 + 5))
-        array([5, 1], dtype=int32)
+        array([5, 1, 0, 0], dtype=int32)
     """
     xp, seed = inputs.xp, inputs.dropout_seed
     if seed is None:
-        seed = seeds_for(inputs.namespace).draw(inputs.query)
+        plugin = seeds_for(inputs.namespace)
+        if plugin is None or not hasattr(plugin, "draw"):
+            msg = (f"no dropout_seed to take words from, and {inputs.namespace} has no "
+                   "generator to draw one from")
+            raise ValueError(msg)
+        seed = plugin.draw(inputs.query)
     if isinstance(seed, int):
-        count = max(1, -(-seed.bit_length() // 32))
-        return xp.asarray([_signed(seed >> (32 * n)) for n in range(count)], dtype=xp.int32,
-                          device=inputs.device_obj)
-    return _int32_words(xp, xp.reshape(seed, (-1,)))
+        value = seed % (1 << SEED_BITS)
+        return xp.asarray([_signed(value >> (32 * n)) for n in range(MAX_WORDS)],
+                          dtype=xp.int32, device=inputs.device_obj)
+    return _value_words(xp, xp.reshape(seed, (-1,)))
 
 
 def seed_word(inputs: AttentionInputs) -> Any:
     """:func:`seed_words` folded into the one int32 word :func:`kept` hashes with, an
     array of shape ``(1,)`` (never 0-d: NumPy makes scalars of those, which warn where
-    products wrap).
+    products wrap). The zero words above the value's highest nonzero one are left out
+    of the fold: a value gives one word however many words hold it.
 
     Example:
         >>> import numpy as np
@@ -145,17 +175,34 @@ def seed_word(inputs: AttentionInputs) -> Any:
         >>> dropout.seed_word(describe(q, q, q, dropout_p=0.5, dropout_seed=7)).shape
         (1,)
     """
+    xp = inputs.xp
     words = seed_words(inputs)
     word = mix(words[:1] + ROW)
-    for n in range(1, words.shape[0]):
-        word = mix(word ^ words[n:n + 1])
+    for n in range(1, MAX_WORDS):
+        # where, not a branch: the words may be traced or on a device
+        word = xp.where(xp.any(words[n:] != 0), mix(word ^ words[n:n + 1]), word)
     return word
 
 
+def _value_words(xp: Any, seed: Any) -> Any:
+    """A 1-d integer array of up to 128 bits as its value's four int32 words modulo
+    ``2**128``: the entries' words, the first the lowest, then the top entry's sign."""
+    words = _int32_words(xp, seed)
+    missing = MAX_WORDS - words.shape[0]
+    if not missing:
+        return words
+    top = words[-1:]
+    fill = xp.zeros_like(top)
+    if xp.iinfo(seed.dtype).min < 0:  # a negative value: all ones above it
+        fill = xp.where(top < 0, fill - 1, fill)
+    return xp.concat([words, *(fill,) * missing])
+
+
 def _int32_words(xp: Any, seed: Any) -> Any:
-    """A 1-d integer array as int32 words: 64-bit entries give their low and high
-    halves, 32-bit unsigned ones wrap (a cast of such values is undefined in the
-    standard, and JAX without x64 has no wider type to go through)."""
+    """A 1-d integer array as int32 words, each entry's lowest first: 64-bit entries
+    give their low and high halves, 32-bit unsigned ones wrap (a cast of such values
+    is undefined in the standard, and JAX without x64 has no wider type to go
+    through)."""
     info = xp.iinfo(seed.dtype)
     if info.bits < 32 or seed.dtype == xp.int32:
         return xp.astype(seed, xp.int32)
@@ -163,7 +210,8 @@ def _int32_words(xp: Any, seed: Any) -> Any:
         return _from_unsigned(xp, seed)
     high = seed >> 32  # int64: within int32; uint64: below 2**32
     high = xp.astype(high, xp.int32) if info.min < 0 else _from_unsigned(xp, high)
-    return xp.concat([_from_unsigned(xp, seed & 0xFFFFFFFF), high])
+    low = _from_unsigned(xp, seed & 0xFFFFFFFF)
+    return xp.reshape(xp.stack([low, high], axis=1), (-1,))
 
 
 def _from_unsigned(xp: Any, x: Any) -> Any:
@@ -244,7 +292,7 @@ def mask(query: Any, key: Any, *, dropout_p: float, dropout_seed: Any,
     Args:
         query: as for :func:`portattn.attention` (its values are not read).
         key: as for :func:`portattn.attention`.
-        dropout_p: the probability of dropping a pair.
+        dropout_p: the probability of dropping a pair (0: every pair is kept).
         dropout_seed: an int or an integer array (see :func:`portattn.attention`).
         layout: as for :func:`portattn.attention`.
 
@@ -270,4 +318,8 @@ def mask(query: Any, key: Any, *, dropout_p: float, dropout_seed: Any,
     query, key, _ = to_kernel_layout(layout, query, key, key)
     inputs = describe(query, key, key, dropout_p=dropout_p,
                       dropout_seed=dropout_seed, layout=layout)
+    if not inputs.dropout_p:  # every pair kept, and no seed to read
+        xp = inputs.xp
+        shape = (*inputs.batch_shape, inputs.num_heads, inputs.q_len, inputs.kv_len)
+        return xp.ones(shape, dtype=xp.bool, device=inputs.device_obj)
     return tile(inputs, seed_word(inputs), 0, inputs.q_len, 0, inputs.kv_len)

@@ -11,6 +11,9 @@ device without asking it anything else (and without checking its availability, w
 may import its library). Plugins extend
 :meth:`Kernel.not_supported_reasons` for constraints the data cannot express, and
 override :meth:`Kernel.check_available` to say why they cannot run at all here.
+What a kernel computes but another kernel runs better (faster, in less memory) is a
+preference, :meth:`Kernel.dispatch_reasons`: dispatch passes the kernel over for it,
+and a kernel named by ``kernel=`` runs all the same.
 
 >>> class MyKernel(Kernel):
 ...     name = "my_kernel"
@@ -204,7 +207,9 @@ class Kernel:
         The answer must follow from the description alone (library, device, dtype,
         shapes, mask structure, options), never from array values or memory layout:
         dispatch remembers it for calls that repeat that description. Plugins extend
-        it (``reasons = super().not_supported_reasons(inputs)``, then append).
+        it (``reasons = super().not_supported_reasons(inputs)``, then append). A
+        reason here means the kernel cannot compute the call exactly; one about speed
+        or memory belongs in :meth:`dispatch_reasons`.
 
         Args:
             inputs: the call's description.
@@ -253,6 +258,28 @@ class Kernel:
         if inputs.requires_grad and not cls.grad:
             reasons.append("gradients required but not supported")
         return reasons
+
+    @classmethod
+    def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        """Why dispatch should leave a call this kernel computes exactly to another
+        kernel (another runs it faster, or in less memory); empty by default.
+
+        A preference, not a refusal: dispatch passes the kernel over for these calls
+        (``explain()`` shows each reason as ``"passed over: ..."``), runs it anyway
+        when every kernel that can run the call is passed over, and a kernel named by
+        ``kernel=``, :func:`~portattn.use_kernel` or ``PORTATTN_KERNEL`` runs without
+        being asked. What the kernel cannot compute belongs in
+        :meth:`not_supported_reasons`. The same rules hold: from the description
+        alone, cheap, no allocation.
+
+        Args:
+            inputs: the call's description.
+
+        Returns:
+            One short lower-case fact per reason
+            (``"262144 scores < 2097152 on cpu (tiled is faster on small calls)"``).
+        """
+        return []
 
     @classmethod
     def notes(cls, inputs: AttentionInputs) -> list[str]:

@@ -274,3 +274,57 @@ def test_an_exception_inside_an_override_block_closes_it(only_builtins):
     with pytest.raises(Interrupt), portattn.use_kernel("reference"):
         raise Interrupt
     assert portattn.explain(Q, K, V).kernel.name == "tiled"
+
+
+class Picky(Kernel):
+    """Computes every float32 NumPy call, but would rather leave short ones to others."""
+
+    name = "picky"
+    namespaces = frozenset({"numpy"})
+    devices = frozenset({"cpu"})
+    dtypes = frozenset({"float32"})
+    returns_lse = True
+    priority = 99
+    runs = 0
+
+    @classmethod
+    def dispatch_reasons(cls, inputs):
+        if inputs.q_len < 64:
+            return [f"Lq={inputs.q_len} < 64 (tiled is faster on short calls)"]
+        return []
+
+    def run(self, inputs):
+        type(self).runs += 1
+        return portattn._tiled.TiledKernel().run(inputs)
+
+
+def test_a_kernel_named_runs_what_dispatch_passes_over_for_speed(only_builtins, monkeypatch):
+    add_kernel(monkeypatch, Picky, only_builtins)
+    plan = portattn.explain(Q, K, V)
+    assert plan.kernel.name == "tiled"
+    why = dict((e.name, w) for e, w in plan.candidates)["picky"]
+    assert why == ("passed over: Lq=8 < 64 (tiled is faster on short calls)",)
+    assert "picky (portattn-test 0.0): passed over: Lq=8 < 64" in str(plan)
+    # a preference is no reason a named kernel cannot run
+    forced = portattn.explain(Q, K, V, kernel="picky")
+    assert forced.kernel.name == "picky"
+    before = Picky.runs
+    out = portattn.attention(Q, K, V, kernel="picky")
+    assert Picky.runs == before + 1
+    np.testing.assert_allclose(out, portattn.attention(Q, K, V, kernel="reference"),
+                               rtol=1e-5, atol=1e-6)
+    with portattn.use_kernel("picky"):
+        assert portattn.explain(Q, K, V).kernel.name == "picky"
+    long = np.zeros((1, 2, 64, 16), np.float32)
+    assert portattn.explain(long, long, long).kernel.name == "picky"
+
+
+def test_a_preference_never_leaves_a_call_without_a_kernel(only_builtins, monkeypatch):
+    add_kernel(monkeypatch, Picky, only_builtins)
+    with portattn.disable_kernels("tiled", "reference"):
+        plan = portattn.explain(Q, K, V, return_lse=True)
+        assert plan.kernel.name == "picky"
+        assert "passed over" in plan.note
+        assert portattn.attention(Q, K, V).shape == (1, 2, 8, 16)
+    with portattn.disable_kernels("tiled"):  # reference can run: it does
+        assert portattn.explain(Q, K, V, return_lse=True).kernel.name == "reference"

@@ -44,7 +44,125 @@ def test_seeds_given_as_ints_or_words_are_one_seed():
     for m in same[1:]:
         np.testing.assert_array_equal(m, same[0])
     high = dropout.mask(q, k, dropout_p=0.3, dropout_seed=np.asarray([0xFFFFFFFF], np.uint32))
-    np.testing.assert_array_equal(high, dropout.mask(q, k, dropout_p=0.3, dropout_seed=-1))
+    np.testing.assert_array_equal(high, dropout.mask(q, k, dropout_p=0.3,
+                                                     dropout_seed=0xFFFFFFFF))
+
+
+_INTEGERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def _integer_seeds(backend, value):
+    """``value`` as NumPy integer scalars and as 0-d arrays of ``backend``, of every
+    integer dtype that holds it (and that the library has)."""
+    seeds = []
+    for name in _INTEGERS:
+        info = np.iinfo(name)
+        if not info.min <= value <= info.max:
+            continue
+        seeds.append(np.asarray(value, name)[()])
+        if hasattr(backend.xp, name):
+            seeds.append(backend.asarray(np.asarray(value, name)))
+    return seeds
+
+
+def _mask_of(backend, seed, q, k, p=0.3):
+    kept = dropout.mask(backend.asarray(q), backend.asarray(k), dropout_p=p, dropout_seed=seed)
+    return backend.to_numpy(kept)
+
+
+@pytest.mark.parametrize("value", [7, 2**31 + 3, 2**40 + 17])
+def test_one_seed_value_is_one_mask_whatever_its_type(backend, value):
+    q, k, _ = _qkv()
+    want = dropout.mask(q, k, dropout_p=0.3, dropout_seed=value)
+    seeds = _integer_seeds(backend, value)
+    assert len(seeds) >= 4
+    for seed in seeds:
+        got = _mask_of(backend, seed, q, k)
+        assert np.array_equal(got, want), (type(seed), getattr(seed, "dtype", None))
+
+
+def test_negative_seeds_count_modulo_2_to_the_128(backend):
+    q, k, _ = _qkv()
+    want = dropout.mask(q, k, dropout_p=0.3, dropout_seed=-1)
+    words = backend.asarray(np.full(4, 0xFFFFFFFF, np.uint32))
+    same = [2**128 - 1, words, *_integer_seeds(backend, -1)]
+    for seed in same:
+        got = _mask_of(backend, seed, q, k)
+        assert np.array_equal(got, want), (type(seed), getattr(seed, "dtype", None))
+    assert not np.array_equal(want, dropout.mask(q, k, dropout_p=0.3, dropout_seed=0xFFFFFFFF))
+    minus_five = dropout.mask(q, k, dropout_p=0.3, dropout_seed=-5)
+    for seed in _integer_seeds(backend, -5):
+        assert np.array_equal(_mask_of(backend, seed, q, k), minus_five)
+
+
+def test_words_give_themselves_back():
+    q, k, _ = _qkv()
+    for seed in (7, -1, 2**127 + 9, np.asarray([3, 0], np.uint32)):
+        inputs = portattn.explain(q, k, k, dropout_p=0.4, dropout_seed=seed).inputs
+        words = dropout.seed_words(inputs)
+        again = portattn.explain(q, k, k, dropout_p=0.4, dropout_seed=words).inputs
+        np.testing.assert_array_equal(dropout.seed_words(again), words)
+        np.testing.assert_array_equal(dropout.seed_word(again), dropout.seed_word(inputs))
+
+
+def test_without_dropout_every_pair_is_kept(backend):
+    q, k, _ = _qkv()
+    kept = _mask_of(backend, 7, q, k, p=0.0)
+    assert kept.shape == (2, 4, 48, 48)
+    assert kept.all()
+
+
+@pytest.mark.parametrize("p", [0.25, 0])
+def test_dropout_p_is_any_real_number(backend, p):
+    q, k, v = _qkv()
+    args = [backend.asarray(a) for a in (q, k, v)]
+    want = backend.to_numpy(portattn.attention(*args, dropout_p=float(p), dropout_seed=5))
+    numbers = [np.float32(p), np.float16(p), np.float64(p), int(p) if p == 0 else p]
+    for dropout_p in numbers:
+        got = portattn.attention(*args, dropout_p=dropout_p, dropout_seed=5)
+        np.testing.assert_array_equal(backend.to_numpy(got), want)
+    scalar = backend.asarray(np.asarray(p, np.float32))
+    if backend.namespace == "dask":  # lazy: its value is not known when the call is made
+        with pytest.raises(ValueError, match=r"readable now; got dropout_p of type Array, lazy"):
+            portattn.attention(*args, dropout_p=scalar, dropout_seed=5)
+    else:
+        got = portattn.attention(*args, dropout_p=scalar, dropout_seed=5)
+        np.testing.assert_array_equal(backend.to_numpy(got), want)
+
+
+@pytest.mark.parametrize(("dropout_p", "says"), [
+    (1.0, "in \\[0, 1\\); got dropout_p=1.0"),
+    (np.float32(-0.5), "in \\[0, 1\\); got dropout_p=np.float32\\(-0.5\\)"),
+    (float("nan"), "got dropout_p=nan"),
+    (True, "a real number, not a bool; got dropout_p=True"),
+    ("0.1", "got dropout_p='0.1' \\(str\\)"),
+    (None, "got dropout_p=None"),
+    (np.asarray([0.1]), "0-d array; got dropout_p of shape \\(1,\\)"),
+    (np.asarray(0.1), "from the query's library"),
+])
+def test_dropout_p_refusals_name_the_value(dropout_p, says):
+    torch = require_library("torch", backend="torch")
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="dropout_p must be a float") as info:
+        portattn.attention(q, q, q, dropout_p=dropout_p, dropout_seed=1)
+    assert info.match(says)
+
+
+def test_jax_seeds_with_and_without_x64_are_one_seed():
+    jax = require_library("jax", backend="jax")
+    jnp = jax.numpy
+    q, k, _ = (jnp.asarray(a, jnp.float32) for a in _qkv())
+    want = np.asarray(dropout.mask(q, k, dropout_p=0.3, dropout_seed=7))
+    with jax.enable_x64(False):
+        narrow = jnp.asarray(7)
+        assert narrow.dtype == jnp.int32
+        got = dropout.mask(q, k, dropout_p=0.3, dropout_seed=narrow)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with jax.enable_x64(True):
+        wide = jnp.asarray(7)
+        assert wide.dtype == jnp.int64
+        got = dropout.mask(q, k, dropout_p=0.3, dropout_seed=wide)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_a_tile_is_the_slice_of_the_whole_mask():
@@ -91,13 +209,21 @@ def test_bad_seeds_are_refused_by_name():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="dropout_p > 0 on numpy arrays needs dropout_seed"):
         portattn.attention(q, k, v, dropout_p=0.1)
-    for seed, error, says in ((True, TypeError, "dropout_seed must be an int"),
-                              (1.5, TypeError, "dropout_seed must be an array"),
-                              (np.zeros(2), TypeError, "integer dtype; got dtype=float64"),
-                              (np.zeros(5, np.int32), ValueError, "1 to 4 integers"),
-                              (np.zeros(0, np.int32), ValueError, "got shape \\(0,\\)")):
+    for seed, error, says in (
+            (True, TypeError, "dropout_seed must be an int"),
+            (1.5, TypeError, "dropout_seed must be an int or an integer array; got 1.5"),
+            (np.float64(2.0), TypeError, "an int or an integer array; got np.float64"),
+            ("7", TypeError, "an int or an integer array; got '7'"),
+            (np.zeros(2), TypeError, "integer dtype; got dtype=float64"),
+            (np.zeros(5, np.int32), ValueError, "1 to 4 integers of 32 bits"),
+            (np.zeros(3, np.int64), ValueError, "got shape \\(3,\\), dtype=int64"),
+            (np.zeros(0, np.int32), ValueError, "got shape \\(0,\\)"),
+            (2**128, ValueError, f"dropout_seed={2**128}"),
+            (-2**127 - 1, ValueError, r"\[-2\*\*127, 2\*\*128\)")):
         with pytest.raises(error, match=says):
             portattn.attention(q, k, v, dropout_p=0.1, dropout_seed=seed)
+        with pytest.raises(error, match=says):  # refused the same way without dropout
+            portattn.attention(q, k, v, dropout_seed=seed)
 
 
 def _torch_grads(torch, kernel, q, k, v, bias, seed, mask):

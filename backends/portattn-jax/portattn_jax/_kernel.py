@@ -7,7 +7,8 @@ What JAX cannot honour is declared, so dispatch sends those calls to ``tiled``:
   gradient; ``return_weights``, ``softcap`` and dropout have no JAX argument;
 - calls whose score matrix is too large for the XLA path, which materialises it (the
   cuDNN path does not): on CPUs from about a million scores on, where ``tiled`` is
-  faster, elsewhere where the memory would run out.
+  faster, elsewhere where the memory would run out. A preference
+  (:meth:`JaxDpaKernel.dispatch_reasons`): ``kernel="jax_dpa"`` runs them.
 
 On a CUDA GPU, half-precision calls whose mask cuDNN expresses without rows left
 with no key run ``implementation="cudnn"``; everything else runs XLA.
@@ -79,22 +80,23 @@ class JaxDpaKernel(Kernel):
         return None
 
     @classmethod
-    def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
-        reasons = super().not_supported_reasons(inputs)
-        if reasons:  # also keeps JAX unimported for other namespaces
-            return reasons
+    def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        """Calls whose scores the XLA path would materialise beyond its limits: a
+        tiled kernel runs them faster (CPUs) or in O(L) memory; named, this kernel
+        runs them."""
         spec = fold_mask(inputs)
         device = _device_kind(inputs)
-        if choose_implementation(inputs, spec, device == "cuda") == "xla":
-            scores = math.prod(inputs.batch_shape) * inputs.num_heads * inputs.q_len \
-                * inputs.kv_len
-            cpu = device == "cpu"
-            limit = cls.xla_score_limit_cpu if cpu else cls.xla_score_limit
-            if scores > limit:
-                why = "tiled kernels are faster on cpu" if cpu else "O(L^2) memory"
-                reasons.append(f"score matrix of {scores} elements > {limit} (jax's XLA "
-                               f"path materialises it: {why})")
-        return reasons
+        if choose_implementation(inputs, spec, device == "cuda") != "xla":
+            return []
+        scores = math.prod(inputs.batch_shape) * inputs.num_heads * inputs.q_len \
+            * inputs.kv_len
+        cpu = device == "cpu"
+        limit = cls.xla_score_limit_cpu if cpu else cls.xla_score_limit
+        if scores <= limit:
+            return []
+        why = "tiled kernels are faster on cpu" if cpu else "O(L^2) memory"
+        return [f"score matrix of {scores} elements > {limit} (jax's XLA path "
+                f"materialises it: {why})"]
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         import jax.numpy as jnp

@@ -71,7 +71,11 @@ def test_large_score_matrix_falls_back(monkeypatch):
     assert plan.kernel.name != "jax_dpa"
     why = dict((e.name, w) for e, w in plan.candidates)["jax_dpa"]
     assert any("score matrix of 240 elements" in w for w in why), why
+    assert all(w.startswith("passed over: ") for w in why), why  # a preference
     assert_close(portattn.attention(q, k, v), oracle(*np_args)[0], "float32")
+    # named, it runs: the XLA path computes the call exactly, whatever its size
+    assert portattn.explain(q, k, v, kernel="jax_dpa").kernel.name == "jax_dpa"
+    assert_close(portattn.attention(q, k, v, kernel="jax_dpa"), oracle(*np_args)[0], "float32")
 
 
 def _rows_without_keys(name, xp_convert, s):

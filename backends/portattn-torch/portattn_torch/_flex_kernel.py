@@ -14,7 +14,8 @@ first call of a kind compiles (seconds; logged at INFO on the ``portattn`` logge
 later calls reuse it whatever their lengths.
 
 Dispatch: its priority (110) sits above ``torch_sdpa`` (100), and it leaves to SDPA
-(or, for what SDPA lacks, to ``tiled``) what they run faster, refusing with a reason:
+(or, for what SDPA lacks, to ``tiled``) what they run faster, a preference
+(:meth:`TorchFlexKernel.dispatch_reasons`) that ``kernel="torch_flex"`` overrides:
 
 - calls SDPA runs with no mask tensor (no mask, a bias alone, top-left causal or
   causal with ``Lq == Lk``, torch's lower-right causal on an accelerator), unless
@@ -88,10 +89,10 @@ class TorchFlexKernel(Kernel):
     block: ClassVar[int] = 128
     """Tile side of the block form flex reads."""
     min_scores: ClassVar[dict[str, int]] = MIN_SCORES
-    """Per device, calls with fewer scores (batch x heads x Lq x Lk) are left to other
-    kernels (0: none)."""
+    """Per device, dispatch leaves calls with fewer scores (batch x heads x Lq x Lk)
+    to other kernels (0: none)."""
     leaves_sdpa_calls: ClassVar[bool] = True
-    """Refuse the calls SDPA runs faster (see the module's docstring)."""
+    """Dispatch leaves the calls SDPA runs faster to it (see the module's docstring)."""
 
     @classmethod
     def check_available(cls) -> str | None:
@@ -111,7 +112,6 @@ class TorchFlexKernel(Kernel):
             reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
                            f"Lk={inputs.kv_len}): its zeros would carry none")
         reasons += _bias_reasons(inputs)
-        reasons += cls.dispatch_reasons(inputs)
         if not reasons:  # the costlier question last, once the call is otherwise ours
             why = _device_unsupported(inputs.device)
             if why is not None:
@@ -133,7 +133,8 @@ class TorchFlexKernel(Kernel):
 
     @classmethod
     def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
-        """The calls other kernels run faster (see the module's docstring)."""
+        """The calls other kernels run faster (see the module's docstring): dispatch
+        passes it over for them; named, it runs them."""
         reasons = []
         scores = math.prod(inputs.batch_shape) * inputs.num_heads * inputs.q_len * inputs.kv_len
         least = cls.min_scores.get(inputs.device, 0)

@@ -57,8 +57,9 @@ class TorchLocalKernel(Kernel):
     priority = 120
 
     needs_global_tokens: ClassVar[bool] = True
-    """Leave masks without ``global_tokens`` to ``torch_sdpa`` and ``torch_flex`` (the
-    kernel computes a window or causal band alone too, and no mask)."""
+    """Dispatch leaves masks without ``global_tokens`` to ``torch_sdpa`` and
+    ``torch_flex`` (the kernel computes a window or causal band alone too, and no
+    mask, and runs them when named)."""
 
     @classmethod
     def check_available(cls) -> str | None:
@@ -68,13 +69,20 @@ class TorchLocalKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
-        why = _structure_reason(inputs.mask, cls.needs_global_tokens)
+        why = _structure_reason(inputs.mask)
         if why is not None:
             reasons.append(why)
         if not inputs.values_readable:
             reasons.append("values not readable now (traced or compiled): the global "
                            "positions are read on the host")
         return reasons
+
+    @classmethod
+    def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        kinds = {p.kind for p in _members(inputs.mask)}
+        if cls.needs_global_tokens and "global_tokens" not in kinds:
+            return ["no global_tokens in the mask (torch_sdpa or torch_flex runs it)"]
+        return []
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         out, lse = local_attention(inputs)
@@ -88,15 +96,14 @@ def _members(mask: Any) -> tuple[Any, ...]:
     return mask.members if mask.kind == "union" else (mask,)
 
 
-def _structure_reason(mask: Any, needs_tokens: bool) -> str | None:
-    """Why the mask is not a window or causal band joined to global tokens."""
+def _structure_reason(mask: Any) -> str | None:
+    """Why the mask is not a window or causal band joined to global tokens (either
+    may be missing)."""
     members = _members(mask)
     bands = [p for p in members if p.kind in _BANDS]
     tokens = [p for p in members if p.kind == "global_tokens"]
     if len(bands) + len(tokens) != len(members) or len(bands) > 1 or len(tokens) > 1:
         return "mask is not a sliding window or causal band | global_tokens(positions)"
-    if needs_tokens and not tokens:
-        return "no global_tokens in the mask (torch_sdpa or torch_flex runs it)"
     if tokens and (tokens[0].shift or tokens[0].origin):
         return "global_tokens of a restricted call (shift or origin)"
     return None

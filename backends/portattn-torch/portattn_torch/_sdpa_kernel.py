@@ -2,7 +2,9 @@
 
 SDPA picks torch's best kernel for the device (flash, memory-efficient, cuDNN, the CPU
 flash kernel or the math fallback) and brings autograd and dropout. What SDPA cannot
-give exactly is declared unsupported, so dispatch runs the portable kernels instead:
+give exactly is declared unsupported, so dispatch runs the portable kernels instead,
+and what it gives slower is a preference (the last item; ``kernel="torch_sdpa"`` runs
+it):
 
 - ``softcap``, ``alibi_slopes``, ``sinks`` and ``return_lse``: SDPA has none of them.
   ``torch_flex`` (compiled FlexAttention) takes long calls with all but sinks;
@@ -80,14 +82,17 @@ class TorchSDPAKernel(Kernel):
     @classmethod
     def not_supported_reasons(cls, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs) + bias_reasons(inputs)
-        if inputs.requires_grad:
-            if inputs.q_len == 0 or inputs.kv_len == 0:
-                reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
-                               f"Lk={inputs.kv_len}): its zeros would carry none")
-            why = _dense_grad_reason(inputs)
-            if why is not None:
-                reasons.append(why)
+        if inputs.requires_grad and (inputs.q_len == 0 or inputs.kv_len == 0):
+            reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
+                           f"Lk={inputs.kv_len}): its zeros would carry none")
         return reasons
+
+    @classmethod
+    def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        """Gradients the flash backward gives in less time or memory (see the
+        module's docstring); named, the kernel runs them."""
+        why = _dense_grad_reason(inputs) if inputs.requires_grad else None
+        return [] if why is None else [why]
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         return sdpa_attention(inputs), None, None

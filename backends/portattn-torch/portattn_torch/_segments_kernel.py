@@ -58,8 +58,9 @@ class TorchSegmentsKernel(Kernel):
     priority = 120
 
     documents_only: ClassVar[bool] = True
-    """Leave calls without a ``documents`` mask to ``torch_sdpa`` and ``tiled`` (the
-    kernel computes them too: one segment per batch element)."""
+    """Dispatch leaves calls without a ``documents`` mask to ``torch_sdpa`` and
+    ``tiled`` (the kernel computes them too, one segment per batch element, and runs
+    them when named)."""
 
     @classmethod
     def check_available(cls) -> str | None:
@@ -73,9 +74,6 @@ class TorchSegmentsKernel(Kernel):
         why = supported_structure(inputs.mask)
         if why is not None:
             reasons.append(why)
-        if cls.documents_only and "documents" not in inputs.mask_kinds:
-            reasons.append("no documents mask (torch_sdpa runs the rest; segments pay "
-                           "off for packed documents)")
         if not inputs.values_readable:
             reasons.append("values not readable now (traced or compiled): the segments "
                            "come from the ids' values")
@@ -86,6 +84,13 @@ class TorchSegmentsKernel(Kernel):
             reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
                            f"Lk={inputs.kv_len}): its zeros would carry none")
         return reasons
+
+    @classmethod
+    def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        if cls.documents_only and "documents" not in inputs.mask_kinds:
+            return ["no documents mask (torch_sdpa runs the rest; segments pay off for "
+                    "packed documents)"]
+        return []
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         out, lse = segments_attention(inputs)
@@ -185,6 +190,15 @@ def _joined(pieces: list[tuple[int, int, Any]], length: int, like: Any, fill: fl
     return joined
 
 
+def _cut(x: Any, rows: slice, start: int, stop: int) -> Any:
+    """``x[rows, :, start:stop]``, sliced only along the axes it cuts: a slice of a whole
+    axis is an alias, which torch's legacy batching (gradcheck's batched gradients)
+    cannot follow through a backward."""
+    if range(*rows.indices(x.shape[0])) != range(x.shape[0]):
+        x = x[rows]
+    return x if (start, stop) == (0, x.shape[2]) else x[:, :, start:stop]
+
+
 def _by_group(call: _Call, per_group: Any) -> Any:
     """``per_group(rows, segments)`` of each group, joined along the batch."""
     import torch
@@ -227,12 +241,13 @@ def _backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any,
     def group(rows: slice, segments: tuple[Segment, ...]) -> tuple[Any, Any, Any]:
         dqs, dks, dvs = [], [], []
         for s in segments:
-            qs, ks, vs = q[rows, :, s.q0:s.q1], k[rows, :, s.k0:s.k1], v[rows, :, s.k0:s.k1]
-            os, ls = out[rows, :, s.q0:s.q1], lse[rows, :, s.q0:s.q1]
+            qs, ks, vs = (_cut(x, rows, s.q0, s.q1) if x is q else _cut(x, rows, s.k0, s.k1)
+                          for x in (q, k, v))
+            os, ls = _cut(out, rows, s.q0, s.q1), _cut(lse, rows, s.q0, s.q1)
             mask = _mask(s, q.dtype)
             gq = gk = gv = None
             if dout is not None:
-                gq, gk, gv = flash_backward(dout[rows, :, s.q0:s.q1], qs, ks, vs, os, ls,
+                gq, gk, gv = flash_backward(_cut(dout, rows, s.q0, s.q1), qs, ks, vs, os, ls,
                                             0.0, s.is_causal, attn_mask=mask,
                                             scale=call.scale)
             if dlse is not None:
@@ -240,7 +255,7 @@ def _backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any,
                 # (zero values) and D = rowsum(dO * O) = -dlse (dO = e_0, O = -dlse e_0)
                 unit = torch.zeros_like(os)
                 unit[..., 0] = 1
-                shown = unit * (-dlse[rows, :, s.q0:s.q1, None]).to(os.dtype)
+                shown = unit * (-_cut(dlse, rows, s.q0, s.q1)[..., None]).to(os.dtype)
                 lq, lk, _ = flash_backward(unit, qs, ks, torch.zeros_like(vs), shown, ls,
                                            0.0, s.is_causal, attn_mask=mask,
                                            scale=call.scale)
@@ -253,6 +268,8 @@ def _backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any,
                 _joined(dks, k.shape[2], k[rows, :, :0], 0.0),
                 _joined(dvs, v.shape[2], v[rows, :, :0], 0.0))
 
+    if dout is None and dlse is None:  # neither output reached the loss
+        return None, None, None
     if not call.plan.groups:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _by_group(call, group)
