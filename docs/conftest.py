@@ -2,13 +2,17 @@
 
 Every ```python block of a page runs as a script, in order, in one namespace per page;
 a block that starts with ``>>>`` is checked as a doctest. Pages whose examples need a
-library beyond NumPy are skipped, with the reason, where that library is missing.
+library beyond NumPy are skipped, with the reason, where that library is missing,
+except the pages named in ``PORTATTN_DOCS_PAGES`` (paths from the repository root,
+separated by spaces): the tox env that has their libraries runs them, and there a
+missing library fails the page.
 """
 
 from __future__ import annotations
 
 import doctest
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +37,19 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _requiring(modules: tuple[str, ...]) -> Callable[[dict[str, Any]], None]:
+REQUIRED = {page.removeprefix("docs/")
+            for page in os.environ.get("PORTATTN_DOCS_PAGES", "").split()}
+"""Pages whose examples must run here: a missing library fails them."""
+
+
+def _requiring(page: str, modules: tuple[str, ...]) -> Callable[[dict[str, Any]], None]:
     def setup(namespace: dict[str, Any]) -> None:
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
         if missing:
-            pytest.skip(f"the examples on this page need {', '.join(missing)}")
+            why = f"the examples on this page need {', '.join(missing)}"
+            if page in REQUIRED:
+                pytest.fail(f"{why}, and PORTATTN_DOCS_PAGES names docs/{page}")
+            pytest.skip(why)
         _as_script(namespace)
     return setup
 
@@ -49,7 +61,7 @@ def _as_script(namespace: dict[str, Any]) -> None:
 
 _sybils = [Sybil(PARSERS, patterns=["*.md"], excludes=[*NEEDS, "_build/*"],
                  setup=_as_script, name="docs")]
-_sybils += [Sybil(PARSERS, patterns=[page], setup=_requiring(mods), name=page)
+_sybils += [Sybil(PARSERS, patterns=[page], setup=_requiring(page, mods), name=page)
             for page, mods in NEEDS.items()]
 
 pytest_collect_file = SybilCollection(_sybils).pytest()

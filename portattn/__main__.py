@@ -1,5 +1,6 @@
-"""portattn's command line: the installed kernels (info), a check on every array
-library (demo), the benchmark report (bench) and the dispatch measurements (tune)."""
+"""portattn's command line: the installed kernels (info), which kernel would run a call
+and why (explain), a check on every array library (demo), the benchmark report (bench)
+and the dispatch measurements (tune)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 import textwrap
 
 from . import __version__
+from ._explain_command import add_arguments as add_explain_arguments
+from ._explain_command import run as run_explain
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 """Dtypes in short; mask kinds keep the names of ``portattn.masks.KINDS``."""
@@ -118,6 +121,7 @@ def demo() -> int:
 
 COMMANDS = "portattn.commands"
 """Entry-point group of subcommands that other distributions add (``bench``)."""
+BENCH_INSTALL = "`pip install ./bench/portattn-bench` from a clone of portattn"
 
 
 def delegated(name: str, argv: list[str]) -> int:
@@ -127,8 +131,7 @@ def delegated(name: str, argv: list[str]) -> int:
     found = [ep for ep in entry_points(group=COMMANDS) if ep.name == name]
     if not found:
         print(f"portattn {name}: no installed distribution provides this command; the "
-              "benchmark report comes with `pip install ./bench/portattn-bench` (from a "
-              "portattn checkout)", file=sys.stderr)
+              f"benchmark report comes with {BENCH_INSTALL}", file=sys.stderr)
         return 2
     return found[0].load()(argv)
 
@@ -141,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     info_parser = sub.add_parser("info", help="list installed kernels and what they support")
     info_parser.add_argument("--wide", action="store_true",
                              help="one table of every capability (wider than 100 columns)")
+    explain_parser = sub.add_parser(
+        "explain", help="which kernel would run a call of given shapes, dtype, library and "
+        "masks, and why the others would not (computes nothing)",
+        description="Print what portattn.explain prints for a call described by its "
+        "options, e.g.: python -m portattn explain --shape 2,8,1024,64 --dtype float16 "
+        "--library torch --mask causal")
+    add_explain_arguments(explain_parser)
     sub.add_parser("demo", help="run attention on every installed array library")
-    sub.add_parser("bench", help="benchmark the installed kernels", add_help=False)
+    sub.add_parser("bench", help=f"benchmark the installed kernels (needs {BENCH_INSTALL})",
+                   add_help=False)
     sub.add_parser("tune", help="time the kernels here; dispatch then prefers the fastest",
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -154,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return delegated("bench", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "explain":
+        return run_explain(args)
     return info(args.wide) if args.command == "info" else demo()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import masks
@@ -169,8 +170,9 @@ def explain(query: Any, key: Any, value: Any, /, **kwargs: Any) -> Plan:
         None
     """
     kernel = kwargs.pop("kernel", None)
-    query, key, value = to_kernel_layout(kwargs.get("layout", "bhld"), query, key, value)
-    return select(describe(query, key, value, **kwargs), kernel)
+    layout = kwargs.get("layout", "bhld")
+    query, key, value = to_kernel_layout(layout, query, key, value)
+    return replace(select(describe(query, key, value, **kwargs), kernel), layout=layout)
 
 
 def _name_the_kernel(error: Exception, entry: Any) -> None:

@@ -197,6 +197,41 @@ def test_show_names_the_batch_element_drawn(plt):
     assert "batch" not in ax.get_title()
 
 
+@pytest.mark.parametrize(("lq", "lk", "block"), [(10, 10, (4, 4)), (6, 9, (4, 2)), (3, 8, (5, 3))])
+def test_tile_boxes_lie_on_the_edges_of_their_cells(lq, lk, block, plt):
+    # A tile of rows [q0, q1) and keys [k0, k1) covers pixels from q0 - 0.5 to q1 - 0.5
+    # (and k0 - 0.5 to k1 - 0.5): its box must lie exactly there, nothing inside it
+    # and no cell of the tile outside it. Tiles cut by the call's end stop there.
+    ax = masks.show(masks.causal() & masks.sliding_window(3), lq, lk, block=block)
+    block_q, block_k = block
+    boxes = [path.vertices[:4] for c in ax.collections if c.get_gid().startswith("tiles:")
+             for path in c.get_paths()]
+    assert len(boxes) == -(-lq // block_q) * -(-lk // block_k)
+    for corners in boxes:
+        (x0, y0), (x1, y1) = corners.min(axis=0), corners.max(axis=0)
+        a, b = int(y0 + 0.5) // block_q, int(x0 + 0.5) // block_k
+        assert (x0, x1) == (b * block_k - 0.5, min((b + 1) * block_k, lk) - 0.5)
+        assert (y0, y1) == (a * block_q - 0.5, min((a + 1) * block_q, lq) - 0.5)
+
+
+def test_global_tokens_are_named_by_their_positions(backend, plt):
+    positions = backend.asarray(np.array([0, 5], dtype=np.int32))
+    ax = masks.show(masks.sliding_window(1) | masks.global_tokens(positions), 8, 8)
+    assert ax.get_title().splitlines()[0] == (
+        "(sliding_window(left=1, right=0) | global_tokens([0, 5]))")
+
+
+def test_global_tokens_of_the_batch_element_drawn_and_many_are_counted(plt):
+    per_batch = np.array([[0, 5], [3, -1]], dtype=np.int32)  # -1: unused
+    ax = masks.show(masks.causal() & masks.global_tokens(per_batch), 8, 8, batch=1)
+    assert ax.get_title().splitlines()[0] == "causal(bottom_right) & global_tokens([3])"
+    assert "(batch 1)" in ax.get_title()
+    many = masks.global_tokens(np.arange(0, 60, 3, dtype=np.int32))
+    title = masks.show(many, 64, 64).get_title().replace("\n", " ")
+    assert "global_tokens([0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, ... (20 positions)])" \
+        in title
+
+
 # --- errors ----------------------------------------------------------------------------
 
 

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report(config: _cases.SweepConfig, args: argparse.Namespace, argv: list[str],
             plan: _cases.Plan, rows: list[dict], started: datetime, interrupted: bool) -> int:
     from .machine import describe_machine, summary
-    from .report import add_ratios, busy_warning, table, write_json
+    from .report import add_ratios, table, timing_warnings, write_json
     from .runners import all_runners
 
     add_ratios(rows)
@@ -190,8 +190,8 @@ def _report(config: _cases.SweepConfig, args: argparse.Namespace, argv: list[str
     stamp = started.strftime("%Y-%m-%d %H:%M UTC")
     print(f"\nportattn bench, {stamp}\n{summary(machine)}\n")
     print(table(rows, shape))
-    warning = busy_warning(rows)
-    if warning is not None:
+    warnings = timing_warnings(rows)
+    for warning in warnings:
         print(warning)
     if interrupted:
         print("interrupted: the results cover the cases finished so far")
@@ -208,17 +208,17 @@ def _report(config: _cases.SweepConfig, args: argparse.Namespace, argv: list[str
     print(f"raw results: {base.with_suffix('.json')}")
     if not args.no_plot:
         _plot(rows, base.with_suffix(".png"), f"portattn bench {stamp}, {config.device}, "
-              + ", ".join(f"{k}={v}" for k, v in shape.items()))
+              + ", ".join(f"{k}={v}" for k, v in shape.items()), warnings)
     if interrupted:
         return 130
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 
-def _plot(rows: list[dict], path: Path, title: str) -> None:
+def _plot(rows: list[dict], path: Path, title: str, warnings: list[str]) -> None:
     from .plot import MissingDependency, plot
 
     try:
-        plot(rows, path, title)
+        plot(rows, path, title, warnings)
     except MissingDependency as e:
         print(f"no plot: {e}", file=sys.stderr)
         return

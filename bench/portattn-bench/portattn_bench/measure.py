@@ -34,9 +34,14 @@ class Measurement:
     memory_method: str | None
 
 
+#: Most calls timed to fill ``min_time`` (the JSON keeps every time).
+MAX_SAMPLES = 50
+
+
 def measure(call: Callable[[], Any], wait: Callable[[Any], Any], *, repeat: int, warmup: int,
             budget: float, max_time: float, memory: str | None,
-            first_of_series: bool = False) -> Measurement:
+            first_of_series: bool = False, settle: float = 0.0,
+            min_time: float = 0.0) -> Measurement:
     """Time ``wait(call())`` and measure its peak memory with the method named.
 
     At least one call after the warm-up is timed (the warm-up may include compilation),
@@ -44,7 +49,15 @@ def measure(call: Callable[[], Any], wait: Callable[[Any], Any], *, repeat: int,
     the first case of a series (``first_of_series``) such a call is followed by one
     more before that is decided, since the first may have compiled the kernel: a cold
     Numba cache made numpy_fast's first call take 10-13 s, and its next 4 ms.
+
+    ``settle`` seconds of idling come first, and calls go on being timed (up to
+    :data:`MAX_SAMPLES`) until ``min_time`` seconds were spent: for a rate that other
+    work can only slow down (the sgemm reference), the best of many calls is the rate.
     """
+    if settle:
+        # Worker threads of the library timed before (OpenMP, XLA, BLAS pools) spin a
+        # while after their last task, taking cores from this call's threads.
+        time.sleep(settle)
     warm = 0.0
     for _ in range(warmup):
         warm = _timed(call, wait)
@@ -56,9 +69,18 @@ def measure(call: Callable[[], Any], wait: Callable[[Any], Any], *, repeat: int,
     times: list[float] = []
     peak = _PeakMemory("cuda" if memory == "cuda" else "rss" if memory else None)
     with peak:
-        while len(times) < max(1, repeat) and (not times or time.perf_counter() - start < budget):
+        while not times or _more(times, repeat, time.perf_counter() - start, budget, min_time):
             times.append(_timed(call, wait))
     return Measurement(times, *_with_traced(peak, call, wait, memory))
+
+
+def _more(times: list[float], repeat: int, spent: float, budget: float,
+          min_time: float) -> bool:
+    """Whether to time another call: ``repeat`` calls within ``budget`` seconds, and
+    more while under ``min_time`` seconds (and :data:`MAX_SAMPLES` calls)."""
+    if spent >= budget:
+        return False
+    return len(times) < repeat or (spent < min_time and len(times) < MAX_SAMPLES)
 
 
 def peak_memory(call: Callable[[], Any], wait: Callable[[Any], Any], memory: str | None

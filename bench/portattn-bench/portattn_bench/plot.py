@@ -7,9 +7,11 @@ as PNG), so the user's pyplot backend and global state are left alone.
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from pathlib import Path
 
 __all__ = ["MissingDependency", "plot"]
@@ -20,6 +22,9 @@ _MARKERS = {"numpy": "o", "torch": "s", "jax": "^", "dask": "D", "cupy": "v",
             "array_api_strict": "x"}
 _LINES = {"numpy": "-", "torch": "--", "jax": "-.", "dask": ":", "cupy": (0, (5, 1)),
           "array_api_strict": (0, (1, 1))}
+
+
+WARNING_COLOUR = "#c0392b"
 
 
 class MissingDependency(ImportError):
@@ -44,8 +49,13 @@ def _label(key: tuple[str, str, str], dtypes: set[str]) -> str:
     return f"{label} {dtype}" if len(dtypes) > 1 else label
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    """Write a PNG (log-log time vs L and memory vs L per mask); returns ``path``."""
+def plot(rows: list[dict[str, Any]], path: Path, title: str,
+         warnings: Sequence[str] = ()) -> Path:
+    """Write a PNG (log-log time vs L and memory vs L per mask); returns ``path``.
+
+    ``warnings`` (the report's, about the timings) are written under the panels, and
+    the times they are about (:func:`~portattn_bench.report.unreliable`) are ringed.
+    """
     figure = _figure_class()
     from matplotlib.ticker import NullLocator
     ok = [r for r in rows if r["status"] == "ok"]
@@ -77,6 +87,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
                    if p["memory_bytes"]]
             if mem and kind != "reference":  # a GEMM's memory says nothing of attention
                 axes[1][col].plot(*zip(*mem, strict=True), **style)
+    if warnings:
+        _ring_unreliable(axes[0], masks, ok)
     methods = ", ".join(sorted({r["memory_method"] for r in ok if r["memory_method"]})) or "-"
     for col, mask in enumerate(masks):
         top, bottom = axes[0][col], axes[1][col]
@@ -100,8 +112,25 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     if handles:
         fig.legend(handles, labels, loc="outside right upper", fontsize="small")
     fig.suptitle(title, fontsize="medium")
+    if warnings:
+        fig.supxlabel("\n".join(textwrap.fill(w, 140) for w in warnings), color=WARNING_COLOUR,
+                      fontsize="small", horizontalalignment="left", x=0.01)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _ring_unreliable(time_axes: Any, masks: list[str], rows: list[dict[str, Any]]) -> None:
+    """A red ring around each time the warnings are about, labelled once."""
+    from .report import unreliable
+
+    label = "unreliable time (see the warning below)"
+    for row in unreliable(rows):
+        if row["mask"] in masks:
+            time_axes[masks.index(row["mask"])].plot(
+                row["q_len"], row["best_s"], linestyle="none", marker="o", markersize=11,
+                markerfacecolor="none", markeredgecolor=WARNING_COLOUR, markeredgewidth=1.5,
+                label=label, zorder=5)
+            label = "_unreliable"  # matplotlib leaves labels starting with _ out
 
 
 def _colours(n: int) -> list[Any]:

@@ -12,7 +12,8 @@ from .sweep import fmt_bytes
 if TYPE_CHECKING:
     from pathlib import Path
 
-__all__ = ["SCHEMA", "add_ratios", "fmt_time", "table", "write_json"]
+__all__ = ["SCHEMA", "add_ratios", "busy_warning", "fmt_time", "reference_warning", "table",
+           "timing_warnings", "unreliable", "write_json"]
 
 SCHEMA = "portattn-bench/1"
 _SHOWN = ("ok", "skipped", "error")
@@ -128,8 +129,7 @@ BUSY_SPREAD = 2.0
 def busy_warning(rows: list[dict[str, Any]]) -> str | None:
     """A warning when the spread of the timings says other work shared the machine
     (their ratios are then unreliable), naming the worst row; else None."""
-    spread = [(r["median_s"] / r["best_s"], r) for r in rows
-              if r.get("best_s") and r.get("median_s")]
+    spread = [(_spread(r), r) for r in rows if _spread(r) is not None]
     if not spread:
         return None
     worst, row = max(spread, key=lambda item: item[0])
@@ -138,6 +138,61 @@ def busy_warning(rows: list[dict[str, Any]]) -> str | None:
     return (f"warning: the machine looks busy: median/best up to {worst:.1f}x "
             f"({row['runner']} [{row['backend']}] at L={row['q_len']}); timings and "
             "their ratios are unreliable, run again on an idle machine")
+
+
+def _spread(row: dict[str, Any]) -> float | None:
+    if not (row.get("best_s") and row.get("median_s")):
+        return None
+    return row["median_s"] / row["best_s"]
+
+
+SLOWED = 0.9
+"""An sgemm at a larger L this much faster than at a smaller one was slowed there (a
+margin for noise between sizes close together)."""
+
+
+def _slowed_references(rows: list[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    """``(slow, fast)`` pairs of sgemm rows of one device, dtype and mask where the
+    longer call (``fast``, larger L, more FLOPs) took less time than ``slow``: the GEMM
+    was slowed by other work at ``slow``'s size. Sorted by how much, worst first."""
+    series: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["runner"] == SGEMM.name and row.get("best_s"):
+            series[row.get("device"), row["dtype"], row["mask"]].append(row)
+    pairs = []
+    for points in series.values():
+        points.sort(key=lambda r: r["q_len"])
+        for i, slow in enumerate(points):
+            fastest = min(points[i + 1:], key=lambda r: r["best_s"], default=None)
+            if fastest is not None and fastest["best_s"] < SLOWED * slow["best_s"]:
+                pairs.append((slow, fastest))
+    return sorted(pairs, key=lambda p: p[1]["best_s"] / p[0]["best_s"])
+
+
+def reference_warning(rows: list[dict[str, Any]]) -> str | None:
+    """A warning when the sgemm reference took less time at a larger size than at a
+    smaller one (naming the worst such pair), else None."""
+    pairs = _slowed_references(rows)
+    if not pairs:
+        return None
+    slow, fast = pairs[0]
+    return (f"warning: the sgemm reference took {fmt_time(slow['best_s'])} at "
+            f"L={slow['q_len']} but {fmt_time(fast['best_s'])} at L={fast['q_len']} "
+            f"(mask={slow['mask']}): more work in less time, so other work slowed it at "
+            f"L={slow['q_len']}, where the 'of sgemm' shares are too high; run again on an "
+            "idle machine")
+
+
+def timing_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """Every warning about the timings: a busy machine, a slowed reference."""
+    return [w for w in (busy_warning(rows), reference_warning(rows)) if w is not None]
+
+
+def unreliable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows the warnings are about: timings spread over more than
+    :data:`BUSY_SPREAD`, and sgemm references slowed by other work."""
+    slowed = {id(slow) for slow, _ in _slowed_references(rows)}
+    return [r for r in rows if id(r) in slowed or (_spread(r) or 0.0) > BUSY_SPREAD]
 
 
 def _line(cells: list[str], widths: list[int]) -> str:

@@ -29,6 +29,10 @@ class Runner:
     name: str = ""
     kind: str = ""
     provenance: str = ""
+    settle: float = 0.0
+    """Seconds of idling before the case (see :func:`~portattn_bench.measure.measure`)."""
+    min_time: float = 0.0
+    """Seconds of timed calls at least, the best of which is reported."""
 
     def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
         """Why this runner cannot run the case (empty when it can)."""
@@ -134,11 +138,17 @@ class NumpySgemm(Runner):
     ``n`` is chosen so that ``2 n^3`` equals the attention case's FLOP count (the
     allowed pairs only, under a causal mask), so its time is what a kernel running at
     this machine's sgemm rate would take, and its GFLOP/s is that rate at this size.
+
+    Other work can only slow a GEMM down, and a slowed reference inflates every
+    kernel's share of it: it is timed after the previous case's threads went idle, as
+    the best of calls over a quarter second.
     """
 
     name = "numpy_sgemm"
     kind = "reference"
     provenance = "reference"
+    settle = 0.25
+    min_time = 0.25
 
     def reasons(self, backend: BenchBackend, q: Any, k: Any, v: Any, causal: bool) -> list[str]:
         if backend.name != "numpy":

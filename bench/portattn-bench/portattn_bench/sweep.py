@@ -161,7 +161,8 @@ def _one(config: SweepConfig, case: Case, history: History, inputs: Inputs) -> d
         m = measure(call, case.backend.wait, repeat=config.repeat, warmup=config.warmup,
                     budget=config.budget, max_time=config.max_time,
                     memory=case.backend.memory,
-                    first_of_series=case.series not in history.points)
+                    first_of_series=case.series not in history.points,
+                    settle=case.runner.settle, min_time=case.runner.min_time)
     except Exception as e:
         history.fail(case)
         release()

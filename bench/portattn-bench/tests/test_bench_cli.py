@@ -14,7 +14,7 @@ import pytest
 from portattn_bench import main
 from portattn_bench.cases import Shape, SweepConfig, attention_flops, causal_pairs, flops
 from portattn_bench.machine import summary
-from portattn_bench.measure import measure
+from portattn_bench.measure import MAX_SAMPLES, measure
 from portattn_bench.report import SCHEMA
 from portattn_bench.runners import side
 
@@ -55,7 +55,9 @@ def test_json_schema(run: dict) -> None:
         assert r["status"] == "ok", r
         assert r["backend"] == "numpy"
         assert r["dtype"] == "float32"
-        assert len(r["times_s"]) == 2
+        # the sgemm reference is timed for a minimum time; the rest --repeat times
+        assert len(r["times_s"]) >= 2 if r["runner"] == "numpy_sgemm" else len(
+            r["times_s"]) == 2
         assert r["best_s"] == min(r["times_s"]) > 0
         assert r["gflops"] == pytest.approx(r["flops"] / r["best_s"] / 1e9)
         assert r["memory_bytes"] > 0
@@ -299,3 +301,124 @@ def test_a_busy_machine_is_named_in_a_warning() -> None:
     busy = [*quiet, _row("reference", "numpy", "kernel", 32, 1.0, 86.0)]
     assert busy_warning(busy).startswith(
         "warning: the machine looks busy: median/best up to 86.0x (reference [numpy] at L=32)")
+
+
+def _slow_at_first(count: int, seconds: float):
+    """A call slowed by other work for its first ``count`` calls, then quick."""
+    calls = []
+
+    def call():
+        calls.append(None)
+        if len(calls) <= count:
+            time.sleep(seconds)
+
+    return call, calls
+
+
+def test_a_rate_is_the_best_of_calls_over_a_minimum_time():
+    # warm-up + 3 timed calls all slowed: the plain measurement reports the slow time
+    call, _ = _slow_at_first(4, 0.02)
+    m = measure(call, lambda result: result, repeat=3, warmup=1, budget=10.0, max_time=5.0,
+                memory=None)
+    assert min(m.times) >= 0.02
+    # timed on for 0.15 s, it sees the machine free again
+    call, _ = _slow_at_first(4, 0.02)
+    m = measure(call, lambda result: result, repeat=3, warmup=1, budget=10.0, max_time=5.0,
+                memory=None, min_time=0.15)
+    assert min(m.times) < 0.01
+    assert 3 < len(m.times) <= MAX_SAMPLES
+    # and never past the budget, nor past MAX_SAMPLES
+    call, _ = _slow_at_first(0, 0.0)
+    m = measure(call, lambda result: result, repeat=3, warmup=1, budget=10.0, max_time=5.0,
+                memory=None, min_time=60.0)
+    assert len(m.times) == MAX_SAMPLES
+
+
+def test_settling_idles_before_the_first_call():
+    started = time.perf_counter()
+    measure(lambda: None, lambda result: result, repeat=1, warmup=0, budget=1.0,
+            max_time=1.0, memory=None, settle=0.05)
+    assert time.perf_counter() - started >= 0.05
+
+
+def test_the_sgemm_reference_settles_and_takes_its_best_over_time():
+    from portattn_bench.runners import BASELINES, SGEMM, KernelRunner
+
+    assert SGEMM.settle > 0
+    assert SGEMM.min_time > 0
+    for runner in (*BASELINES, KernelRunner("tiled", "portattn 0.1.0")):
+        assert (runner.settle, runner.min_time) == (0.0, 0.0)  # attention: as repeated
+
+
+def _sgemm(length: int, best: float, mask: str = "none") -> dict:
+    return {**_row("numpy_sgemm", "numpy", "reference", length, best, best), "mask": mask,
+            "device": "cpu"}
+
+
+def test_a_reference_that_falls_as_the_length_grows_is_named_in_a_warning() -> None:
+    from portattn_bench.report import reference_warning, timing_warnings, unreliable
+
+    # 520 within noise of 512 (more work, a little less time): not a slowed reference
+    steady = [_sgemm(256, 0.4e-3), _sgemm(512, 1.8e-3), _sgemm(520, 1.7e-3),
+              _sgemm(256, 0.2e-3, "causal")]
+    assert reference_warning(steady) is None
+    assert timing_warnings(steady) == []
+    assert unreliable(steady) == []
+    slowed = [*steady, _sgemm(1024, 0.9e-3, "causal"), _sgemm(512, 12e-3, "causal")]
+    assert reference_warning(slowed) == (
+        "warning: the sgemm reference took 12 ms at L=512 but 900 us at L=1024 "
+        "(mask=causal): more work in less time, so other work slowed it at L=512, where "
+        "the 'of sgemm' shares are too high; run again on an idle machine")
+    assert unreliable(slowed) == [slowed[-1]]
+    busy = [*slowed, _row("tiled", "numpy", "kernel", 256, 1.0, 3.0)]
+    assert [w.split(":")[1] for w in timing_warnings(busy)] == [
+        " the machine looks busy",
+        " the sgemm reference took 12 ms at L=512 but 900 us at L=1024 (mask=causal)"]
+    assert unreliable(busy) == [slowed[-1], busy[-1]]
+
+
+def _captured_figures(monkeypatch) -> list:
+    from matplotlib.figure import Figure
+    from portattn_bench import plot as _plot
+
+    figures: list = []
+    monkeypatch.setattr(_plot, "_figure_class", lambda: lambda **kw: figures.append(
+        Figure(**kw)) or figures[-1])
+    return figures
+
+
+def test_the_plot_shows_the_warnings_and_rings_what_they_are_about(tmp_path,
+                                                                    monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from portattn_bench.plot import plot
+
+    figures = _captured_figures(monkeypatch)
+    rows = [_sgemm(256, 12e-3), _sgemm(512, 0.9e-3), _row("tiled", "numpy", "kernel", 256,
+                                                          1e-3, 1e-3)]
+    for r in rows:
+        r["device"] = "cpu"
+    plot(rows, tmp_path / "quiet.png", "t")
+    assert not figures[0].get_supxlabel()
+    assert all("unreliable" not in line.get_label() for line in figures[0].axes[0].get_lines())
+
+    warnings = ["warning: the machine looks busy: " + "x " * 100, "warning: the sgemm one"]
+    plot(rows, tmp_path / "busy.png", "t", warnings)
+    text = figures[1].get_supxlabel()
+    assert " ".join(text.split()) == " ".join(" ".join(warnings).split())
+    (ring,) = [line for line in figures[1].axes[0].get_lines()
+               if line.get_label().startswith("unreliable time")]
+    assert (list(ring.get_xdata()), list(ring.get_ydata())) == ([256], [12e-3])
+    assert (tmp_path / "busy.png").stat().st_size > 0
+
+
+def test_the_report_prints_and_plots_its_warnings(tmp_path, monkeypatch, capsys) -> None:
+    from portattn_bench import plot as _plot
+    from portattn_bench import report
+
+    monkeypatch.setattr(report, "timing_warnings", lambda rows: ["warning: made up"])
+    plotted: list = []
+    monkeypatch.setattr(_plot, "plot", lambda rows, path, title, warnings=(): plotted.append(
+        warnings))
+    assert main([*TINY, "--kernels", "tiled", "--sizes", "16", "--out", str(tmp_path)]) == 0
+    assert "\nwarning: made up\n" in capsys.readouterr().out
+    assert plotted == [["warning: made up"]]
