@@ -4,8 +4,10 @@ that ``explain()`` shows as "passed over: ...", never a refusal of a kernel name
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from portattn.testing import assert_close, oracle
 from portattn.testing.plugin import require_library
 
 torch = require_library("torch")
@@ -52,3 +54,18 @@ def test_a_kernel_named_runs_the_calls_dispatch_passes_over(name):
         (got_grad,) = torch.autograd.grad(got.sum(), q)
         (want_grad,) = torch.autograd.grad(want.sum(), q)
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [40, 120])
+def test_flex_never_runs_float32_lengths_its_cpu_template_gets_wrong(length):
+    # torch's compiled CPU flex_attention read past the end at lengths 8 past a
+    # multiple of 16; a large enough call reached it through dispatch
+    rng = np.random.default_rng(5)
+    q = torch.tensor(rng.standard_normal((16, 16, length, 16)), dtype=torch.float32)
+    mask = masks.causal() & masks.sink_tokens(4)
+    plan = portattn.explain(q, q, q, mask=mask, kernel="torch_flex")
+    assert plan.kernel is None
+    reasons = dict((entry.name, why) for entry, why in plan.candidates)["torch_flex"]
+    assert any(f"Lq={length} on cpu in float32" in r for r in reasons), reasons
+    assert_close(portattn.attention(q, q, q, mask=mask), oracle(q, q, q, mask=mask)[0],
+                 "float32")
