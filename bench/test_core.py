@@ -21,8 +21,7 @@ import pytest
 
 import portattn
 from portattn import masks
-from portattn._call_cache import described_and_chosen
-from portattn._dispatch import choose
+from portattn._dispatch import choose, described_and_chosen
 from portattn._inputs import describe
 
 FIGURES: dict[str, float] = {}

@@ -81,8 +81,7 @@ def test_overhead(benchmark, impl, n):
 def test_dispatch_only(benchmark, repeated):
     """Validation and kernel choice alone, the part of the overhead portattn owns: for
     a new call signature, and for a repeated one (remembered)."""
-    from portattn._call_cache import described_and_chosen
-    from portattn._dispatch import choose
+    from portattn._dispatch import choose, described_and_chosen
     from portattn._inputs import describe
 
     q, k, v = _inputs(64)

@@ -15,13 +15,11 @@ Example:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from . import distributed, errors, masks
-from ._api import attention, explain, scaled_dot_product_attention
-from ._dispatch import Plan, disable_kernels, use_kernel
-from ._merge import merge
-from ._registry import KernelEntry, kernels, refresh_kernels
+from ._call import attention, explain, scaled_dot_product_attention
+from ._dispatch import KernelEntry, Plan, disable_kernels, kernels, refresh_kernels, use_kernel
+from ._kernels import merge
+from ._lib import VERSION as __version__
 from .kv_cache import KVCache
 from .linear import linear_attention
 from .multihead import MultiHeadAttention, multi_head_attention

@@ -9,8 +9,7 @@ import sys
 import textwrap
 
 from . import __version__
-from ._explain_command import add_arguments as add_explain_arguments
-from ._explain_command import run as run_explain
+from ._commands import add_explain_arguments, run_demo, run_explain, tune_main
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 """Dtypes in short; mask kinds keep the names of ``portattn.masks.KINDS``."""
@@ -46,7 +45,7 @@ def info(wide: bool = False) -> int:
     """Print every installed kernel: provenance, priority, availability, and tables of
     what each declares it supports (one table with ``wide``, else two of at most
     :data:`WIDTH` columns)."""
-    from ._registry import availability, kernels
+    from ._dispatch import availability, kernels
 
     entries = kernels()
     print(f"portattn {__version__}: {len(entries)} kernels, in dispatch order\n")
@@ -112,13 +111,6 @@ def _table(rows: list[tuple[str, ...]], wrap: int | None = None) -> None:
             print(" " * indent + line)
 
 
-def demo() -> int:
-    """Run attention on every installed array library; report kernel and agreement."""
-    from .demo import run_demo
-
-    return run_demo()
-
-
 COMMANDS = "portattn.commands"
 """Entry-point group of subcommands that other distributions add (``bench``)."""
 BENCH_INSTALL = "`pip install ./bench/portattn-bench` from a clone of portattn"
@@ -158,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "tune":
-        from ._tune_run import main as tune_main
-
         return tune_main(rest)
     if args.command == "bench":
         return delegated("bench", rest)
@@ -167,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "explain":
         return run_explain(args)
-    return info(args.wide) if args.command == "info" else demo()
+    return info(args.wide) if args.command == "info" else run_demo()
 
 
 if __name__ == "__main__":

@@ -5,13 +5,14 @@ always returns the log-sum-exp) and :func:`flash_backward` (FlashAttention-2: ea
 tile's probabilities recomputed from the saved log-sum-exp). What ties them to an
 autograd system belongs to that library's plugin, so the core names no library.
 
-A plugin wires a library through an entry point in the group ``portattn.autograd``
-named after the namespace (``torch``, ``jax``, ...)::
+A plugin wires a library as the ``attach_autograd`` of what it adds for that library,
+an entry point in the group ``portattn.libraries`` named after the namespace
+(``torch``, ``jax``, ...)::
 
-    [project.entry-points."portattn.autograd"]
-    torch = "portattn_torch:attach_autograd"
+    [project.entry-points."portattn.libraries"]
+    torch = "portattn_torch._library"     # a module with attach_autograd (and more)
 
-whose value is a callable ``attach(inputs) -> (out, lse)``: it returns
+``attach_autograd(inputs) -> (out, lse)`` returns
 ``flash_forward(inputs)`` recorded so that the library's autograd differentiates it
 with ``flash_backward``, saving only ``query, key, value, bias, sinks, out, lse``. The
 ``tiled`` kernel calls it for calls that need gradients; without one for the call's
@@ -22,9 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._flash_backward import Gradients, flash_backward
-from ._tiled import tiled_attention
-from ._wiring import GROUP, attach_for
+from ._kernels import Gradients, flash_backward, tiled_attention
+from ._lib import GROUP, attach_for
 
 if TYPE_CHECKING:
     from ._inputs import AttentionInputs

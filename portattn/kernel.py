@@ -2,7 +2,10 @@
 description of a call it receives (:class:`AttentionInputs`, whose ``mask`` speaks the
 public protocol of :mod:`portattn.masks`: ``inputs.blocks(block_q, block_k)`` is its
 block form, which tiles to skip and which need ``mask.tile``). Kernels around a library
-call keep the rule for non-finite inputs with :mod:`portattn.nonfinite`.
+call keep the rule for non-finite inputs with :mod:`portattn.nonfinite`. Probes of
+what a library is doing now (:func:`values_readable`, :func:`torch_compiling`,
+:func:`jax_tracer_type`) and a dtype's name in any library (:func:`dtype_name`) are
+here too, so a plugin asks them as the core does.
 
 A kernel declares what it supports as plain class data; the base class turns that
 data into rejection reasons, one short fact each. ``namespaces`` and ``devices`` are
@@ -28,11 +31,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from . import _settings
 from ._inputs import AttentionInputs, describe
+from ._lib import dtype_name, jax_tracer_type, torch_compiling, tuned_value, values_readable
 from .masks import Band, Mask
 
-__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "describe"]
+__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "describe", "dtype_name",
+           "jax_tracer_type", "torch_compiling", "values_readable"]
 
 ANY = "*"
 """Wildcard for ``namespaces`` and ``devices``."""
@@ -158,7 +162,7 @@ class Kernel:
         Returns:
             The winning value; None without a usable tune file or a measurement of it.
         """
-        return _settings.value(cls.name, setting)
+        return tuned_value(cls.name, setting)
 
     @classmethod
     def available(cls) -> str | None:

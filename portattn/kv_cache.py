@@ -24,8 +24,7 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
-from ._convert import check_like, namespace, resolve_dtype, safe_device
-from ._inputs import dtype_name
+from ._lib import check_like, dtype_name, namespace, resolve_dtype, safe_device
 
 __all__ = ["KVCache"]
 

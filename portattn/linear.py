@@ -17,7 +17,7 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING, Any
 
-from ._api import explain
+from ._call import explain
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._api import attention
-from ._convert import namespace, place, resolve_dtype, safe_device
-from ._inputs import dtype_name
-from ._mha_checks import (
+from ._call import attention
+from ._lib import dtype_name, namespace, place, resolve_dtype, safe_device
+from ._models import (
     BIASES,
     WEIGHTS,
     check_features,

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._dispatch import current_overrides
-from ._registry import forced_by_environment
+from ._dispatch import current_overrides, forced_by_environment
 
 __all__ = ["KernelOverrides", "kernel_overrides"]
 

@@ -87,8 +87,7 @@ def test_plans_agree_with_the_full_mask(case, data):
 @given(case=batch_masks(), block_q=st.integers(1, 8), block_k=st.integers(1, 8))
 def test_small_tiles_give_the_reference_result(case, block_q, block_k):
     from portattn._inputs import describe
-    from portattn._reference import reference_attention
-    from portattn._tiled import tiled_attention
+    from portattn._kernels import reference_attention, tiled_attention
 
     mask, lq, lk = case
     rng = np.random.default_rng(lq * 31 + lk)

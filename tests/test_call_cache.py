@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import portattn
-from portattn import _call_cache, _registry, masks
-from portattn._reference import ReferenceKernel
-from portattn._tiled import TiledKernel
+from portattn import masks
+from portattn._dispatch import _call_cache, _registry
+from portattn._kernels import ReferenceKernel, TiledKernel
 
 rng = np.random.default_rng(0)
 

@@ -27,11 +27,11 @@ def test_info_lists_kernels_and_capabilities(capsys):
 
 
 def test_info_shows_a_broken_plugin_as_unavailable(monkeypatch, capsys):
-    from portattn import _registry
+    from portattn import _dispatch
 
-    broken = _registry.KernelEntry("broken", None, "portattn-broken", "1.0",
+    broken = _dispatch.KernelEntry("broken", None, "portattn-broken", "1.0",
                                    "unavailable: failed to import x: ImportError: nope")
-    monkeypatch.setattr(_registry, "kernels", lambda: [broken])
+    monkeypatch.setattr(_dispatch, "kernels", lambda: [broken])
     assert main(["info"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines()
                 if line.startswith("broken"))

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from portattn._reference import ReferenceKernel
-from portattn._tiled import TiledKernel
+from portattn._kernels import ReferenceKernel, TiledKernel
 from portattn.testing import check_case, conformance_cases
 
 try:  # tests/example_plugin; test_environment.py fails a tox env that lacks it
@@ -33,7 +32,7 @@ def test_tiled(case, backend):
                                   if c.mask and c.dtype == "float32"], ids=str)
 def test_tiled_small_blocks(case, block, backend, monkeypatch):
     # Many tiles per call: exercises skipping, partial tiles and the online softmax.
-    import portattn._tiled as tiled
+    import portattn._kernels._tiled as tiled
 
     monkeypatch.setattr(tiled, "block_sizes", lambda inputs: block)
     check_case(TiledKernel, case, backend)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import portattn
-from portattn import _registry, masks
+from portattn import masks
+from portattn._dispatch import _registry
 from portattn.errors import KernelNotUsableError, NoKernelError, UnknownKernelError
 from portattn.kernel import Kernel
 
@@ -87,7 +88,7 @@ def test_disable_kernels_context(only_builtins):
 
 
 def test_nothing_fits_lists_every_kernel(only_builtins, monkeypatch):
-    from portattn._reference import ReferenceKernel
+    from portattn._kernels import ReferenceKernel
 
     monkeypatch.setattr(ReferenceKernel, "dropout", False)
     with portattn.disable_kernels("tiled"), pytest.raises(NoKernelError) as info:
@@ -146,7 +147,7 @@ def test_gradients_go_only_to_grad_kernels(only_builtins, monkeypatch):
         priority = 999
 
         def run(self, inputs):
-            return portattn._tiled.TiledKernel().run(inputs)
+            return portattn._kernels.TiledKernel().run(inputs)
 
     add_kernel(monkeypatch, NoGrad, only_builtins)
     q, k, v = (torch.asarray(a) for a in (Q, K, V))
@@ -233,7 +234,7 @@ def test_explain_of_an_unknown_kernel_says_so(only_builtins):
 
 def test_an_unhashable_device_is_still_named():
     """CuPy's Device defines == but no hash: its kind is read all the same."""
-    from portattn._inputs import device_kind
+    from portattn._lib import device_kind
 
     class Device:
         __hash__ = None
@@ -250,7 +251,7 @@ def test_an_unhashable_device_is_still_named():
 def test_override_blocks_in_many_threads_leave_nothing_behind(only_builtins):
     import threading
 
-    from portattn import _dispatch
+    from portattn._dispatch import _select as _dispatch
 
     def churn():
         for _ in range(2000):
@@ -295,7 +296,7 @@ class Picky(Kernel):
 
     def run(self, inputs):
         type(self).runs += 1
-        return portattn._tiled.TiledKernel().run(inputs)
+        return portattn._kernels.TiledKernel().run(inputs)
 
 
 def test_a_kernel_named_runs_what_dispatch_passes_over_for_speed(only_builtins, monkeypatch):

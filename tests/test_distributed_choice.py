@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import portattn
-from portattn import _wiring, distributed, masks
+from portattn import distributed, masks
+from portattn._lib import _plugins as _wiring
 from portattn.distributed import _api, _choice
 
 
@@ -206,7 +207,7 @@ def test_engines_only_see_a_concrete_strategy(monkeypatch):
             seen.append(strategy)
             return np.zeros(query.shape[:-1] + value.shape[-1:]), np.zeros(query.shape[:-1])
 
-    monkeypatch.setitem(_wiring._engines, "numpy", Engine)
+    monkeypatch.setitem(_wiring._parts, "numpy", _wiring.LibraryParts(distributed=Engine))
     q = np.zeros((1, 4, 8, 16))
     kv = np.zeros((1, 2, 8, 16))
     for strategy in ("auto", "ring", "all_gather"):

@@ -117,8 +117,7 @@ def test_dropout_without_a_seed_on_numpy_names_the_seed():
 
 
 def test_dropout_refused_by_the_kernels_without_it(monkeypatch):
-    from portattn._reference import ReferenceKernel
-    from portattn._tiled import TiledKernel
+    from portattn._kernels import ReferenceKernel, TiledKernel
 
     for kernel in (ReferenceKernel, TiledKernel):
         monkeypatch.setattr(kernel, "dropout", False)

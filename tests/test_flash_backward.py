@@ -14,7 +14,7 @@ import pytest
 
 from portattn import dropout
 from portattn._inputs import describe
-from portattn._tiled import TiledKernel
+from portattn._kernels import TiledKernel
 from portattn.autograd import flash_backward, flash_forward
 from portattn.testing import conformance_cases, to_numpy
 

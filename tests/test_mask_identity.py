@@ -15,7 +15,7 @@ from portattn.errors import KernelNotUsableError
 from portattn.kernel import ANY
 from portattn.testing import assert_close, oracle
 
-B, HQ, HKV, L, D = 2, 2, 1, 40, 8
+B, HQ, HKV, L, D = 2, 2, 1, 40, 16
 rng = np.random.default_rng(7)
 
 

@@ -17,12 +17,15 @@ as soon as it is fixed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from fuzz_oracle import attention64
 
 import portattn
-from portattn import _wiring, masks
+from portattn import masks
+from portattn._lib import _plugins as _wiring
 from portattn.errors import KernelNotUsableError, NoKernelError
 from portattn.kernel import ANY
 
@@ -149,7 +152,9 @@ def test_masked_nonfinite_inputs_do_not_reach_the_gradients(case, wiring, backen
     import torch
 
     if wiring == "absent":
-        monkeypatch.setitem(_wiring._attached, "torch", None)
+        parts = _wiring.parts_for("torch")
+        monkeypatch.setitem(_wiring._parts, "torch",
+                            dataclasses.replace(parts, attach_autograd=None))
 
     q, k, v, parts, _, _ = _case(case)
     problems = []
@@ -194,8 +199,8 @@ def test_a_kernel_exact_on_finite_inputs_only_is_refused_with_the_reason(backend
 
 
 def test_the_callers_word_skips_the_output_check():
-    from portattn._finite import distrust
     from portattn._inputs import describe
+    from portattn._kernels import distrust
 
     q = np.ones((1, 1, 3, 4), np.float32)
     mask = masks.causal()

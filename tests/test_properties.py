@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 import portattn
 from portattn import masks
-from portattn._reference import ReferenceKernel
-from portattn._tiled import TiledKernel, tiled_attention
+from portattn._kernels import ReferenceKernel, TiledKernel, tiled_attention
 from portattn.testing import assert_close
 
 

@@ -6,7 +6,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from portattn import _registry as registry
+from portattn._dispatch import _registry as registry
 from portattn.errors import PluginWarning
 
 GROUP = registry.GROUP

@@ -219,18 +219,62 @@ def test_masks_are_jit_arguments_without_a_call_to_remember(script):
 
 
 def test_a_failing_library_hook_warns_and_masks_are_still_built(monkeypatch):
-    from importlib.metadata import EntryPoint
-
+    from portattn._lib import LibraryParts, _plugins
     from portattn.errors import PluginWarning
-    from portattn.masks import _base
 
-    broken = EntryPoint("numpy", "no_such_module_here:register", _base.LIBRARY_HOOKS)
-    monkeypatch.setattr(_base, "_pending", {"numpy": broken})
-    with pytest.warns(PluginWarning, match=r"hook 'no_such_module_here:register' for numpy "
-                                           r"failed: ModuleNotFoundError"):
+    def broken():
+        msg = "no hook today"
+        raise RuntimeError(msg)
+
+    monkeypatch.setattr(_plugins, "_names", ("numpy",))
+    monkeypatch.setattr(_plugins, "_parts", {"numpy": LibraryParts(on_import=broken)})
+    monkeypatch.setattr(_plugins, "_hooked", set())
+    with pytest.warns(PluginWarning, match=r"on_import of numpy failed: RuntimeError"):
         mask = masks.causal()
     assert mask.kind == "causal"
-    assert _base._pending == {}  # tried once
+    masks.causal()  # tried once: no second warning (warnings are errors here)
+
+
+def _entry_points(*found):
+    """An ``entry_points(group=...)`` that knows only ``found``."""
+    return lambda group: [ep for ep in found if ep.group == group]
+
+
+def test_one_entry_point_gives_a_library_its_parts_and_old_groups_still_count(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from portattn._lib import _plugins
+
+    monkeypatch.setattr(_plugins, "_parts", {})
+    monkeypatch.setattr(_plugins, "entry_points", _entry_points(
+        EntryPoint("newlib", "types:SimpleNamespace", "portattn.libraries"),
+        EntryPoint("oldlib", "json", "portattn.seeds"),
+        EntryPoint("oldlib", "math:sqrt", "portattn.autograd"),
+        EntryPoint("both", "json", "portattn.libraries"),
+        EntryPoint("both", "math", "portattn.seeds"),
+    ))
+    import json
+    import math
+
+    assert _plugins.parts_for("oldlib").seeds is json  # read for a release
+    assert _plugins.parts_for("oldlib").attach_autograd is math.sqrt
+    assert _plugins.parts_for("newlib").seeds is None  # a part it does not add
+    assert _plugins.parts_for("both").seeds is None  # the new group wins: json has none
+    assert _plugins.parts_for("nolib") == _plugins.LibraryParts()
+
+
+def test_a_library_entry_point_that_fails_to_load_warns_once(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from portattn._lib import _plugins
+    from portattn.errors import PluginWarning
+
+    monkeypatch.setattr(_plugins, "_parts", {})
+    monkeypatch.setattr(_plugins, "entry_points", _entry_points(
+        EntryPoint("brokenlib", "no_such_module_here", "portattn.libraries")))
+    with pytest.warns(PluginWarning, match="portattn.libraries brokenlib.*ModuleNotFoundError"):
+        assert _plugins.parts_for("brokenlib").attach_autograd is None
+    assert _plugins.attach_for("brokenlib") is None  # remembered: no second warning
 
 
 # dynamo warns about array-api-compat's lru_caches and torch's own deprecations

@@ -1,4 +1,4 @@
-"""Dispatch by measurement (``portattn._tune``): the tune file, its checks, the hook."""
+"""Dispatch by measurement (``portattn._dispatch._tune``): the tune file, its checks, the hook."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 import portattn
-from portattn import _registry, _settings, _tune, _tune_run, masks
+from portattn import masks
 from portattn.__main__ import main as cli
+from portattn._commands import _tune_run
+from portattn._dispatch import _registry, _tune
+from portattn._lib import _tuned as _settings
 from portattn.kernel import Kernel
 
 
@@ -134,7 +137,7 @@ def test_default_location_follows_xdg(monkeypatch, tmp_path):
     # one file per Python environment: each virtualenv measures its own versions
     assert path.name == f"tune-{_tune.environment_id()}.json"
     other = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.prefix = '/elsewhere'; "
-                            "from portattn import _tune; print(_tune.environment_id())"],
+                            "from portattn._dispatch import _tune; print(_tune.environment_id())"],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert other != _tune.environment_id()
 
@@ -279,7 +282,7 @@ def test_bad_command_options_are_named(args, message, capsys):
 
 
 def test_import_loads_no_array_library():
-    code = ("import sys, portattn._tune, portattn._tune_run; "
+    code = ("import sys, portattn._dispatch._tune, portattn._commands._tune_run; "
             "print([m for m in ('numpy', 'torch', 'jax', 'cupy', 'dask') if m in sys.modules])")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout.strip()
@@ -296,7 +299,7 @@ def test_explain_names_the_measured_kernel(tune_file):
 
 def test_a_new_tune_file_reaches_calls_dispatch_remembered(tune_file, monkeypatch):
     """The call cache keeps decisions per call shape: a new tune file makes them stale."""
-    from portattn import _call_cache
+    from portattn._dispatch import _call_cache
 
     monkeypatch.setattr(_call_cache, "_calls", {})
     q = np.zeros((1, 2, 16, 8), np.float32)

@@ -14,8 +14,8 @@ import pytest
 import registry_kernels as rk
 
 import portattn
-from portattn import _registry as registry
 from portattn.__main__ import main
+from portattn._dispatch import _registry as registry
 from portattn.errors import KernelOutputError, PluginWarning
 
 

@@ -79,7 +79,7 @@ def test_torch_gradcheck_with_batched_gradients_on_every_kernel(tiles, monkeypat
     ``swapaxes``."""
     torch = require_library("torch")
     if tiles == "small":  # several query and key blocks: the slices are partial
-        import portattn._tiled as tiled
+        import portattn._kernels._tiled as tiled
 
         for name, value in (("MAX_BLOCK_K", 4), ("MIN_BLOCK_Q", 2), ("TILE_ELEMENTS", 16)):
             monkeypatch.setattr(tiled, name, value)

@@ -17,9 +17,8 @@ import json
 import numbers
 from typing import TYPE_CHECKING, Any
 
-from .._inputs import dtype_name
+from .._lib import dtype_name, host_copy
 from ..masks import Mask, dense
-from ..masks._values import host_copy
 from ._faults import failure_text
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
-from .._inputs import describe, namespace_name
-from .._wiring import engine_for
+from .._inputs import describe
+from .._lib import engine_for, namespace_name
 from ..masks import Mask, dense
 from ._agree import agree
 from ._choice import AUTO, StrategyChoice, choose, mask_heads_problem

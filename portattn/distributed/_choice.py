@@ -23,9 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._inputs import dtype_name
-from ..masks import Mask, dense
-from ..masks._base import leaves
+from .._lib import dtype_name
+from ..masks import Mask, dense, head_dependence
 from ._strategies import PIECES
 from ._ulysses import heads_problem
 
@@ -108,14 +107,8 @@ def mask_heads_problem(mask: Any) -> str | None:
         return None
     if not isinstance(mask, Mask):
         mask = dense(mask)
-    for part in leaves(mask):
-        if part.kind == "function":
-            return f"mask={part!r} may read the head index (a function mask)"
-        if part.kind in ("dense", "block_layout"):
-            shape = tuple(part.arrays[0].shape)
-            if len(shape) >= 3 and shape[-3] != 1:
-                return f"mask varies by head ({part.kind} array of shape {shape})"
-    return None
+    why = head_dependence(mask)
+    return None if why is None else f"mask: {why}"
 
 
 def choose(query: Any, key: Any, value: Any, *, size: int, mask: Any,

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 import array_api_extra as xpx
 from array_api_compat import device as device_of
 
-from .._api import attention
-from .._flash_backward import flash_backward
-from .._inputs import describe, dtype_name
+from .._call import attention
+from .._inputs import describe
+from .._kernels import flash_backward
+from .._lib import dtype_name
 
 if TYPE_CHECKING:
     from ._plan import Pair, Problem

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from ..masks._values import torch_compiling
+from .._lib import torch_compiling
 from ._agree import encode
 from ._faults import CollectiveError, check_timeout, failure_text
 

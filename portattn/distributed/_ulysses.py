@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._api import attention
+from .._call import attention
 
 if TYPE_CHECKING:
     from ._layout import Layout

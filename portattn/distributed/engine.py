@@ -2,13 +2,13 @@
 schedule (:func:`forward`, :func:`backward`) run over the engine's
 :class:`Communicator`.
 
-An engine registers in the entry-point group ``portattn.distributed`` under the name of
-its array namespace::
+An engine is the ``distributed`` part a plugin adds for its array library, in the
+entry-point group ``portattn.libraries`` (see :mod:`portattn.autograd`)::
 
-    [project.entry-points."portattn.distributed"]
-    torch = "portattn_torch._distributed"
+    [project.entry-points."portattn.libraries"]
+    torch = "portattn_torch._library"     # whose ``distributed`` is the engine
 
-The object it names has ``rank_and_size(group) -> (rank, size)`` (``rank`` None when
+The engine has ``rank_and_size(group) -> (rank, size)`` (``rank`` None when
 it is only known on the device, as inside JAX's ``shard_map``: the engine then runs
 :meth:`Problem.for_rank` of each rank in a branch, step by step with
 :func:`forward_step` and :func:`backward_step`),
@@ -27,7 +27,7 @@ raise the same error before any shard moves.
 
 from __future__ import annotations
 
-from .._wiring import DISTRIBUTED
+from .._lib import GROUP
 from ._agree import agree
 from ._compute import backward_step, forward_step
 from ._faults import gave_up
@@ -37,4 +37,3 @@ from ._strategies import STRATEGIES, Communicator, backward, forward
 __all__ = ["GROUP", "STRATEGIES", "Communicator", "Pair", "Problem", "agree", "backward",
            "backward_step", "forward", "forward_step", "gave_up", "visible_work"]
 
-GROUP = DISTRIBUTED

@@ -58,17 +58,18 @@ from ._blocks import BlockMask, BlockTables, block_mask
 from ._dense import Dense, Function
 from ._documents import Documents, ids_from_cu_seqlens
 from ._lengths import KeyLengths, Prefix, QueryLengths
+from ._queries import (
+    BandAndLengths,
+    BandAndTokens,
+    band_and_lengths,
+    band_and_tokens,
+    head_dependence,
+    intersection,
+    is_positional,
+)
 from ._ranges import KeyRanges, QueryRanges, SequenceWindow
 from ._show import show, text
 from ._sparse import BlockLayout, Chunks, GlobalTokens, SinkTokens
-from ._values import (
-    check_range,
-    dtype_text,
-    jax_tracer_type,
-    signed,
-    torch_compiling,
-    values_readable,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -80,6 +81,8 @@ __all__ = [
     "PARTIAL",
     "POSITIONAL",
     "Band",
+    "BandAndLengths",
+    "BandAndTokens",
     "BlockLayout",
     "BlockMask",
     "BlockTables",
@@ -101,20 +104,22 @@ __all__ = [
     "SinkTokens",
     "SlidingWindow",
     "Union",
+    "band_and_lengths",
+    "band_and_tokens",
     "block_layout",
     "block_mask",
     "combine_states",
     "causal",
-    "check_range",
     "chunks",
     "dense",
     "documents",
     "documents_from_cu_seqlens",
-    "dtype_text",
     "expand_to_rank",
     "function",
     "global_tokens",
-    "jax_tracer_type",
+    "head_dependence",
+    "intersection",
+    "is_positional",
     "key_lengths",
     "key_ranges",
     "leaves",
@@ -124,14 +129,11 @@ __all__ = [
     "sequence_causal",
     "sequence_window",
     "show",
-    "signed",
     "sink_tokens",
     "slice_tile",
     "tile_states",
     "sliding_window",
     "text",
-    "torch_compiling",
-    "values_readable",
 ]
 
 KINDS = ("causal", "sliding_window", "key_lengths", "query_lengths", "dense", "key_ranges",
@@ -669,3 +671,25 @@ def function(fn: Callable[..., Any], args: tuple[Any, ...] | None = None) -> Fun
     before_creating()
     return Function(fn, args=None if args is None else tuple(args) if isinstance(
         args, list) else args)
+
+
+#: Names this package exported before they moved, for a release: probes of array
+#: libraries live in :mod:`portattn.kernel` now, range checks stay private.
+_MOVED = {"dtype_text": "dtype_name", "jax_tracer_type": "jax_tracer_type",
+          "torch_compiling": "torch_compiling", "values_readable": "values_readable",
+          "signed": None, "check_range": None}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        msg = f"module 'portattn.masks' has no attribute {name!r}"
+        raise AttributeError(msg)
+    import warnings
+
+    from .. import _lib
+    from . import _values
+
+    new = _MOVED[name]
+    where = f"portattn.kernel.{new}" if new else "no public name (an internal check)"
+    warnings.warn(f"portattn.masks.{name} moved: {where}", DeprecationWarning, stacklevel=2)
+    return getattr(_lib, new) if new else getattr(_values, name)

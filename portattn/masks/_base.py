@@ -8,20 +8,19 @@ The kinds live in sibling modules that import this one and nothing back.
 
 from __future__ import annotations
 
-import sys
-import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._values import content_of, own_copy, torch_compiling
+from .._lib import own_copy, run_import_hooks
+from ._values import content_of
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["FULL", "HIDDEN", "PARTIAL", "POSITIONAL", "Band", "Grid", "Intersection", "Mask",
            "Union", "along", "band_states", "expand_to_rank", "interval_states", "leaves",
            "linear_index",
-           "LIBRARY_HOOKS", "per_batch", "per_position", "same_rank", "slice_tile",
+           "per_batch", "per_position", "same_rank", "slice_tile",
            "tile_states",
            "within"]
 
@@ -33,48 +32,11 @@ HIDDEN, PARTIAL, FULL = 0, 1, 2
 the smallest state of their parts and unions the largest."""
 
 
-LIBRARY_HOOKS = "portattn.masks"
-"""Entry-point group: a plugin names an array library's module (``jax``) and a function
-that makes masks that library's own (JAX: registers them as pytrees, so a mask can be
-an argument of a jitted function). It runs once, before the first mask built while
-that module is imported, whether or not the plugin's kernels were ever loaded."""
-
-_pending: dict[str, Any] | None = None
-"""Library module -> entry point of the hooks not run yet (None: not looked up yet)."""
-_hooks_lock = threading.Lock()
-
-
 def before_creating() -> None:
-    """Run the library hooks whose library is imported now (the public constructors
-    call this first: a compiler that stops tracing inside a hook then never holds a
-    half-built mask). Not while torch.compile traces: its graphs hold no other
-    library's arrays, and it cannot trace the lookup or the lock; the next mask built
-    outside runs them."""
-    global _pending
-    if torch_compiling():
-        return
-    if _pending is None:
-        from importlib.metadata import entry_points
-
-        with _hooks_lock:
-            if _pending is None:
-                _pending = {e.name: e for e in entry_points(group=LIBRARY_HOOKS)}
-    if not _pending:
-        return
-    ready = [name for name in list(_pending) if name in sys.modules]
-    for name in ready:
-        with _hooks_lock:  # masks built in several threads at once: one runs it
-            hook = _pending.pop(name, None)
-        if hook is not None:
-            try:
-                hook.load()()
-            except Exception as e:  # a broken plugin must not stop masks being built
-                import warnings
-
-                from ..errors import PluginWarning
-
-                warnings.warn(f"{LIBRARY_HOOKS} hook {hook.value!r} for {name} failed: "
-                              f"{type(e).__name__}: {e}", PluginWarning, stacklevel=3)
+    """What the public constructors call first: the ``on_import`` of every library
+    imported now runs before its first mask (JAX: masks become pytrees), so a compiler
+    that stops tracing inside one never holds a half-built mask."""
+    run_import_hooks()
 
 
 @dataclass(frozen=True)
@@ -309,13 +271,14 @@ def tile_states(hidden: Any, full: Any, xp: Any = None) -> Any:
     return xp.where(hidden, HIDDEN, xp.where(full, FULL, PARTIAL)).astype(xp.int8)
 
 
-def band_states(grid: Grid, lower: Any, upper: Any) -> Any:
+def band_states(grid: Grid, lower: Any, upper: Any, xp: Any = None, rank: int = 2) -> Any:
     """Tile states of ``lower <= j - i <= upper`` (``None``: unbounded). The bounds
-    may be arrays shaped ``(*batch, 1, 1, 1)``, one band per batch element."""
+    may be arrays shaped ``(*batch, 1, 1, 1)``, one band per batch element, of the
+    namespace ``xp`` (NumPy by default); the states have rank ``rank`` at least."""
     import numpy as np
 
-    smallest = grid.k_first[None, :] - grid.q_last[:, None]  # of j - i over each tile
-    largest = grid.k_last[None, :] - grid.q_first[:, None]
+    q_first, q_last, k_first, k_last = edges_at_rank(grid, rank)
+    smallest, largest = k_first - q_last, k_last - q_first  # of j - i over each tile
     hidden, full = np.zeros(smallest.shape, dtype=bool), np.ones(smallest.shape, dtype=bool)
     if lower is not None:
         hidden, full = hidden | (largest < lower), full & (smallest >= lower)
@@ -323,7 +286,7 @@ def band_states(grid: Grid, lower: Any, upper: Any) -> Any:
         hidden, full = hidden | (smallest > upper), full & (largest <= upper)
     if lower is not None and upper is not None:
         hidden = hidden | (lower > upper)  # an empty band
-    return tile_states(hidden, full)
+    return tile_states(hidden, full, xp)
 
 
 def interval_states(q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any, q_exact: Any = True,
@@ -408,7 +371,8 @@ class Mask:
       without reading data (the default range is every key; the default
       :meth:`covers` and :meth:`hides` ask :meth:`block_states` about the tile);
     - :meth:`band`: for positional kinds (:data:`POSITIONAL`), the band they allow;
-    - :attr:`arrays` and :meth:`with_arrays`: for kinds that hold arrays;
+    - :attr:`arrays` and :meth:`with_arrays`: for kinds that hold arrays, and where
+      those lie against the call's axes (:attr:`own_axes`, :attr:`pairs`);
     - :meth:`structure` and :meth:`key`: equality and hashing;
       :meth:`content_key`: the key under which block forms and other derived data
       are remembered across calls (override it for a kind whose pairs depend on
@@ -437,6 +401,13 @@ class Mask:
     """
 
     kind: ClassVar[str] = ""
+    own_axes: ClassVar[int | None] = 0
+    """Trailing axes of each of its arrays, once bound, that are the kind's own (ids
+    along positions: 1; a layout or a dense mask's pairs: 2); the leading ones run
+    along ``(*batch, H)``. None: arrays read whole (a mask function's arguments)."""
+    pairs: ClassVar[bool] = False
+    """Whether its array holds a value per (query, key) pair, ``Lq x Lk`` (dense masks):
+    read a tile at a time, never whole."""
 
     @property
     def parts(self) -> tuple[Mask, ...]:
@@ -513,6 +484,30 @@ class Mask:
 
         Built from the structure (and the host copies of small arrays) in time
         proportional to the number of tiles; what :func:`~portattn.masks.block_mask` reads."""
+        return None
+
+    def device_states(self, grid: Grid, xp: Any, rank: int,
+                      evaluate: Callable[[Mask], Any]) -> Any:
+        """The state of every tile of ``grid`` as an ``xp`` int8 array of rank ``rank``
+        (``(*batch, H, n_query_blocks, n_key_blocks)``, size-1 axes where the mask does
+        not vary), computed on the device from the mask's own arrays when their values
+        cannot be read on the host (JAX arrays while ``jax.jit`` traces).
+
+        Where the values can be read these are the host's states; a kind computes them
+        from its arrays with :meth:`~portattn.masks.Mask.array_states`, in time proportional to the tiles and
+        positions; ``evaluate(part)`` gives those of a part that has no such formula
+        (dense masks, layouts and mask functions: evaluated pair by pair, a way of the
+        caller's library)."""
+        host = self.block_states(grid)
+        if host is not None:
+            return full_rank(xp, xp.asarray(host), rank)
+        states = self.array_states(grid, xp, rank)
+        return full_rank(xp, evaluate(self) if states is None else states, rank)
+
+    def array_states(self, grid: Grid, xp: Any, rank: int) -> Any:
+        """The states of :meth:`~portattn.masks.Mask.device_states` from the mask's arrays
+        with ``xp`` (which need not be readable), or None when the kind has no formula
+        for them."""
         return None
 
     def key_range(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
@@ -681,6 +676,10 @@ class _Combination(Mask):
     def block_states(self, grid):
         return combine_states([p.block_states(grid) for p in self.members], self.union)
 
+    def device_states(self, grid, xp, rank, evaluate):
+        return combine_states([p.device_states(grid, xp, rank, evaluate)
+                               for p in self.members], self.union, xp)
+
     def allows(self, xp, b, h, q, k, lq, lk):
         allowed = None
         for p in self.members:
@@ -737,6 +736,14 @@ class Intersection(_Combination):
         if band is not None:
             states.append(band.block_states(grid))
         return combine_states(states, union=False)
+
+    def device_states(self, grid, xp, rank, evaluate):
+        band = self.band(grid.q_len, grid.kv_len)
+        states = [p.device_states(grid, xp, rank, evaluate) for p in self.members
+                  if p.kind not in POSITIONAL]
+        if band is not None:
+            states.append(full_rank(xp, xp.asarray(band.block_states(grid)), rank))
+        return combine_states(states, union=False, xp=xp)
 
     def key_range(self, q0, q1, lq, lk):
         lo, hi = 0, lk
@@ -888,6 +895,32 @@ def slice_tile(array: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
     return array[..., rows, cols]
 
 
+def full_rank(xp: Any, states: Any, rank: int) -> Any:
+    """``states`` with leading size-1 axes up to ``rank`` dims."""
+    return xp.reshape(states, (1,) * (rank - states.ndim) + tuple(states.shape))
+
+
+def edges_at_rank(grid: Grid, rank: int) -> tuple[Any, Any, Any, Any]:
+    """``(q_first, q_last, k_first, k_last)`` of ``grid`` laid out to broadcast at rank
+    ``rank``: query blocks ``(1, ..., nq, 1)``, key blocks ``(1, ..., 1, nk)``."""
+    q_shape, k_shape = (1,) * (rank - 2) + (-1, 1), (1,) * (rank - 2) + (1, -1)
+    return (grid.q_first.reshape(q_shape), grid.q_last.reshape(q_shape),
+            grid.k_first.reshape(k_shape), grid.k_last.reshape(k_shape))
+
+
+def blocked(xp: Any, values: Any, edges: Any) -> Any:
+    """``(..., L) -> (..., n_blocks, block)`` for blocks of equal size at ``edges`` (the
+    last one filled with its last value, which changes no minimum, maximum, any or
+    all)."""
+    block = int(edges[1] - edges[0]) if len(edges) > 1 else 1
+    count = len(edges) - 1
+    extra = count * block - values.shape[-1]
+    if extra > 0:
+        last = xp.broadcast_to(values[..., -1:], (*values.shape[:-1], extra))
+        values = xp.concat([values, last], axis=-1)
+    return xp.reshape(values, (*values.shape[:-1], count, block))
+
+
 def column(xp: Any, a: Any) -> Any:
     """``(*batch) -> (*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
     return xp.reshape(a, (*a.shape, 1, 1, 1))
@@ -922,13 +955,17 @@ class Aligned(Mask):
         """Absolute position of query 0."""
         return lk - lq + self.shift + self.origin
 
-    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
-        return replaced(self, shift=self.shift + q0 - k0 + (lk - lq) - ((k1 - k0) - (q1 - q0)),
-                        origin=self.origin + k0, **self._restricted_fields(xp, q0, q1, k0, k1))
+    @property
+    def whole_call(self) -> bool:
+        """Whether its positions are those of the call it meets: not a part cut from a
+        larger call by :meth:`Mask.restrict` (whose arrays, lengths or layout still
+        describe the whole, so the part's own sizes cannot check them)."""
+        return not (getattr(self, "cut", False) or self.shift or self.origin)
 
-    def _restricted_fields(self, xp: Any, q0: int, q1: int, k0: int, k1: int) -> dict:
-        """Fields that change besides the positions (none by default)."""
-        return {}
+    def restrict(self, xp, q0, q1, k0, k1, lq, lk):
+        # cut: for the kinds that keep one (a top-left part has no shift or origin)
+        return replaced(self, shift=self.shift + q0 - k0 + (lk - lq) - ((k1 - k0) - (q1 - q0)),
+                        origin=self.origin + k0, cut=True)
 
     def _position_text(self) -> str:
         moved = [f"{n}={getattr(self, n)}" for n in ("shift", "origin") if getattr(self, n)]

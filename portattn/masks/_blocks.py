@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from .._lib import torch_compiling
 from ._base import FULL, HIDDEN, PARTIAL, Grid
-from ._values import torch_compiling
 
 if TYPE_CHECKING:
     from ._base import Mask

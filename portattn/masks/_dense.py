@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from array_api_compat import is_dask_namespace
 
+from .._lib import check_beside, dtype_name, host_copy
 from ._base import Mask, expand_to_rank, linear_index, replaced, slice_tile, tile_states
-from ._values import array_argument, check_beside, dtype_text, host_copy
+from ._values import array_argument
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -66,6 +67,8 @@ class Dense(Mask):
     """
 
     kind: ClassVar[str] = "dense"
+    own_axes: ClassVar[int | None] = 2
+    pairs: ClassVar[bool] = True
     allowed: Any
     batch_shape: tuple[int, ...] | None = field(default=None, compare=False)
 
@@ -95,7 +98,7 @@ class Dense(Mask):
             hint = (" (scores to add go in bias=)" if floating else padding
                     or " (a 0/1 array: compare it, mask=allowed == 1)")
             msg = ("dense mask must have dtype bool (True = attend); got "
-                   f"dense.dtype={dtype_text(self.allowed.dtype)}{hint}")
+                   f"dense.dtype={dtype_name(self.allowed.dtype)}{hint}")
             raise TypeError(msg)
         try:
             full = expand_to_rank(xp, self.allowed, full_shape, "dense mask")
@@ -163,6 +166,7 @@ class Function(Mask):
     """
 
     kind: ClassVar[str] = "function"
+    own_axes: ClassVar[int | None] = None
     fn: Callable[..., Any]
     q_origin: int = 0
     k_origin: int = 0
@@ -217,7 +221,7 @@ class Function(Mask):
             probe = bound.tile(xp, 0, 1, 0, 1, lq, lk, device)
             if not xp.isdtype(probe.dtype, "bool"):
                 msg = ("a mask function must return a boolean array; got "
-                       f"dtype={dtype_text(probe.dtype)} from {_name(self.fn)}")
+                       f"dtype={dtype_name(probe.dtype)} from {_name(self.fn)}")
                 raise TypeError(msg)
         return bound
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Mask, interval_states, per_position, replaced
-from ._values import array_argument, dtype_text, host_copy, signed
+from .._lib import dtype_name, host_copy
+from ._base import Mask, blocked, interval_states, per_position, replaced, tile_states
+from ._values import array_argument, signed
 
 __all__ = ["DocumentPlan", "Documents", "ids_from_cu_seqlens"]
 
@@ -119,6 +120,7 @@ class Documents(Mask):
     """
 
     kind: ClassVar[str] = "documents"
+    own_axes: ClassVar[int | None] = 1
     query_ids: Any
     key_ids: Any
     plan: DocumentPlan | None = field(default=None, compare=False)
@@ -144,7 +146,7 @@ class Documents(Mask):
                                              ("key_ids", self.key_ids, lk, "Lk")):
             if not xp.isdtype(a.dtype, "integral"):
                 msg = (f"documents {name} must have an integer dtype; got "
-                       f"{name}.dtype={dtype_text(a.dtype)}")
+                       f"{name}.dtype={dtype_name(a.dtype)}")
                 raise TypeError(msg)
             shape = tuple(a.shape)
             if shape not in ((length,), (*batch_shape, length)):
@@ -161,6 +163,12 @@ class Documents(Mask):
         return replaced(self, query_ids=query_ids, key_ids=key_ids,
                         plan=DocumentPlan.of(*host), host=host)
 
+    def ids_on_host(self) -> tuple[Any, Any] | None:
+        """``(query_ids, key_ids)`` as NumPy arrays ``(*batch | 1, L)``, read when the
+        mask was bound to its call; None when they could not be read (traced, lazy) or
+        it is not bound."""
+        return self.host
+
     def block_states(self, grid):
         if self.host is None:
             return None
@@ -171,6 +179,16 @@ class Documents(Mask):
         k_lo, k_hi, k_exact = _block_ids(grid.reduce_k, k)
         states = interval_states(q_lo, q_hi, k_lo, k_hi, q_exact, k_exact)
         return states.reshape(*states.shape[:-2], 1, *states.shape[-2:])  # one for all heads
+
+    def array_states(self, grid, xp, rank):
+        # each block's smallest and largest id, where the ids are (traced)
+        q_lo, q_hi, q_exact = (x[..., None, :, None] for x in _id_extremes(
+            xp, self.query_ids, grid.q_edges))
+        k_lo, k_hi, k_exact = (x[..., None, None, :] for x in _id_extremes(
+            xp, self.key_ids, grid.k_edges))
+        hidden = (q_lo > q_hi) | (k_lo > k_hi) | (q_hi < k_lo) | (k_hi < q_lo)
+        full = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo) & q_exact & k_exact
+        return tile_states(hidden, full, xp)  # (*batch | 1, 1, nq, nk)
 
     def key_range(self, q0, q1, lq, lk):
         return (0, lk) if self.plan is None else self.plan.key_range(q0, q1)
@@ -215,7 +233,7 @@ def ids_from_cu_seqlens(cu_seqlens: Any, length: int) -> Any:
             or cu_seqlens.shape[-1] < 1:
         msg = ("cu_seqlens must be an integer array (*batch, n + 1) of cumulative "
                f"lengths; got cu_seqlens.shape={tuple(cu_seqlens.shape)}, "
-               f"dtype={dtype_text(cu_seqlens.dtype)}")
+               f"dtype={dtype_name(cu_seqlens.dtype)}")
         raise ValueError(msg)
     cu = signed(xp, cu_seqlens)
     positions = xp.arange(length, device=device(cu))
@@ -223,3 +241,13 @@ def ids_from_cu_seqlens(cu_seqlens: Any, length: int) -> Any:
     ids = xp.sum(xp.astype(ends <= positions, cu.dtype), axis=-2)
     inside = xp.logical_and(positions >= cu[..., :1], positions < cu[..., -1:])
     return xp.where(inside, ids, xp.full_like(ids, -1))
+
+
+def _id_extremes(xp: Any, ids: Any, edges: Any) -> tuple[Any, Any, Any]:
+    """Per block: the smallest and largest non-negative id (``lo > hi``: all padding),
+    and whether no position is padding."""
+    blocks = blocked(xp, ids, edges)
+    pad = blocks < 0
+    lo = xp.min(xp.where(pad, xp.iinfo(ids.dtype).max, blocks), axis=-1)
+    hi = xp.max(xp.where(pad, -1, blocks), axis=-1)
+    return lo, hi, xp.logical_not(xp.any(pad, axis=-1))

@@ -7,8 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._base import Aligned, Mask, along, column, per_batch, replaced, tile_states
-from ._values import array_argument, check_bounds, dtype_text, host_copy, signed
+from .._lib import dtype_name, host_copy
+from ._base import (
+    Aligned,
+    Mask,
+    along,
+    column,
+    edges_at_rank,
+    per_batch,
+    replaced,
+    tile_states,
+)
+from ._values import array_argument, check_bounds, signed
 
 __all__ = ["KeyLengths", "Prefix", "QueryLengths"]
 
@@ -42,7 +52,7 @@ class _Lengths(Mask):
         lengths = self.lengths
         if not xp.isdtype(lengths.dtype, "integral"):
             msg = (f"{self.kind} lengths must have an integer dtype; got "
-                   f"{self.kind}.dtype={dtype_text(lengths.dtype)}")
+                   f"{self.kind}.dtype={dtype_name(lengths.dtype)}")
             raise TypeError(msg)
         if tuple(lengths.shape) != tuple(batch_shape):
             msg = (f"{self.kind} lengths must have the batch shape of query, "
@@ -53,6 +63,11 @@ class _Lengths(Mask):
         if limit is not None:
             check_bounds(xp, lengths, *limit, what=self.kind)
         return replaced(self, lengths=lengths, host=host_copy(lengths))
+
+    def lengths_on_host(self) -> Any:
+        """The lengths as a NumPy array, read when the mask was bound to its call; None
+        when they could not be read (traced, lazy) or it is not bound."""
+        return self.host
 
     def column(self, xp: Any) -> Any:
         """The lengths as ``(*batch, 1, 1, 1)``: broadcasts against ``(*batch, H, tq, tk)``."""
@@ -76,10 +91,14 @@ class _PaddingLengths(_Lengths):
         host = None if self.host is None else (self.host - start).clip(0, stop - start)
         return replaced(self, lengths=lengths, host=host)
 
-    def _states(self, first: Any, last: Any) -> Any:
+    def _states(self, first: Any, last: Any, lengths: Any, xp: Any = None) -> Any:
         """States of blocks ``[first, last]`` along the padded axis, per batch element."""
-        lengths = self._host_column()
-        return None if lengths is None else tile_states(first >= lengths, last < lengths)
+        return None if lengths is None else tile_states(first >= lengths, last < lengths, xp)
+
+    def array_states(self, grid, xp, rank):
+        q_first, q_last, k_first, k_last = edges_at_rank(grid, rank)
+        first, last = (k_first, k_last) if self.kind == "key_lengths" else (q_first, q_last)
+        return self._states(first, last, self.column(xp), xp)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -104,7 +123,7 @@ class KeyLengths(_PaddingLengths):
         return along(xp, xp.arange(k0, k1, device=device), lengths.ndim, -1) < lengths
 
     def block_states(self, grid):
-        return self._states(grid.k_first[None, :], grid.k_last[None, :])
+        return self._states(grid.k_first[None, :], grid.k_last[None, :], self._host_column())
 
     def allows(self, xp, b, h, q, k, lq, lk):
         return k < per_batch(xp, self.lengths, b)
@@ -134,7 +153,7 @@ class QueryLengths(_PaddingLengths):
         return along(xp, xp.arange(q0, q1, device=device), lengths.ndim, -2) < lengths
 
     def block_states(self, grid):
-        return self._states(grid.q_first[:, None], grid.q_last[:, None])
+        return self._states(grid.q_first[:, None], grid.q_last[:, None], self._host_column())
 
     def allows(self, xp, b, h, q, k, lq, lk):
         return q < per_batch(xp, self.lengths, b)
@@ -166,12 +185,9 @@ class Prefix(_Lengths, Aligned):
     cut: bool = False
     """Cut from a larger call by :meth:`Mask.restrict` (its lengths are the whole's)."""
 
-    def _restricted_fields(self, xp, q0, q1, k0, k1):
-        return {"cut": True}
-
     def _limit(self, lq, lk):
         # Positions are those of the whole call: a part of it cannot check the end.
-        return None if self.cut or self.origin or self.shift else (lk, "prefix lengths", "Lk")
+        return (lk, "prefix lengths", "Lk") if self.whole_call else None
 
     def structure(self):
         return (self.kind, self.shift, self.origin)
@@ -190,14 +206,19 @@ class Prefix(_Lengths, Aligned):
 
     def block_states(self, grid):
         lengths = self._host_column()
-        if lengths is None:
-            return None
+        return None if lengths is None else self._states(grid, lengths, None, 2)
+
+    def array_states(self, grid, xp, rank):
+        return self._states(grid, self.column(xp), xp, rank)
+
+    def _states(self, grid: Any, lengths: Any, xp: Any, rank: int) -> Any:
         offset = self.query_offset(grid.q_len, grid.kv_len)
-        q_first, q_last = grid.q_first[:, None] + offset, grid.q_last[:, None] + offset
-        k_first, k_last = grid.k_first[None, :] + self.origin, grid.k_last[None, :] + self.origin
+        q_first, q_last, k_first, k_last = edges_at_rank(grid, rank)
+        q_first, q_last = q_first + offset, q_last + offset
+        k_first, k_last = k_first + self.origin, k_last + self.origin
         hidden = (q_last < 0) | (q_first >= lengths) | (k_first >= lengths)
         full = (q_first >= 0) & (q_last < lengths) & (k_last < lengths)
-        return tile_states(hidden, full)
+        return tile_states(hidden, full, xp)
 
     def __repr__(self) -> str:
         return f"prefix(shape={tuple(self.lengths.shape)}{self._position_text()})"

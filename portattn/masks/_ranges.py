@@ -19,18 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .._lib import host_copy
 from ._base import (
     Band,
     Mask,
     along,
     band_states,
     column,
+    edges_at_rank,
     per_batch,
     replaced,
     tile_states,
     within,
 )
-from ._values import array_argument, check_bounds, check_integer_array, host_copy, signed
+from ._values import array_argument, check_bounds, check_integer_array, signed
 
 __all__ = ["KeyRanges", "QueryRanges", "SequenceWindow"]
 
@@ -112,13 +114,23 @@ class _Ranges(Mask):
         host = None if self.host is None else tuple((a - lo).clip(0, hi - lo) for a in self.host)
         return replaced(self, start=cut(self.start), stop=cut(self.stop), host=host)
 
-    def _states(self, first: Any, last: Any) -> Any:
-        """States of blocks ``[first, last]`` along the ranged axis, per batch element."""
-        if self.host is None:
+    def _states(self, first: Any, last: Any, ranges: Any, xp: Any = None) -> Any:
+        """States of blocks ``[first, last]`` along the ranged axis, per batch element,
+        for ``ranges``: ``(start, stop)`` shaped ``(*batch, 1, 1, 1)``, or None."""
+        if ranges is None:
             return None
-        start, stop = (a.reshape(*a.shape, 1, 1, 1) for a in self.host)
+        start, stop = ranges
         hidden = (last < start) | (first >= stop) | (start >= stop)
-        return tile_states(hidden, (first >= start) & (last < stop))
+        return tile_states(hidden, (first >= start) & (last < stop), xp)
+
+    def _host_ranges(self) -> Any:
+        return None if self.host is None else tuple(a.reshape(*a.shape, 1, 1, 1)
+                                                    for a in self.host)
+
+    def array_states(self, grid, xp, rank):
+        q_first, q_last, k_first, k_last = edges_at_rank(grid, rank)
+        first, last = (k_first, k_last) if self.kind == "key_ranges" else (q_first, q_last)
+        return self._states(first, last, (column(xp, self.start), column(xp, self.stop)), xp)
 
     def __repr__(self) -> str:
         return f"{self.kind}(shape={tuple(self.start.shape)})"
@@ -156,7 +168,7 @@ class KeyRanges(_Ranges):
         return self._span(0, lk)
 
     def block_states(self, grid):
-        return self._states(grid.k_first[None, :], grid.k_last[None, :])
+        return self._states(grid.k_first[None, :], grid.k_last[None, :], self._host_ranges())
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         return q0 >= q1 or self._hidden(k0, k1)
@@ -201,7 +213,7 @@ class QueryRanges(_Ranges):
         return (0, 0) if self._hidden(q0, q1) else (0, lk)
 
     def block_states(self, grid):
-        return self._states(grid.q_first[:, None], grid.q_last[:, None])
+        return self._states(grid.q_first[:, None], grid.q_last[:, None], self._host_ranges())
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         return k0 >= k1 or self._hidden(q0, q1)
@@ -302,9 +314,16 @@ class SequenceWindow(Mask):
     def block_states(self, grid):
         if self.host is None:
             return None
-        offset = self.host.reshape(*self.host.shape, 1, 1, 1) + self.shift
+        return self._states(grid, self.host.reshape(*self.host.shape, 1, 1, 1), None, 2)
+
+    def array_states(self, grid, xp, rank):
+        return self._states(grid, column(xp, self.key_lengths - self.query_lengths), xp, rank)
+
+    def _states(self, grid: Any, offsets: Any, xp: Any, rank: int) -> Any:
+        """``offsets``: each sequence's ``key_lengths - query_lengths``, ``(*batch, 1, 1, 1)``."""
+        offset = offsets + self.shift
         return band_states(grid, None if self.left is None else offset - self.left,
-                           None if self.right is None else offset + self.right)
+                           None if self.right is None else offset + self.right, xp, rank)
 
     def _outer(self) -> Band | None:
         """Every pair some batch element allows lies in this band."""

@@ -15,6 +15,7 @@ import operator
 import textwrap
 from typing import Any
 
+from .._lib import host_copy
 from ._base import (
     FULL,
     HIDDEN,
@@ -27,7 +28,6 @@ from ._base import (
 )
 from ._blocks import block_mask
 from ._dense import Dense
-from ._values import host_copy
 
 __all__ = ["show", "text"]
 

@@ -22,16 +22,18 @@ from typing import Any, ClassVar
 
 from array_api_compat import device as device_of
 
+from .._lib import dtype_name, host_copy
 from ._base import (
     Aligned,
     along,
+    blocked,
     expand_to_rank,
     interval_states,
     linear_index,
     replaced,
     tile_states,
 )
-from ._values import array_argument, dtype_text, host_copy, signed
+from ._values import array_argument, signed
 
 __all__ = ["BlockLayout", "Chunks", "GlobalTokens", "SinkTokens"]
 
@@ -179,6 +181,7 @@ class GlobalTokens(Aligned):
     """
 
     kind: ClassVar[str] = "global_tokens"
+    own_axes: ClassVar[int | None] = 1
     positions: Any
     shift: int = 0
     origin: int = 0
@@ -201,14 +204,11 @@ class GlobalTokens(Aligned):
     def structure(self):
         return (self.kind, self.shift, self.origin)
 
-    def _restricted_fields(self, xp, q0, q1, k0, k1):
-        return {"cut": True}
-
     def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         positions = self.positions
         if not xp.isdtype(positions.dtype, "integral"):
             msg = ("global_tokens positions must have an integer dtype; got "
-                   f"positions.dtype={dtype_text(positions.dtype)}")
+                   f"positions.dtype={dtype_name(positions.dtype)}")
             raise TypeError(msg)
         shape = tuple(positions.shape)
         if len(shape) != 1 and shape[:-1] != tuple(batch_shape):
@@ -218,12 +218,16 @@ class GlobalTokens(Aligned):
         positions = signed(xp, positions)
         host = host_copy(positions)
         # Positions are those of the whole call: a part of it cannot check the end.
-        if host is not None and host.size and not (self.cut or self.origin or self.shift) \
-                and host.max() >= lk:
+        if host is not None and host.size and self.whole_call and host.max() >= lk:
             msg = (f"global_tokens positions must lie below Lk={lk} (negative ones are "
                    f"unused); got positions with max={int(host.max())}")
             raise ValueError(msg)
         return replaced(self, positions=positions, host=host)
+
+    def positions_on_host(self) -> Any:
+        """The positions as a NumPy array, read when the mask was bound to its call;
+        None when they could not be read (traced, lazy) or it is not bound."""
+        return self.host
 
     def _flags(self, xp: Any, positions: Any, first: int, last: int, device: Any) -> Any:
         """``(*lead, last - first)``: whether each position is a global token."""
@@ -271,6 +275,26 @@ class GlobalTokens(Aligned):
                              q_all[..., :, None] | k_all[..., None, :])
         return states if states.ndim == 2 else states[..., None, :, :]
 
+    def array_states(self, grid, xp, rank):
+        # per position, whether it is a global token, where the positions are (traced)
+        positions = self.positions  # (n,) or (*batch, n); negative entries are unused
+        lead = positions.shape[:-1]
+        chosen = positions[..., None, :]
+        found = []
+        for edges, first in ((grid.q_edges, self.query_offset(grid.q_len, grid.kv_len)),
+                             (grid.k_edges, self.origin)):
+            length = int(edges[-1])
+            index = xp.reshape(xp.arange(first, first + length, dtype=positions.dtype),
+                               (1,) * len(lead) + (length, 1))  # one rank: no promotion
+            flags = xp.any((index == chosen) & (chosen >= 0), axis=-1)  # (*lead, length)
+            per_block = blocked(xp, flags, edges)
+            found.append((xp.any(per_block, axis=-1), xp.all(per_block, axis=-1)))
+        (q_any, q_all), (k_any, k_all) = found
+        states = tile_states(xp.logical_not(q_any[..., :, None])
+                             & xp.logical_not(k_any[..., None, :]),
+                             q_all[..., :, None] | k_all[..., None, :], xp)
+        return states[..., None, :, :] if positions.ndim > 1 else states
+
     def __repr__(self) -> str:
         return f"global_tokens(shape={tuple(self.positions.shape)}{self._position_text()})"
 
@@ -300,6 +324,7 @@ class BlockLayout(Aligned):
     """
 
     kind: ClassVar[str] = "block_layout"
+    own_axes: ClassVar[int | None] = 2
     layout: Any
     block_q: int
     block_k: int
@@ -326,13 +351,10 @@ class BlockLayout(Aligned):
     def structure(self):
         return (self.kind, self.block_q, self.block_k, self.shift, self.origin, self.cut)
 
-    def _restricted_fields(self, xp, q0, q1, k0, k1):
-        return {"cut": True}
-
     def for_call(self, xp, batch_shape, num_heads, lq, lk, device=None):
         if not xp.isdtype(self.layout.dtype, "bool"):
             msg = ("block_layout layout must have dtype bool (True = attend); got "
-                   f"layout.dtype={dtype_text(self.layout.dtype)}")
+                   f"layout.dtype={dtype_name(self.layout.dtype)}")
             raise TypeError(msg)
         rows, cols = math.ceil(lk / self.block_q), math.ceil(lk / self.block_k)
         shape = tuple(self.layout.shape)

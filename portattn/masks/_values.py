@@ -1,23 +1,22 @@
-"""Reading the values masks hold: integer arrays checked wherever they can be read,
-kept in signed dtypes (arithmetic on unsigned lengths would wrap around), and copied
-to the host once so a block form can follow them.
+"""The values masks hold: arguments taken as arrays (or Python integers), integers
+checked wherever they can be read and kept in signed dtypes (arithmetic on unsigned
+lengths would wrap around), and a bound mask's values as a dictionary key.
 
 Values cannot be read while JAX traces, inside torch.compile, or from a lazy Dask
 graph; there the masks keep no copy and the kernels visit every tile the structure
 alone does not rule out, which stays correct. Reading an array on an accelerator waits
-for it. A leaf module: it imports nothing else of portattn.
+for it. What it knows of array libraries comes from :mod:`portattn._lib`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
-__all__ = ["CONTENT_BYTES", "Content", "array_argument", "check_beside", "check_bounds",
-           "check_integer_array", "check_range", "content_of", "device_kind", "dtype_text",
-           "host_copy", "jax_tracer_type", "namespace_name", "own_copy", "signed",
-           "torch_compiling", "values_readable"]
+from .._lib import device_text, dtype_name, host_copy, namespace_name, values_readable
+
+__all__ = ["CONTENT_BYTES", "Content", "array_argument", "check_bounds", "check_integer_array",
+           "check_range", "content_of", "signed"]
 
 
 def signed(xp: Any, lengths: Any) -> Any:
@@ -33,99 +32,16 @@ def signed(xp: Any, lengths: Any) -> Any:
 
     Example:
         >>> import numpy as np
-        >>> from portattn import masks
-        >>> masks.signed(np, np.array([3, 5], dtype=np.uint8)).dtype
+        >>> from portattn.masks._values import signed
+        >>> signed(np, np.array([3, 5], dtype=np.uint8)).dtype
         dtype('int32')
-        >>> masks.signed(np, np.array([3, 5], dtype=np.int16)).dtype
+        >>> signed(np, np.array([3, 5], dtype=np.int16)).dtype
         dtype('int16')
     """
     if not xp.isdtype(lengths.dtype, "unsigned integer"):
         return lengths
     bits = xp.iinfo(lengths.dtype).bits
     return xp.astype(lengths, xp.int32 if bits <= 16 else xp.int64)
-
-
-def jax_tracer_type() -> type | None:
-    """JAX's tracer class, when JAX is imported; never imports JAX itself.
-
-    Returns:
-        ``jax.core.Tracer``, or None when JAX is not imported (``jax.core`` itself
-        may not be in ``sys.modules``: recent JAX loads it lazily).
-
-    Example:
-        >>> import sys
-        >>> from portattn import masks
-        >>> masks.jax_tracer_type() is None or "jax" in sys.modules
-        True
-    """
-    import sys
-
-    jax = sys.modules.get("jax")
-    core = getattr(jax, "core", None) if jax is not None else None
-    return getattr(core, "Tracer", None)
-
-
-def values_readable(a: Any) -> bool:
-    """Whether ``a``'s values can be read now. Reading may still wait for a GPU.
-
-    Args:
-        a: an array of any library.
-
-    Returns:
-        False for a lazy Dask array, a JAX tracer, or a torch tensor while
-        torch.compile traces; True otherwise.
-
-    Example:
-        >>> import numpy as np
-        >>> from portattn import masks
-        >>> masks.values_readable(np.arange(3))
-        True
-    """
-    from array_api_compat import is_dask_array
-
-    if is_dask_array(a):
-        return False
-    tracer = jax_tracer_type()
-    if tracer is not None and isinstance(a, tracer):
-        return False
-    torch = sys.modules.get("torch")
-    tensor = getattr(torch, "Tensor", None)
-    return not (tensor is not None and isinstance(a, tensor) and torch_compiling())
-
-
-def torch_compiling() -> bool:
-    """Whether torch.compile is tracing now; never imports torch.
-
-    Returns:
-        ``torch.compiler.is_compiling()``; False when torch is not imported, or is
-        still being imported in another thread (its module then has no
-        ``compiler`` yet).
-
-    Example:
-        >>> from portattn import masks
-        >>> masks.torch_compiling()
-        False
-    """
-    torch = sys.modules.get("torch")
-    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return is_compiling is not None and bool(is_compiling())
-
-
-def host_copy(a: Any) -> Any:
-    """``a`` as a NumPy array on the host, or None when its values cannot be read now
-    (or NumPy is not installed: the block form is then the conservative one)."""
-    if not values_readable(a):
-        return None
-    try:
-        import numpy as np
-        from array_api_compat import to_device
-
-        try:
-            return np.asarray(a)
-        except (TypeError, RuntimeError, ValueError):
-            return np.asarray(to_device(a, "cpu"))
-    except Exception:  # e.g. no NumPy, or a library that cannot hand its values over
-        return None
 
 
 def check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
@@ -146,9 +62,9 @@ def check_range(xp: Any, lengths: Any, limit: int, kind: str) -> None:
 
     Example:
         >>> import numpy as np
-        >>> from portattn import masks
-        >>> masks.check_range(np, np.array([3, 8]), 8, "key_lengths")
-        >>> masks.check_range(np, np.array([3, 9]), 8, "key_lengths")
+        >>> from portattn.masks._values import check_range
+        >>> check_range(np, np.array([3, 8]), 8, "key_lengths")
+        >>> check_range(np, np.array([3, 9]), 8, "key_lengths")
         Traceback (most recent call last):
         ...
         ValueError: key_lengths lengths must lie in [0, Lk=8]; got key_lengths with min=3, max=9
@@ -176,7 +92,7 @@ def check_bounds(xp: Any, a: Any, limit: int, name: str, limit_name: str,
 def check_integer_array(xp: Any, a: Any, name: str, shape: tuple[int, ...]) -> Any:
     """``a`` checked to be integral with ``shape``; returned in a signed dtype."""
     if not xp.isdtype(a.dtype, "integral"):
-        msg = f"{name} must have an integer dtype; got {name}.dtype={dtype_text(a.dtype)}"
+        msg = f"{name} must have an integer dtype; got {name}.dtype={dtype_name(a.dtype)}"
         raise TypeError(msg)
     if tuple(a.shape) != tuple(shape):
         msg = f"{name} must have shape {tuple(shape)}; got {name}.shape={tuple(a.shape)}"
@@ -216,123 +132,6 @@ def _python_integers(value: Any) -> bool:
                for v in value)
 
 
-def own_copy(xp: Any, a: Any, device: Any = None) -> Any:
-    """The call's own copy of a mask's array, in the call's library ``xp`` on ``device``.
-
-    What a bound mask holds, so nothing the caller writes afterwards (in place, through
-    a view, DLPack or another library sharing the memory) reaches a block form built
-    from it or a backward that reads it. Immutable arrays (JAX) need no copy; arrays of
-    another library move through a NumPy copy on the host.
-    """
-    from array_api_compat import array_namespace, is_writeable_array
-
-    try:
-        same = namespace_name(array_namespace(a)) == namespace_name(xp)
-    except TypeError:
-        same = False
-    if not same:
-        import numpy as np
-
-        host = host_copy(a)
-        if host is None:
-            msg = (f"a mask's array of type {type(a).__name__} cannot be read to move it "
-                   f"to the query's library ({namespace_name(xp)})")
-            raise TypeError(msg)
-        return xp.asarray(np.array(host, copy=True), device=device)
-    moved = a if device is None or _device_text(a) == str(device) else _to_device(a, device)
-    if moved is not a or not is_writeable_array(a):
-        return moved
-    return xp.asarray(a, copy=True)
-
-
-def _device_of(a: Any) -> Any:
-    from array_api_compat import device
-
-    try:
-        return device(a)
-    except Exception:  # a tracer that carries no device while being traced
-        return None
-
-
-def _device_text(a: Any) -> str | None:
-    found = _device_of(a)
-    return None if found is None else str(found)
-
-
-def _to_device(a: Any, device: Any) -> Any:
-    from array_api_compat import to_device
-
-    return to_device(a, device)
-
-
-_device_kinds: dict[tuple[type, Any], str] = {}
-
-
-def device_kind(dev: Any) -> str:
-    """Normalised device kind: ``cpu``, ``cuda``, ..."""
-    key = (type(dev), dev)
-    try:
-        kind = _device_kinds.get(key)
-    except TypeError:  # unhashable: CuPy's Device defines == but no hash
-        return _device_kind(dev)
-    if kind is None:
-        kind = _device_kinds[key] = _device_kind(dev)
-    return kind
-
-
-def _device_kind(dev: Any) -> str:
-    kind = getattr(dev, "type", None)  # torch.device
-    if isinstance(kind, str):
-        return kind
-    platform = getattr(dev, "platform", None)  # jax Device
-    if isinstance(platform, str):
-        return "cuda" if platform == "gpu" else platform
-    text = str(dev).lower()
-    for known in ("cpu", "cuda", "rocm"):
-        if known in text:
-            return known
-    return text
-
-
-def check_beside(xp: Any, dev: Any, a: Any, what: str) -> None:
-    """``a`` must be an array of the call's library ``xp`` on the kind of device ``dev``.
-
-    Raises:
-        TypeError: ``a`` is not an array of that library.
-        ValueError: ``a`` is on another kind of device.
-    """
-    from array_api_compat import array_namespace
-
-    try:
-        other = array_namespace(a)
-    except TypeError as e:
-        msg = f"{what} must be an array of the query's library; got {type(a).__name__}"
-        raise TypeError(msg) from e
-    if namespace_name(other) != namespace_name(xp):
-        msg = (f"{what} must come from the query's library ({namespace_name(xp)}); "
-               f"got {namespace_name(other)}")
-        raise TypeError(msg)
-    a_dev = _device_of(a)
-    if a_dev is not None and dev is not None and device_kind(a_dev) != device_kind(dev):
-        msg = f"{what} must be on the query's device ({dev}); got {a_dev}"
-        raise ValueError(msg)
-
-
-_namespace_names: dict[str, str] = {}
-
-
-def namespace_name(xp: Any) -> str:
-    """Short library name of an array namespace: numpy, torch, jax, cupy, dask, ..."""
-    # keyed by the module's name: torch.compile cannot hash a module
-    full = xp.__name__
-    name = _namespace_names.get(full)
-    if name is None:
-        short = full.removeprefix("array_api_compat.")
-        name = {"dask.array": "dask", "jax.numpy": "jax"}.get(short, short.split(".")[0])
-        _namespace_names[full] = name
-    return name
-
-
 CONTENT_BYTES = 1 << 20
 """The most bytes of arrays a mask's content key reads (see :func:`content_of`)."""
 
@@ -350,7 +149,7 @@ def content_of(arrays: tuple[Any, ...]) -> Content | None:
         host = host_copy(a)
         if host is None:
             return None
-        found.append((namespace_name(array_namespace(a)), _device_text(a), host))
+        found.append((namespace_name(array_namespace(a)), device_text(a), host))
     return Content(tuple(found))
 
 
@@ -393,21 +192,3 @@ def _itemsize(a: Any) -> int:
     return size if isinstance(size, int) else 8
 
 
-def dtype_text(dtype: Any) -> str:
-    """A dtype's short name, for messages: ``float32`` whatever the library.
-
-    Args:
-        dtype: a dtype of any library.
-
-    Returns:
-        Its ``name`` when that is a string (NumPy, JAX), else the last dotted part
-        of ``str(dtype)`` (``torch.float32`` gives ``float32``).
-
-    Example:
-        >>> import numpy as np
-        >>> from portattn import masks
-        >>> masks.dtype_text(np.dtype("uint8"))
-        'uint8'
-    """
-    name = getattr(dtype, "name", None)
-    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]

@@ -13,7 +13,7 @@ from array_api_compat import (
     is_torch_array,
 )
 
-from .._inputs import device_kind, namespace_name
+from .._lib import device_kind, namespace_name
 
 __all__ = ["BACKEND_NAMES", "Backend", "get_backend", "to_numpy"]
 

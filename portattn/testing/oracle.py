@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._inputs import describe
-from .._reference import reference_attention
+from .._kernels import reference_attention
 from .backends import to_numpy
 
 __all__ = ["assert_close", "oracle", "tolerance"]

@@ -122,9 +122,9 @@ def _encode(mask: masks.Mask, block: Block, dense_numbers: Any) -> Any:
     if isinstance(mask, (masks.Intersection, masks.Union)):
         op = "&" if isinstance(mask, masks.Intersection) else "|"
         return op, tuple(_encode(m, block, dense_numbers) for m in mask.members)
-    if mask.kind == "dense":
+    if mask.pairs:  # a dense mask: the block's chunk arrives as a task input
         return DensePiece(next(dense_numbers))
-    if mask.kind == "function":
+    if isinstance(mask, masks.Function):
         return FunctionAt(mask.fn, block.batch_shape, block.block_batch, block.batch_start,
                           block.head_start, mask.q_origin, mask.k_origin, mask.args)
     if not mask.arrays:  # positions alone: a restricted kind fits any block

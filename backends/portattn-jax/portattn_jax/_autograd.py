@@ -1,4 +1,5 @@
-"""JAX autograd for the portable ``tiled`` kernel: entry point ``portattn.autograd:jax``.
+"""JAX autograd for the portable ``tiled`` kernel: what this plugin adds as JAX's
+``attach_autograd`` (``_library``).
 
 :func:`attach_autograd` runs the core's tiled forward inside a ``jax.custom_vjp``
 whose backward is the core's portable FlashAttention-2 backward, so JAX saves only

@@ -1,6 +1,6 @@
 """The JAX engine of :mod:`portattn.distributed`: a mesh axis inside ``shard_map``.
 
-Registered under the ``portattn.distributed`` entry point for the ``jax`` namespace;
+The ``distributed`` engine this plugin adds for JAX (``_library``);
 ``group`` is the name of the mesh axis the sequence is split along. Inside
 ``shard_map`` a rank's index is only known on the device, so each step of the schedule
 is a ``lax.switch`` over the ranks, each branch running that rank's visible pairs

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from portattn.masks import POSITIONAL
+from portattn import masks
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -36,34 +36,21 @@ __all__ = ["DENSE_SCORES", "band_and_tokens", "local_attention"]
 DENSE_SCORES = 1 << 27
 
 
-def _is_band(mask: Any) -> bool:
-    """Is ``mask`` a causal or sliding-window band, or an intersection of them?"""
-    if mask.kind == "intersection":
-        return all(p.kind in POSITIONAL for p in mask.members)
-    return mask.kind in POSITIONAL
-
-
 def band_and_tokens(inputs: AttentionInputs) -> tuple[Any, Any] | None:
     """``(band part, global_tokens part)`` of a call ``band | global_tokens(positions)``
     that the three parts compute; None for any other call."""
-    mask = inputs.mask
-    if mask is None or mask.kind != "union" or len(mask.members) != 2:
-        return None
     if inputs.bias is not None or inputs.dropout_p or inputs.sinks is not None \
             or inputs.alibi_slopes is not None:
         return None
-    tokens = [p for p in mask.members if p.kind == "global_tokens"]
-    bands = [p for p in mask.members if p.kind != "global_tokens" and _is_band(p)]
-    if len(tokens) != 1 or len(bands) != 1:
+    split = masks.band_and_tokens(inputs.mask)
+    if split is None or split.band is None or split.tokens is None:
         return None
-    if tokens[0].shift or tokens[0].origin:  # a part of a larger call
-        return None
-    n = tokens[0].positions.shape[-1]
+    n = split.tokens.positions.shape[-1]
     if math.prod(inputs.batch_shape) * inputs.num_heads * n * max(inputs.q_len,
                                                                    inputs.kv_len) \
             > DENSE_SCORES:
         return None  # the dense parts' scores would be too large: the block form
-    return bands[0], tokens[0]
+    return split.band, split.tokens
 
 
 def local_attention(inputs: AttentionInputs, band_mask: Any, tokens: Any,

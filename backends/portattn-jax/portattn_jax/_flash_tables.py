@@ -9,8 +9,10 @@ the compiled program.
 Where the mask's values can be read (eager calls) the tables come from the core's
 block form, built once per mask and grid on the host. Under a trace (``jax.jit``,
 ``vmap``: a mask passed as an argument or built inside the traced function) they come
-from block states built on the device from the traced arrays
-(:mod:`._device_states`), so packed documents and lengths still skip tiles there.
+from block states the masks compute in the compiled program from their traced arrays
+(``Mask.device_states``), so packed documents and lengths still skip tiles there;
+dense masks, layouts and mask functions are evaluated pair by pair, a query block at a
+time (what reading a dense mask costs anyway).
 
 The heads of a batch element share one table (merged states: a tile is hidden only
 where it is hidden for all of them): the loops compute all heads of a tile at once.
@@ -26,13 +28,15 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from portattn import masks
+from portattn.kernel import values_readable
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
 
     from ._flash_layout import FlashPlan
 
-__all__ = ["Tables", "call_tables", "device_tables", "host_tables", "per_element"]
+__all__ = ["Tables", "call_tables", "device_states", "device_tables", "host_tables",
+           "per_element"]
 
 
 class Tables(NamedTuple):
@@ -100,7 +104,7 @@ def device_tables(states: Any) -> Tables:
 
 def traced(mask: masks.Mask | None) -> bool:
     """Whether some array of ``mask`` cannot be read now (a tracer)."""
-    return mask is not None and not all(masks.values_readable(a) for a in mask.arrays)
+    return mask is not None and not all(values_readable(a) for a in mask.arrays)
 
 
 def call_tables(inputs: AttentionInputs, plan: FlashPlan) -> Tables:
@@ -109,9 +113,62 @@ def call_tables(inputs: AttentionInputs, plan: FlashPlan) -> Tables:
     batch_shape = tuple(inputs.batch_shape) if plan.per_batch else None
     if not _conservative(inputs.mask):
         return host_tables(blocks, batch_shape)
-    from ._device_states import device_states
-
     return device_tables(device_states(inputs, blocks, batch_shape))
+
+
+def device_states(inputs: AttentionInputs, blocks: masks.BlockMask,
+                  batch_shape: tuple[int, ...] | None = None) -> Any:
+    """``(n_q_blocks, n_kv_blocks)`` int8 states of ``inputs.mask`` computed on the
+    device, merged over batch elements and heads (hidden where hidden for all, full
+    where full for all); with a ``batch_shape``, merged over heads only,
+    ``(B, n_q_blocks, n_kv_blocks)``."""
+    import jax.numpy as jnp
+
+    grid = masks.Grid.uniform(blocks.q_len, blocks.kv_len, blocks.block_q, blocks.block_k)
+    shape = (blocks.num_q_blocks, blocks.num_kv_blocks)
+    states = inputs.mask.device_states(
+        grid, jnp, len(inputs.batch_shape) + 3,
+        lambda part: _evaluated(part, grid, inputs.batch_shape, inputs.num_heads))
+    if batch_shape is not None:
+        return per_element(jnp.broadcast_to(states, (*states.shape[:-2], *shape)),
+                           batch_shape, jnp)
+    lead = tuple(range(states.ndim - 2))
+    high, low = jnp.max(states, axis=lead), jnp.min(states, axis=lead)
+    merged = masks.tile_states(high == masks.HIDDEN, low == masks.FULL, jnp)
+    return jnp.broadcast_to(merged, shape)
+
+
+def _evaluated(part: masks.Mask, grid: masks.Grid, batch_shape: tuple[int, ...],
+               num_heads: int) -> Any:
+    """States from ``allows`` at every pair, one query block at a time, merged over
+    batch elements and heads right away."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    lq, lk = grid.q_len, grid.kv_len
+    bq, bk = int(grid.q_edges[1] - grid.q_edges[0]), int(grid.k_edges[1] - grid.k_edges[0])
+    nq, nk = len(grid.q_edges) - 1, len(grid.k_edges) - 1
+    flat = math.prod(batch_shape)
+    b = jnp.reshape(jnp.arange(flat, dtype=jnp.int32), (flat, 1, 1, 1))
+    h = jnp.reshape(jnp.arange(num_heads, dtype=jnp.int32), (1, num_heads, 1, 1))
+    keys = jnp.arange(nk * bk, dtype=jnp.int32)
+    k = jnp.reshape(jnp.minimum(keys, lk - 1), (1, 1, 1, -1))
+    valid_k = keys < lk
+
+    def one(a: Any) -> Any:
+        rows = a * bq + jnp.arange(bq, dtype=jnp.int32)
+        q = jnp.reshape(jnp.minimum(rows, lq - 1), (1, 1, -1, 1))
+        with jax.numpy_rank_promotion("allow"):  # masks broadcast by the array API's rules
+            allowed = jnp.asarray(part.allows(jnp, b, h, q, k, lq, lk), dtype=bool)
+        allowed = jnp.reshape(allowed, (-1, *(1, 1, *allowed.shape)[-2:]))
+        valid = (rows < lq)[:, None] & valid_k[None, :]
+        some = jnp.any(allowed & valid[None], axis=(0, 1))
+        every = jnp.all(allowed | ~valid[None], axis=(0, 1))
+        return masks.tile_states(~jnp.any(jnp.reshape(some, (nk, bk)), axis=-1),
+                                 jnp.all(jnp.reshape(every, (nk, bk)), axis=-1), jnp)
+
+    return lax.map(one, jnp.arange(nq, dtype=jnp.int32))
 
 
 def _conservative(mask: masks.Mask | None) -> bool:
@@ -125,4 +182,4 @@ def _conservative(mask: masks.Mask | None) -> bool:
 def _staging() -> bool:
     import jax.numpy as jnp
 
-    return not masks.values_readable(jnp.zeros((), jnp.int32))
+    return not values_readable(jnp.zeros((), jnp.int32))

@@ -21,9 +21,9 @@ _registered: set[type] = set()
 
 
 def register_mask_pytrees() -> None:
-    """Register every mask class with ``jax.tree_util`` (idempotent). Also the entry
-    point ``portattn.masks:jax``: the core runs it before the first mask built while
-    JAX is imported, whether or not kernels were ever discovered."""
+    """Register every mask class with ``jax.tree_util`` (idempotent). Also the
+    ``on_import`` this plugin adds for JAX: the core runs it before the first mask
+    built while JAX is imported, whether or not kernels were ever discovered."""
     from jax import tree_util
 
     for cls in _mask_classes(masks.Mask):

@@ -1,7 +1,7 @@
-"""Dropout seeds for JAX (entry point ``portattn.seeds:jax``): a typed PRNG key
-(``jax.random.key``) is taken as its key data; legacy keys (``jax.random.PRNGKey``)
-are integer arrays the core takes as they are. JAX has no global generator, so a
-call with dropout needs a key."""
+"""Dropout seeds for JAX (the ``seeds`` of the entry point ``portattn.libraries:jax``): a
+typed PRNG key (``jax.random.key``) is taken as its key data; legacy keys
+(``jax.random.PRNGKey``) are integer arrays the core takes as they are. JAX has no
+global generator, so a call with dropout needs a key."""
 
 from __future__ import annotations
 

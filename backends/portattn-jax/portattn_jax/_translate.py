@@ -20,12 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from portattn import masks
+
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
     from portattn.masks import Mask
-
-#: Kinds passed to JAX as arguments of their own (the rest become boolean arrays).
-_NATIVE = frozenset({"causal", "sliding_window", "key_lengths", "query_lengths"})
 
 __all__ = ["Band", "MaskSpec", "fold_mask"]
 
@@ -108,11 +107,9 @@ def fold_mask(inputs: AttentionInputs) -> MaskSpec:
     if mask is None:
         return MaskSpec()
     lq, lk = inputs.q_len, inputs.kv_len
-    band = mask.band(lq, lk)
+    split = masks.band_and_lengths(mask, lq, lk)
+    band = split.band
     if band is not None:
         # portattn's band is lower <= j - i <= upper; JAX's is i - left <= j <= i + right.
         band = Band(None if band.lower is None else -band.lower, band.upper).normalized(lq, lk)
-    return MaskSpec(band,
-                    tuple(p.lengths for p in mask.parts_of("key_lengths")),
-                    tuple(p.lengths for p in mask.parts_of("query_lengths")),
-                    tuple(p for p in mask.parts if p.kind not in _NATIVE))
+    return MaskSpec(band, split.key_lengths, split.query_lengths, split.rest)

@@ -1,5 +1,6 @@
-"""The ``portattn.autograd`` entry point for JAX: the ``tiled`` kernel differentiated
-with the core's flash backward, checked against the float64 textbook gradients."""
+"""What the plugin adds for JAX's autograd (entry point ``portattn.libraries:jax``): the
+``tiled`` kernel differentiated with the core's flash backward, checked against the
+float64 textbook gradients."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def backward_calls(monkeypatch):
 
 
 def test_entry_point_is_registered():
-    found = [ep for ep in entry_points(group="portattn.autograd") if ep.name == "jax"]
+    found = [ep for ep in entry_points(group="portattn.libraries") if ep.name == "jax"]
     assert len(found) == 1
-    assert found[0].load() is attach_autograd
+    assert found[0].load().attach_autograd is attach_autograd
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])

@@ -17,8 +17,12 @@ from portattn.testing.plugin import require_library
 
 jax = require_library("jax")
 jnp = require_library("jax.numpy")
-from portattn_jax._device_states import device_states  # noqa: E402
-from portattn_jax._flash_tables import device_tables, host_tables, per_element  # noqa: E402
+from portattn_jax._flash_tables import (  # noqa: E402
+    device_states,
+    device_tables,
+    host_tables,
+    per_element,
+)
 
 from portattn.kernel import describe  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The portable flash kernel's gradients in torch autograd.
 
-``attach_autograd`` is registered under the ``portattn.autograd`` entry point for the
-``torch`` namespace: the ``tiled`` kernel calls it for tensors that need gradients.
+``attach_autograd`` is what this plugin adds to portattn for torch's autograd
+(``_library``): the ``tiled`` kernel calls it for tensors that need gradients.
 The forward runs without recording (inside ``autograd.Function.forward``) and saves
 only ``query, key, value, bias, sinks, out, lse``; the backward is portattn's
 FlashAttention-2 pass, which recomputes each tile from the saved log-sum-exp. Memory

@@ -1,6 +1,6 @@
 """The ``torch.distributed`` engine of :mod:`portattn.distributed`.
 
-Registered under the ``portattn.distributed`` entry point for the ``torch`` namespace.
+The ``distributed`` engine this plugin adds for torch (``_library``).
 The schedule (ring or all-gather) and the math are portattn's, portable; this module
 supplies the collectives (point-to-point sends for the ring, started before each
 block's compute so they overlap with it; ``all_gather`` and ``reduce_scatter``) and the

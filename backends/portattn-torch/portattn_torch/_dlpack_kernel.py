@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from portattn import masks
-from portattn.kernel import Kernel
+from portattn.kernel import Kernel, jax_tracer_type
 
 from ._availability import torch_unavailable
 from ._sdpa_kernel import TorchSDPAKernel, sdpa_attention
@@ -49,7 +49,7 @@ class TorchSDPADLPackKernel(Kernel):
         if torch is not None and not hasattr(torch, "from_dlpack"):
             # another thread is importing it: its module exists, its functions not yet
             reasons.append("torch is still being imported (by another thread)")
-        tracer = masks.jax_tracer_type()
+        tracer = jax_tracer_type()
         if tracer is not None and isinstance(inputs.query, tracer):
             reasons.append("traced jax arrays (jit, grad, vmap) cannot be borrowed")
         # Byte order is part of a NumPy dtype, so this follows from the description.
@@ -69,7 +69,7 @@ def _arrays(inputs: AttentionInputs) -> list[tuple[str, Any]]:
     if inputs.bias is not None:
         named.append(("bias", inputs.bias))
     for part in () if inputs.mask is None else inputs.mask.parts:
-        named += [(part.kind, a) for a in part.arrays]
+        named += [(f"mask {part!r}", a) for a in part.arrays]
     return named
 
 

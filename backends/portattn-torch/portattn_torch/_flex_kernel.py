@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from portattn import masks
 from portattn.autograd import flash_forward
-from portattn.kernel import Kernel
+from portattn.kernel import Kernel, dtype_name
 from portattn.masks import KINDS
 
 from ._availability import torch_unavailable
@@ -167,7 +167,7 @@ def _bias_reasons(inputs: AttentionInputs) -> list[str]:
     if bias is None:
         return []
     reasons = []
-    name = masks.dtype_text(bias.dtype)
+    name = dtype_name(bias.dtype)
     if name not in (inputs.dtype, "float32"):
         reasons.append(f"bias dtype={name} with dtype={inputs.dtype} (flex adds a "
                        f"float32 or {inputs.dtype} bias)")
@@ -307,7 +307,7 @@ def _kind(inputs: AttentionInputs, guarded: bool, block: int) -> tuple:
     return (inputs.device, inputs.dtype, inputs.num_heads, inputs.num_kv_heads,
             inputs.head_dim, inputs.value_head_dim, inputs.scale,
             _structure(inputs.mask), inputs.softcap,
-            None if bias is None else (masks.dtype_text(bias.dtype),
+            None if bias is None else (dtype_name(bias.dtype),
                                        tuple(n == 1 for n in bias.shape[-3:])),
             None if slopes is None else all(n == 1 for n in slopes.shape[:-1]),
             inputs.num_heads != inputs.num_kv_heads, inputs.return_lse,

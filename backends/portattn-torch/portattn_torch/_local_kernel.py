@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from portattn import masks
 from portattn.kernel import Kernel
 
 from ._availability import aten_ops_missing, torch_unavailable
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 #: (1, 8, 16384, 64) float32 with a window of 512 on one CPU thread, chunks of 512 rows
 #: took 0.87x the time of chunks of 128, and chunks of 1024 1.9x).
 CHUNK = (128, 512)
-
-_BANDS = frozenset({"sliding_window", "causal"})
-
 
 class TorchLocalKernel(Kernel):
     """A window with global tokens on the CPU: window, global keys and global rows."""
@@ -79,8 +77,8 @@ class TorchLocalKernel(Kernel):
 
     @classmethod
     def dispatch_reasons(cls, inputs: AttentionInputs) -> list[str]:
-        kinds = {p.kind for p in _members(inputs.mask)}
-        if cls.needs_global_tokens and "global_tokens" not in kinds:
+        split = masks.band_and_tokens(inputs.mask)
+        if cls.needs_global_tokens and (split is None or split.tokens is None):
             return ["no global_tokens in the mask (torch_sdpa or torch_flex runs it)"]
         return []
 
@@ -90,36 +88,21 @@ class TorchLocalKernel(Kernel):
 
 
 
-def _members(mask: Any) -> tuple[Any, ...]:
-    if mask is None:
-        return ()
-    return mask.members if mask.kind == "union" else (mask,)
-
-
 def _structure_reason(mask: Any) -> str | None:
     """Why the mask is not a window or causal band joined to global tokens (either
     may be missing)."""
-    members = _members(mask)
-    bands = [p for p in members if p.kind in _BANDS]
-    tokens = [p for p in members if p.kind == "global_tokens"]
-    if len(bands) + len(tokens) != len(members) or len(bands) > 1 or len(tokens) > 1:
-        return "mask is not a sliding window or causal band | global_tokens(positions)"
-    if tokens and (tokens[0].shift or tokens[0].origin):
-        return "global_tokens of a restricted call (shift or origin)"
+    if masks.band_and_tokens(mask) is None:
+        return ("mask is not a sliding window or causal band | global_tokens(positions) "
+                "of this call")
     return None
 
 
 def _band(inputs: AttentionInputs) -> tuple[Any, Any]:
     """``(band or None, global_tokens part or None)``; no mask is an unbounded band."""
-    from portattn.masks import Band
-
     if inputs.mask is None:
-        return Band(None, None), None
-    members = _members(inputs.mask)
-    bands = [p.band(inputs.q_len, inputs.kv_len) for p in members if p.kind in _BANDS]
-    tokens = next((p for p in members if p.kind == "global_tokens"), None)
-    band = bands[0].normalized(inputs.q_len, inputs.kv_len) if bands else None
-    return band, tokens
+        return masks.Band(None, None), None
+    split = masks.band_and_tokens(inputs.mask)
+    return split.key_band(inputs.q_len, inputs.kv_len), split.tokens
 
 
 def local_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
@@ -148,7 +131,8 @@ def local_attention(inputs: AttentionInputs) -> tuple[Any, Any]:
     out, lse = _window(q, k, v, band, inputs.scale, lse_dtype)
     if tokens is None:
         return out[..., :dv].reshape(*lead, dv).to(dtype), lse.reshape(lead)
-    positions = np.asarray(tokens.host, dtype=np.int64).reshape(-1, tokens.host.shape[-1])
+    host = tokens.positions_on_host()
+    positions = np.asarray(host, dtype=np.int64).reshape(-1, host.shape[-1])
     rows = q.shape[0]
     groups = ([(slice(None), positions[0])] if len(positions) == 1
               else [(slice(b, b + 1), positions[b]) for b in range(rows)])
@@ -197,21 +181,21 @@ def _window(q: Any, k: Any, v: Any, band: Any, scale: float,
     last = lq if lower is None else min(lq, lk - lower)
     low, high = CHUNK
     chunk = high if lower is None or upper is None else min(high, max(low, upper - lower + 1))
-    masks: dict[tuple[int, int, int], Any] = {}
+    bands: dict[tuple[int, int, int], Any] = {}  # float masks, by the chunk's shape
     for q0 in range(first, last, chunk):
         q1 = min(q0 + chunk, last)
         k0 = 0 if lower is None else max(0, q0 + lower)
         k1 = lk if upper is None else min(lk, q1 + upper)
         key = (k0 - q0, q1 - q0, k1 - k0)
-        if key not in masks:
+        if key not in bands:
             diff = (torch.arange(k0, k1)[None, :] - torch.arange(q0, q1)[:, None])
             hidden = torch.zeros(diff.shape, dtype=torch.bool)
             if lower is not None:
                 hidden |= diff < lower
             if upper is not None:
                 hidden |= diff > upper
-            masks[key] = torch.zeros(diff.shape, dtype=q.dtype).masked_fill(hidden, -math.inf)
-        o, m = _flash(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, masks[key])
+            bands[key] = torch.zeros(diff.shape, dtype=q.dtype).masked_fill(hidden, -math.inf)
+        o, m = _flash(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, bands[key])
         out[:, :, q0:q1] = o
         lse[:, :, q0:q1] = m
     return out, lse

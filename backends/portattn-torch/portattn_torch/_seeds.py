@@ -1,4 +1,4 @@
-"""Dropout seeds for torch (entry point ``portattn.seeds:torch``): a call given no
+"""Dropout seeds for torch (the ``seeds`` this plugin adds for torch, ``_library``): a call given no
 ``dropout_seed`` draws one from torch's generator for the tensors' device, so
 ``torch.manual_seed`` makes it repeatable, as for torch's own dropout; an unsigned
 tensor seed (which torch cannot shift on the CPU) is handed to the core as signed

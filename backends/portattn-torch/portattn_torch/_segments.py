@@ -94,10 +94,11 @@ def plan_of(inputs: AttentionInputs) -> Plan | None:
     docs = () if mask is None else mask.parts_of("documents")
     if not docs:
         q_ids, k_ids = np.zeros((1, lq), dtype=np.int64), np.zeros((1, lk), dtype=np.int64)
-    elif docs[0].host is None:
+    elif docs[0].ids_on_host() is None:
         return None
     else:
-        q_ids, k_ids = (_flat(ids, n) for ids, n in zip(docs[0].host, (lq, lk), strict=True))
+        q_ids, k_ids = (_flat(ids, n) for ids, n in zip(docs[0].ids_on_host(), (lq, lk),
+                                                         strict=True))
     k_len = _limits(mask, "key_lengths", rows, lk)
     q_len = _limits(mask, "query_lengths", rows, lq)
     if k_len is None or q_len is None:
@@ -132,9 +133,10 @@ def _limits(mask: Any, kind: str, rows: int, length: int) -> list[int] | None:
 
     limit = np.full(rows, length, dtype=np.int64)
     for part in () if mask is None else mask.parts_of(kind):
-        if part.host is None:
+        host = part.lengths_on_host()
+        if host is None:
             return None
-        limit = np.minimum(limit, np.asarray(part.host).reshape(rows))
+        limit = np.minimum(limit, np.asarray(host).reshape(rows))
     return [int(n) for n in limit]
 
 

@@ -150,11 +150,11 @@ def test_discovery_loads_what_the_plugin_registers_for_torch(monkeypatch):
     import torch  # noqa: F401  (imported: its plugin's parts load with the kernels)
 
     import portattn
-    from portattn import _wiring
+    from portattn._lib import _plugins
 
-    for name in ("_attached", "_seeds", "_engines"):
-        monkeypatch.setattr(_wiring, name, {})
+    monkeypatch.setattr(_plugins, "_parts", {})
     portattn.refresh_kernels()
-    assert _wiring._attached["torch"] is not None
-    assert _wiring._seeds["torch"] is not None
-    assert _wiring._engines["torch"] is not None
+    parts = _plugins._parts["torch"]  # looked up by discovery, not by the call
+    assert parts.attach_autograd is not None
+    assert parts.seeds is not None
+    assert parts.distributed is not None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import backends as _backends
+from .work import attention_flops, causal_pairs
 
 if TYPE_CHECKING:
     from .backends import BenchBackend
@@ -64,27 +65,10 @@ class SweepConfig:
     """Skip a case whose peak memory is predicted above this (bytes); None: no limit."""
 
 
-def causal_pairs(q_len: int, kv_len: int) -> int:
-    """(query, key) pairs a bottom-right causal mask allows."""
-    offset = kv_len - q_len
-    return sum(min(kv_len, max(0, i + offset + 1)) for i in range(q_len))
-
-
 def flops(shape: Shape, q_len: int, kv_len: int, causal: bool) -> int:
     """Two GEMMs, 2 flops per multiply-add: ``2*B*H*pairs*(D + Dv)``."""
     pairs = causal_pairs(q_len, kv_len) if causal else q_len * kv_len
     return 2 * shape.batch * shape.heads * pairs * (shape.head_dim + shape.value_head_dim)
-
-
-def attention_flops(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-                    v_shape: tuple[int, ...], causal: bool) -> int:
-    """:func:`flops` of attention on arrays of these shapes ``(..., H, L, D)``."""
-    *lead, heads, q_len, head_dim = q_shape
-    rows = heads
-    for n in lead:
-        rows *= n
-    pairs = causal_pairs(q_len, k_shape[-2]) if causal else q_len * k_shape[-2]
-    return 2 * rows * pairs * (head_dim + v_shape[-1])
 
 
 @dataclass(frozen=True)

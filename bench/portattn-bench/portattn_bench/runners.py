@@ -164,7 +164,7 @@ class NumpySgemm(Runner):
                 causal: bool) -> Callable[[], Any]:
         import numpy as np
 
-        from .cases import attention_flops
+        from .work import attention_flops
 
         n = side(attention_flops(q.shape, k.shape, v.shape, causal))
         rng = np.random.default_rng(n)

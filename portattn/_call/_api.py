@@ -6,16 +6,15 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import masks
-from ._call_cache import described_and_chosen
-from ._dispatch import Plan, check_result, select
-from ._finite import distrust
-from ._inputs import describe, dtype_name
-from ._layout import from_kernel_layout, to_kernel_layout
+from .. import masks
+from .._dispatch import Plan, check_result, described_and_chosen, select
+from .._inputs import describe, from_kernel_layout, to_kernel_layout
+from .._kernels import distrust
+from .._lib import dtype_name
 
 if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
-    from .masks import Mask
+    from .._inputs import AttentionInputs
+    from ..masks import Mask
 
 __all__ = ["attention", "explain", "scaled_dot_product_attention"]
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
-from ._wiring import load_for_imported
-from .errors import PluginWarning
-from .kernel import Kernel
+from .._lib import load_for_imported
+from ..errors import PluginWarning
+from ..kernel import Kernel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -181,9 +181,8 @@ def order(entries: Iterable[KernelEntry]) -> list[KernelEntry]:
 
 
 def builtin_entries() -> list[KernelEntry]:
-    from . import __version__
-    from ._reference import ReferenceKernel
-    from ._tiled import TiledKernel
+    from .._kernels import ReferenceKernel, TiledKernel
+    from .._lib import VERSION as __version__
 
     return [KernelEntry(k.name, k(), CORE, __version__) for k in (ReferenceKernel, TiledKernel)]
 

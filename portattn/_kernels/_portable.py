@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_extra as xpx
 
-from . import dropout
-from .kernel import ANY, Kernel
-from .masks import KINDS, slice_tile, values_readable
+from .._lib import values_readable
+from ..kernel import ANY, Kernel
+from ..masks import KINDS, slice_tile
+from . import _dropout as dropout
 
 if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
+    from .._inputs import AttentionInputs
 
 
 class PortableKernel(Kernel):

@@ -8,6 +8,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._lib import torch_compiling
+from ..errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
 from ._registry import (
     KNOWN_PLUGINS,
     KernelEntry,
@@ -16,14 +18,12 @@ from ._registry import (
     kernel_entries,
 )
 from ._tune import measured_choice, tuned
-from .errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
-from .masks import torch_compiling
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ._inputs import AttentionInputs
-    from .kernel import Kernel
+    from .._inputs import AttentionInputs
+    from ..kernel import Kernel
 
 __all__ = ["Plan", "check_result", "choose", "compiling", "disable_kernels", "select",
            "use_kernel"]

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_extra as xpx
 
+from .._lib import values_readable
+from ._dropout import seed_word
 from ._portable import (
     add_rows,
     cast,
@@ -44,11 +46,9 @@ from ._portable import (
     ungroup,
 )
 from ._tiled import block_sizes
-from .dropout import seed_word
-from .masks import values_readable
 
 if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
+    from .._inputs import AttentionInputs
 
 __all__ = ["Gradients", "flash_backward"]
 

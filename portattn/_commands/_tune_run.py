@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._settings import trying
-from ._tune import (
+from .._dispatch import (
     BAND_SIZES,
     FORMAT,
     TUNE_ENV,
@@ -32,6 +31,7 @@ from ._tune import (
     machine,
     refresh,
 )
+from .._lib import trying_tuned
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -85,7 +85,7 @@ HOPELESS = 10
 
 
 def _mask(kind: str) -> Any:
-    from . import masks
+    from .. import masks
 
     return {"none": None, "causal": masks.causal()}[kind]
 
@@ -118,7 +118,7 @@ def _call(library: str, dtype: str, head_dim: int, mask: str, band_name: str,
     that dtype."""
     import importlib
 
-    from ._api import attention, explain
+    from .. import attention, explain
 
     lib = LIBRARIES[library]
     try:
@@ -168,7 +168,7 @@ def measure_settings(rows: Sequence[dict[str, Any]], *, repeats: int = 5,
     every measured call that kernel ran. The value with the smallest geometric mean of
     its time over the call's best time wins: ``{kernel: {setting: {"chosen": value,
     "ratios": {value: mean}}}}``."""
-    from ._registry import kernels
+    from .._dispatch import kernels
 
     found: dict[str, Any] = {}
     for entry in kernels():
@@ -198,14 +198,14 @@ def measure_settings(rows: Sequence[dict[str, Any]], *, repeats: int = 5,
 
 
 def _run_with(run: Callable[[str], Any], kernel: str, setting: str, value: Any) -> Any:
-    with trying(kernel, setting, value):
+    with trying_tuned(kernel, setting, value):
         return run(kernel)
 
 
 def _distribution_versions(libraries: Sequence[str]) -> dict[str, str]:
     """Versions of portattn, every kernel's distribution and the measured libraries."""
-    from . import __version__
-    from ._registry import kernels
+    from .. import __version__
+    from .._dispatch import kernels
 
     versions = {"portattn": __version__}
     versions.update({e.distribution: e.version for e in kernels()})

@@ -12,7 +12,7 @@ from typing import Any
 from array_api_compat import array_namespace, to_device
 from array_api_compat import device as device_of
 
-from ._inputs import dtype_name, namespace_name
+from ._arrays import dtype_name, namespace_name
 
 __all__ = ["check_like", "namespace", "place", "resolve_dtype", "safe_device", "to_host"]
 

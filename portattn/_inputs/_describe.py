@@ -14,44 +14,26 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
-from . import dropout as _dropout
-from . import masks as _masks
+from .. import masks as _masks
+from .._lib import (
+    check_beside,
+    check_seed,
+    device_kind,
+    dtype_name,
+    in_native_order,
+    is_native,
+    namespace_name,
+    needs_grad,
+    values_readable,
+)
 from ._layout import check_layout, shown
-from .masks import values_readable
-from .masks._values import check_beside, device_kind, namespace_name
 
 if TYPE_CHECKING:
-    from .masks import BlockMask, Mask
+    from ..masks import BlockMask, Mask
 
-__all__ = ["AttentionInputs", "describe", "device_kind", "dtype_name", "namespace_name",
-           "needs_grad"]
+__all__ = ["AttentionInputs", "describe"]
 
 _HALF = ("float16", "bfloat16")
-
-
-# Caches keyed by (type, dtype): a lookup compares keys of equal hash, and
-# array-api-strict warns when its dtypes are compared with NumPy's.
-_dtype_names: dict[tuple[type, Any], str] = {}
-
-
-def dtype_name(dtype: Any) -> str:
-    """``float32`` for numpy, torch, jax and array-api-strict dtypes alike."""
-    key = (type(dtype), dtype)
-    name = _dtype_names.get(key)
-    if name is None:
-        name = getattr(dtype, "name", None)  # NumPy dtypes: also byte-swapped ones (">f4")
-        name = name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
-        _dtype_names[key] = name
-    return name
-
-
-def needs_grad(arrays: tuple[Any, ...]) -> bool:
-    """Whether autograd will want gradients through ``arrays`` (None entries allowed)."""
-    # Duck-typed: a torch tensor that requires grad, or a JAX tracer (jit/grad/vmap).
-    if any(getattr(a, "requires_grad", False) is True for a in arrays):
-        return "torch" in sys.modules and sys.modules["torch"].is_grad_enabled()
-    tracer = _masks.jax_tracer_type()
-    return tracer is not None and any(isinstance(a, tracer) for a in arrays)
 
 
 class AttentionInputs(NamedTuple):
@@ -213,8 +195,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     arrays = {"query": query, "key": key, "value": value}
     xp = _common_namespace(arrays)
     dev = _common_device(arrays)
-    if not all(_native(a) for a in arrays.values()):
-        arrays = {n: _in_native_order(xp, a) for n, a in arrays.items()}
+    if not all(is_native(a) for a in arrays.values()):
+        arrays = {n: in_native_order(xp, a) for n, a in arrays.items()}
         query, key, value = arrays.values()
     _check_dtypes(xp, arrays)
     batch, hq, hkv, lq, lk, d, dv = _check_shapes(query, key, value, check_layout(layout))
@@ -230,7 +212,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         mask = mask.bind(xp, batch, hq, lq, lk, dev)  # the call's own copy
     if bias is not None:
         check_beside(xp, dev, bias, "bias")
-        bias = _in_native_order(xp, bias)
+        bias = in_native_order(xp, bias)
         if not xp.isdtype(bias.dtype, "real floating"):
             msg = f"bias must have a real floating dtype; got dtype={dtype_name(bias.dtype)}"
             raise TypeError(msg)
@@ -331,7 +313,7 @@ def _check_dropout_seed(xp: Any, dev: Any, seed: Any, namespace: str,
             msg = f"dropout_seed must be an int or an integer array; got {seed!r}"
             raise TypeError(msg)
         check_beside(xp, dev, seed, "dropout_seed")
-    seed = _dropout.check_seed(xp, seed, namespace)  # bools refused there
+    seed = check_seed(xp, seed, namespace)  # bools refused there
     return seed if dropout_p else None  # nothing is dropped
 
 
@@ -354,21 +336,6 @@ def _per_head(xp: Any, dev: Any, a: Any, name: str, batch: tuple[int, ...], head
                f"{(*batch, heads)}; got {name}.shape={shape}")
         raise ValueError(msg)
     return xp.reshape(a, (*(1,) * (len(batch) + 1 - len(shape)), *shape))
-
-
-def _native(a: Any) -> bool:
-    """Whether ``a``'s bytes are in the machine's order (only NumPy dtypes can say no)."""
-    return getattr(a.dtype, "isnative", True)
-
-
-def _in_native_order(xp: Any, a: Any) -> Any:
-    """``a``, or a copy in the machine's byte order (a big-endian NumPy array): kernels
-    compute and return native dtypes, and compiled loops take nothing else."""
-    if _native(a):
-        return a
-    # The dtype's own native twin: a namespace may lack the name (float16 is no Array
-    # API dtype, and array-api-compat's Dask namespace has none).
-    return xp.astype(a, a.dtype.newbyteorder("="))
 
 
 _namespaces: dict[tuple[type, ...], Any] = {}

@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
+    from .._inputs import AttentionInputs
 
 __all__ = ["distrust"]
 

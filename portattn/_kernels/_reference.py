@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._dropout import seed_word
 from ._portable import (
     PortableKernel,
     add_sinks,
@@ -23,10 +24,9 @@ from ._portable import (
     ungroup,
     with_empty_rows,
 )
-from .dropout import seed_word
 
 if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
+    from .._inputs import AttentionInputs
 
 
 class ReferenceKernel(PortableKernel):

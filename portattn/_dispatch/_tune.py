@@ -6,7 +6,7 @@ machine and writes the times to a small per-user file, with the machine and the
 versions of everything measured. Dispatch asks :func:`measured_choice` which of the
 kernels that can run a call was measured fastest for that call's band; without a
 usable file the declared priorities stand. The file also holds the value of each
-kernel's ``tunables`` timed fastest, which kernels read through ``_settings``.
+kernel's ``tunables`` timed fastest, which kernels read through ``Kernel.tuned``.
 
 A file from another machine (``foreign``), from other versions of the measured
 distributions or missing a kernel distribution installed since (``stale``) is ignored
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._lib import install_tuned_reader
 from ._registry import kernel_entries
-from ._settings import install as install_settings_reader
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ._inputs import AttentionInputs
+    from .._inputs import AttentionInputs
 
 __all__ = ["TUNE_ENV", "TuneWarning", "band", "call_key", "default_path", "environment_id",
            "installed_version", "machine", "measured_choice", "refresh", "table_in_use",
@@ -301,7 +301,7 @@ def _settings_in_use() -> dict[str, dict[str, Any]]:
     return {} if table is None else table.settings
 
 
-install_settings_reader(_settings_in_use)
+install_tuned_reader(_settings_in_use)
 
 
 def measured_choice(inputs: AttentionInputs, runnable: Sequence[str]) -> tuple[str, str] | None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from array_api_compat import array_namespace
 
-from ._inputs import dtype_name
+from .._lib import dtype_name
 from ._portable import with_empty_rows
 
 if TYPE_CHECKING:

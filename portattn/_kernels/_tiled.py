@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from .._lib import attach_for
+from ._dropout import seed_word, seed_words
 from ._portable import (
     PortableKernel,
     add_sinks,
@@ -30,12 +32,10 @@ from ._portable import (
     ungroup,
     with_empty_rows,
 )
-from ._wiring import attach_for
-from .dropout import seed_word, seed_words
 
 if TYPE_CHECKING:
-    from ._inputs import AttentionInputs
-    from .masks import BlockMask
+    from .._inputs import AttentionInputs
+    from ..masks import BlockMask
 
 #: Score-tile budget in elements across all batch and head rows: large tiles amortise
 #: per-call overhead, small ones stay in cache.

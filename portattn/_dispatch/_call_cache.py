@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._dispatch import choose, compiling, current_overrides
-from ._inputs import AttentionInputs, describe, needs_grad
+from .._inputs import AttentionInputs, describe
+from .._lib import needs_grad
+from ..masks import Mask
 from ._registry import kernel_entries
+from ._select import choose, compiling, current_overrides
 from ._tune import table_in_use
-from .masks import Mask
 
 if TYPE_CHECKING:
     from ._registry import KernelEntry

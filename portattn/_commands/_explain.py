@@ -13,8 +13,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .masks import Mask
-    from .testing import Backend
+    from ..masks import Mask
+    from ..testing import Backend
 
 __all__ = ["add_arguments", "run"]
 
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 when a kernel can run the call, 1 when none can, 2 when the
     options describe no call."""
-    from . import explain
+    from .. import explain
 
     try:
         backend = _backend(args.library, args.device)
@@ -102,7 +102,7 @@ def _positive(text: str) -> int:
 def _backend(library: str, device: str | None) -> Backend:
     """The test backend of ``library`` on ``device`` (``torch`` on ``cuda`` is
     ``torch_cuda``)."""
-    from .testing import BACKEND_NAMES, get_backend
+    from ..testing import BACKEND_NAMES, get_backend
 
     names = [library] if device is None else [f"{library}_{device}", library]
     name = next((n for n in names if n in BACKEND_NAMES), None)
@@ -183,7 +183,7 @@ class _Call:
         return combined
 
     def mask_part(self, spec: str) -> Mask:
-        from . import masks
+        from .. import masks
 
         kind, _, rest = spec.partition(":")
         values = [v for v in rest.split(":") if v] if rest else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LAYOUTS", "check_layout", "from_kernel_layout", "to_kernel_layout"]
+__all__ = ["LAYOUTS", "check_layout", "from_kernel_layout", "shown", "to_kernel_layout"]
 
 LAYOUTS = ("bhld", "blhd")
 """Heads before length (the kernels' own), and length before heads."""

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from array_api_compat import array_namespace
 
-from ._convert import check_like, safe_device
-from ._inputs import dtype_name
+from .._lib import check_like, dtype_name, safe_device
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -1,9 +1,9 @@
 """The values ``python -m portattn tune`` chose for kernels' ``tunables``, as kernels
 read them (``Kernel.tuned``).
 
-Apart from ``_tune``, which reads the tune file and knows the registry, so that
-``portattn.kernel`` depends on nothing of dispatch: ``_tune`` installs its reader here
-when it is imported (as ``import portattn`` does).
+Apart from dispatch's tune file, which knows the registry, so that
+:mod:`portattn.kernel` depends on nothing of dispatch: dispatch installs its reader
+here when it is imported (as ``import portattn`` does).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ kernel that ran and prints the largest difference from the float64 NumPy referen
 
 from __future__ import annotations
 
-from . import attention, explain, masks
+from .. import attention, explain, masks
 
 SHAPE_Q, SHAPE_KV = (2, 8, 256, 64), (2, 2, 256, 64)
 
@@ -15,7 +15,7 @@ SHAPE_Q, SHAPE_KV = (2, 8, 256, 64), (2, 2, 256, 64)
 def run_demo() -> int:
     import numpy as np
 
-    from .testing import BACKEND_NAMES, get_backend, to_numpy
+    from ..testing import BACKEND_NAMES, get_backend, to_numpy
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (SHAPE_Q, SHAPE_KV, SHAPE_KV))
