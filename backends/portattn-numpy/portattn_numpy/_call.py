@@ -1,5 +1,4 @@
-"""Running one call: the rule for non-finite values, then its plan (``_plan``) on the
-threads (``_threads``).
+"""One call: the rule for non-finite values, then the call planned and run (``_run``).
 
 A sliding window or causal band joined to global tokens (``band | global_tokens``,
 Longformer's and BigBird's local pattern) runs in three exact parts merged by their
@@ -19,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from portattn.masks import POSITIONAL
+from portattn import masks
+from portattn.masks import FULL
 
-from ._plan import build, hides_any_pair, useful_threads
-from ._strategy import work
+from ._run import planned
 from ._threads import get_num_threads, run_parallel
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ __all__ = ["attend"]
 def attend(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[Any, Any]:
     """``(out, lse)`` of the call, planned with ``config`` and score tiles of
     ``tile_bytes``."""
-    if not hides_any_pair(inputs, config):
+    if not _hides_any_pair(inputs, config):
         # every row weighs every value: NaN or inf among them reaches exactly the
         # rows that see them, and no pass over the values (a decode step's whole
         # cost) is needed to know it; a mask that hides nothing (causal, one
@@ -63,22 +62,20 @@ def attend(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[An
     return out, lse
 
 
+def _hides_any_pair(inputs: AttentionInputs, config: Config) -> bool:
+    """Can the mask or bias hide a key from a row? (Known from the block form alone.)"""
+    if inputs.bias is not None:
+        return True
+    if inputs.mask is None:
+        return False
+    return bool((inputs.blocks(*config.mask_grid).states != FULL).any())
+
+
 def _attend(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[Any, Any]:
     parts = _band_and_tokens(inputs, config)
     if parts is not None:
         return _in_three_parts(inputs, config, tile_bytes, *parts)
-    return _planned(inputs, config, tile_bytes)
-
-
-def _planned(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[Any, Any]:
-    threads = get_num_threads()  # a bad PORTATTN_NUMPY_THREADS fails here, clearly
-    plan = build(inputs, config, tile_bytes, threads)
-    p, strategy, units = plan.problem, plan.strategy, plan.units
-    if units:
-        run_parallel(lambda queue: work(p, config, strategy, plan.careful, queue), units,
-                     useful_threads(plan, config, threads),
-                     first=lambda: strategy.prepare(p, units))
-    return p.out, p.lse
+    return planned(inputs, config, tile_bytes)
 
 
 #: Scores of one unit of the global keys' part (a block of rows of the query heads that
@@ -86,36 +83,23 @@ def _planned(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[
 _GLOBAL_SCORES = 1 << 18
 
 
-def _is_band(mask: Any) -> bool:
-    """Is ``mask`` a causal or sliding-window band, or an intersection of them?"""
-    if mask.kind == "intersection":
-        return all(p.kind in POSITIONAL for p in mask.members)
-    return mask.kind in POSITIONAL
-
-
 def _band_and_tokens(inputs: AttentionInputs, config: Config) -> tuple[Any, Any] | None:
     """``(band part, global positions read on the host)`` of a mask ``band |
     global_tokens(positions)`` that the three parts compute; None for any other call."""
-    mask = inputs.mask
-    if not config.split_global_tokens or mask is None or inputs.bias is not None \
-            or mask.kind != "union" or len(mask.members) != 2:
+    if not config.split_global_tokens or inputs.bias is not None:
         return None
-    tokens = [p for p in mask.members if p.kind == "global_tokens"]
-    bands = [p for p in mask.members if p.kind != "global_tokens" and _is_band(p)]
-    if len(tokens) != 1 or len(bands) != 1:
+    split = masks.band_and_tokens(inputs.mask)
+    if split is None or split.band is None or split.tokens is None:
         return None
-    found = tokens[0]
-    # a part of a larger call (cut, or shift and origin) keeps the block form's way
-    if found.shift or found.origin or found.cut or found.host is None:
-        return None
-    return bands[0], np.asarray(found.host, dtype=np.int64)
+    positions = split.tokens.positions_on_host()
+    return None if positions is None else (split.band, np.asarray(positions, dtype=np.int64))
 
 
 def _in_three_parts(inputs: AttentionInputs, config: Config, tile_bytes: int,
                     band_mask: Any, positions: Any) -> tuple[Any, Any]:
     """``(out, lse)`` of ``band | global_tokens(positions)``: the band, then the global
     keys outside each row's band merged in, then the global rows put in place."""
-    out, lse = _planned(inputs._replace(mask=band_mask, mask_kinds=band_mask.kinds,
+    out, lse = planned(inputs._replace(mask=band_mask, mask_kinds=band_mask.kinds,
                                         return_lse=True), config, tile_bytes)
     lq, lk = inputs.q_len, inputs.kv_len
     band = band_mask.band(lq, lk)
@@ -218,7 +202,7 @@ def _global_rows(inputs: AttentionInputs, config: Config, tile_bytes: int,
                 hook(b or at, h, i, i + 1, k0, k1)
 
         config = dataclasses.replace(config, on_tile=on_tile)
-    o, m = _planned(part, config, tile_bytes)
+    o, m = planned(part, config, tile_bytes)
     if b:
         o, m = o[0], m[0]
     out[b][..., rows, :] = o

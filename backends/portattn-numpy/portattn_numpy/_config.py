@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "Config", "configured", "current", "machine_tile_bytes"]
 
-#: Every strategy, in the order they are tried (see ``_strategies``).
+#: Every strategy, in the order they are tried (see ``_strategy``).
 STRATEGIES = ("stacked", "diagonal", "tiles")
 #: ``_exponential.ORDER``, without importing NumPy.
 _EXPONENTIALS = ("exp2_compiled", "exp2", "exp_compiled", "exp")
@@ -156,6 +156,11 @@ class Config:
         if unknown:
             return f"strategies must be among {', '.join(STRATEGIES)}; got strategies={unknown}"
         return None
+
+    @property
+    def mask_grid(self) -> tuple[int, int]:
+        """``(rows, keys)`` of the tiles of the grid a mask's block form is read on."""
+        return self.mask_step, self.mask_chunk
 
     def score_tile_bytes(self, tuned: Any = None) -> int:
         """Bytes of one score tile: :attr:`tile_bytes`, else ``tuned`` (the size ``python

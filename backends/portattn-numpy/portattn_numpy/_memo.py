@@ -2,8 +2,8 @@
 
 The blocks of a unit, the diagonal shape of a mask and the plan of a unit along the
 diagonal depend on the mask's content key (``Mask.content_key``: its structure, and the
-values of its arrays), the shapes and the settings only; heads, batch elements, threads
-and later calls of that shape reuse them. Their keys hold the settings (``Config``), so
+values of its arrays), the shapes and the settings only; heads, batch elements and
+later calls of that shape reuse them. Their keys hold the settings (``Config``), so
 a block with other settings never sees another's plans. What one call keeps for itself
 alone (:class:`CallPlans`) lasts while it runs.
 """
@@ -11,7 +11,6 @@ alone (:class:`CallPlans`) lasts while it runs.
 from __future__ import annotations
 
 import sys
-import threading
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -67,15 +66,32 @@ class Store(Generic[T]):
 
 
 class CallPlans:
-    """What one call keeps while its threads work: the plans of its units, in a shared
-    :class:`Store` under ``shared`` (the settings, the mask's content key and the
-    shapes) where the mask has one, else in ``local``; and in ``local`` what it reads of
-    its mask once for every unit, and which thread is making which plan (``lock``)."""
+    """What one call keeps while it is planned: the plans of its units, in a
+    :class:`Store` shared by later calls under ``shared`` (the settings, the mask's
+    content key and the shapes) where the mask has one, else in ``local``; and in
+    ``local`` what it reads of its mask once for every unit."""
 
     def __init__(self, shared: tuple | None) -> None:
         self.shared = shared
         self.local: dict = {}
-        self.lock = threading.Lock()
+
+    def find(self, key: tuple) -> Any:
+        """The plan kept under ``key``, or None."""
+        if self.shared is not None:
+            return _unit_plans.find((self.shared, *key))
+        return self.local.get(key)
+
+    def keep(self, key: tuple, plan: Any) -> None:
+        """Keep ``plan`` under ``key``: for later calls too where the mask has a content
+        key."""
+        if self.shared is not None:
+            _unit_plans.put((self.shared, *key), plan)
+        else:
+            self.local[key] = plan
+
+
+#: Plans of units of masks with a content key, by shape and settings (``CallPlans``).
+_unit_plans: Store[Any] = Store("blocks of units")
 
 
 def size_of(value: Any, _seen: set[int] | None = None) -> int:

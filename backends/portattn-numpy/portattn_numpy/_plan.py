@@ -1,106 +1,34 @@
-"""Planning one call: NumPy views of the arrays, the mask's block form, tile sizes, the
-loops that compute it (``_loops``), the strategy (``_strategy``) and its units,
-costliest first."""
+"""Planning one call, in one place, before any loop runs: NumPy views of the arrays,
+the mask's block form, tile sizes, the loops that compute it (``_loops``), the strategy
+(``_strategy``) and its units, each with the blocks it computes, costliest first.
+
+The careful way has a plan of its own (:func:`careful`): the units the fast way could
+not trust, cut again into tiles.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from portattn.masks import FULL
-
-from . import _tiles
+from ._blocks import tile_units
 from ._exponential import BASE_2, chosen
-from ._loops import Loops, loops_for
+from ._loops import loops_for
 from ._memo import CallPlans
 from ._problem import Problem
 from ._strategy import choose
-from ._units import work
+from ._units import Plan, work
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
-    from portattn.masks import BlockMask
 
     from ._config import Config
-    from ._strategy import Strategy
-    from ._tiles import Tiles
     from ._units import Unit
 
-__all__ = ["Plan", "block_sizes", "build", "hides_any_pair", "mask_blocks",
-           "useful_threads"]
-
-
-class Plan(NamedTuple):
-    """One call, planned."""
-
-    problem: Problem
-    loops: Loops
-    strategy: Strategy
-    careful: Tiles
-    """Redoes the units the strategy's fast way cannot trust."""
-    units: list[Unit]
-    """Costliest first."""
-
-
-def mask_blocks(inputs: AttentionInputs, config: Config) -> BlockMask | None:
-    """The call's mask as blocks of ``Config.mask_step`` rows by ``Config.mask_chunk``
-    keys (built once per call, kept on the mask); None without a mask."""
-    if inputs.mask is None:
-        return None
-    return inputs.blocks(config.mask_step, config.mask_chunk)
-
-
-def hides_any_pair(inputs: AttentionInputs, config: Config) -> bool:
-    """Can the mask or bias hide a key from a row? (Known from the block form alone.)"""
-    if inputs.bias is not None:
-        return True
-    blocks = mask_blocks(inputs, config)
-    return blocks is not None and bool((blocks.states != FULL).any())
-
-
-def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads: int = 1,
-                threads: int = 1) -> tuple[int, int]:
-    """Query and key block lengths whose score tile holds ``elements`` entries.
-
-    Queries come in tiles of ``preferred_block_q`` rows, keys in blocks that fill the
-    rest of the tile, at most ``max_block_k``; behind a short key range queries fill
-    the tile, up to ``max_block_q``. Query tiles shrink when there would be too few
-    units to keep every thread busy.
-    """
-    want_tiles = math.ceil(config.min_units_per_thread * threads / max(heads, 1))
-
-    def rows(wanted: int) -> int:
-        if want_tiles > 1:
-            wanted = min(wanted, max(config.min_block_q, math.ceil(q_len / want_tiles)))
-        return max(1, min(wanted, q_len))
-
-    block_k = min(max(kv_len, 1), config.max_block_k,
-                  max(1, elements // rows(config.preferred_block_q)))
-    return rows(min(config.max_block_q, max(config.min_block_q, elements // block_k))), block_k
-
-
-def useful_threads(plan: Plan, config: Config, threads: int) -> int:
-    """How many of ``threads`` the plan's units can keep busy."""
-    p, heads = plan.problem, plan.strategy.heads
-    width = p.query.shape[-1] + p.value.shape[-1]
-    total = sum(work(len(heads(p, u.head)), u.q1 - u.q0, u.hi - u.lo, width)
-                for u in plan.units)
-    return max(1, min(threads, total // config.min_scores_per_thread))
-
-
-def _rows_ready(a: Any) -> bool:
-    """Can BLAS read the matrices of ``a`` in place (rows contiguous, one stride)?"""
-    size = a.itemsize
-    rows_ok = a.ndim < 2 or (a.strides[-2] % size == 0 and a.strides[-2] >= a.shape[-1] * size)
-    return a.strides[-1] == size and rows_ok and a.flags.aligned
-
-
-def _blas_ready(a: Any) -> Any:
-    """``a`` itself when BLAS can read its matrices in place, else a C-ordered copy."""
-    a = np.asarray(a)
-    return a if _rows_ready(a) else np.ascontiguousarray(a)
+__all__ = ["block_sizes", "build", "careful", "useful_threads"]
 
 
 def build(inputs: AttentionInputs, config: Config, tile_bytes: int, threads: int = 1) -> Plan:
@@ -131,14 +59,69 @@ def build(inputs: AttentionInputs, config: Config, tile_bytes: int, threads: int
         softcap=None if inputs.softcap is None else inputs.softcap * to_base,
         base2=base2, query_ready=_rows_ready(query),
         bias=None if inputs.bias is None else np.asarray(inputs.bias),
-        mask=mask, blocks=mask_blocks(inputs, config),
+        mask=mask, blocks=None if mask is None else inputs.blocks(*config.mask_grid),
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
         tile_elements=tile_elements,
     )
     loops = loops_for(config, exponential, query, value, inputs.softcap)
+    strategy = choose(problem, config, loops, threads)
     plans = CallPlans(shared)
-    strategy = choose(problem, config, loops, plans, threads)
-    units = [u for b in np.ndindex(*inputs.batch_shape) for u in strategy.units(problem, b)]
+    units = [u for b in np.ndindex(*inputs.batch_shape)
+             for u in strategy.units(problem, config, plans, b)]
     if problem.blocks is not None:  # units of unequal cost: the costliest first
         units.sort(key=lambda u: (u.q1 - u.q0) * (u.hi - u.lo), reverse=True)
-    return Plan(problem, loops, strategy, _tiles.careful(config, loops, plans), units)
+    return Plan(problem, loops, strategy, units, False, config, plans)
+
+
+def careful(plan: Plan, untrusted: list[Unit]) -> Plan:
+    """The plan that redoes ``untrusted`` units of ``plan`` (of any strategy) the careful
+    way: their heads and rows in query tiles, each against the keys it reaches."""
+    p = plan.problem
+    units = []
+    for unit in untrusted:
+        b, h, q0, q1 = unit[:4]
+        tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
+        units += tile_units(p, plan.plans, b, range(h, h + unit.heads), tiles)
+    return dataclasses.replace(plan, units=units, careful=True)
+
+
+def block_sizes(q_len: int, kv_len: int, elements: int, config: Config, *, heads: int = 1,
+                threads: int = 1) -> tuple[int, int]:
+    """Query and key block lengths whose score tile holds ``elements`` entries.
+
+    Queries come in tiles of ``preferred_block_q`` rows, keys in blocks that fill the
+    rest of the tile, at most ``max_block_k``; behind a short key range queries fill
+    the tile, up to ``max_block_q``. Query tiles shrink when there would be too few
+    units to keep every thread busy.
+    """
+    want_tiles = math.ceil(config.min_units_per_thread * threads / max(heads, 1))
+
+    def rows(wanted: int) -> int:
+        if want_tiles > 1:
+            wanted = min(wanted, max(config.min_block_q, math.ceil(q_len / want_tiles)))
+        return max(1, min(wanted, q_len))
+
+    block_k = min(max(kv_len, 1), config.max_block_k,
+                  max(1, elements // rows(config.preferred_block_q)))
+    return rows(min(config.max_block_q, max(config.min_block_q, elements // block_k))), block_k
+
+
+def useful_threads(plan: Plan, threads: int) -> int:
+    """How many of ``threads`` the plan's units can keep busy."""
+    p = plan.problem
+    width = p.query.shape[-1] + p.value.shape[-1]
+    total = sum(work(u.heads, u.q1 - u.q0, u.hi - u.lo, width) for u in plan.units)
+    return max(1, min(threads, total // plan.config.min_scores_per_thread))
+
+
+def _rows_ready(a: Any) -> bool:
+    """Can BLAS read the matrices of ``a`` in place (rows contiguous, one stride)?"""
+    size = a.itemsize
+    rows_ok = a.ndim < 2 or (a.strides[-2] % size == 0 and a.strides[-2] >= a.shape[-1] * size)
+    return a.strides[-1] == size and rows_ok and a.flags.aligned
+
+
+def _blas_ready(a: Any) -> Any:
+    """``a`` itself when BLAS can read its matrices in place, else a C-ordered copy."""
+    a = np.asarray(a)
+    return a if _rows_ready(a) else np.ascontiguousarray(a)

@@ -1,9 +1,7 @@
 """One call as plain data: its NumPy arrays, scale, softcap, mask and the sizes it is
-cut into.
+cut into; and one head's view of an array that broadcasts over the heads.
 
-What computes it is kept apart: the settings (``_config.Config``), the loops
-(``_loops.Loops``), the plans a call keeps while it runs (``_memo.CallPlans``) and the
-strategy (``_strategy``) are handed to whatever needs them beside the problem.
+How it is computed is kept apart, in its plan (``_units.Plan``, made by ``_plan``).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from portattn.masks import BlockMask, Mask
 
-__all__ = ["Problem"]
+__all__ = ["Problem", "head_view"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +50,9 @@ class Problem:
     block_k: int
     tile_elements: int
     """Entries of one score tile (``Config.score_tile_bytes`` over the item size)."""
+
+
+def head_view(full: Any, b: tuple[int, ...], h: int) -> Any:
+    """The ``(Lq|1, Lk|1)`` slice of a full-rank broadcastable array for one head."""
+    lead = tuple(0 if size == 1 else i for i, size in zip(b, full.shape[:-3], strict=True))
+    return full[(*lead, 0 if full.shape[-3] == 1 else h)]

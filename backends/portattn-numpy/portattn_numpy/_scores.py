@@ -1,7 +1,7 @@
 """Score tiles: their memory, computing them, masking them, turning them into weights
 and their sums, and checking the fast way's sums.
 
-Shared by the strategies (``_tiles``, ``_diagonal``, ``_stacked``). Tiles are kept
+Shared by the loops (``_tiles``, ``_diagonal``, ``_stacked``). Tiles are kept
 keys by queries (OpenBLAS's AVX2 kernels run ``k @ q.T`` faster than ``q @ k.T`` for
 these thin shapes), except those of the compiled blocks (``_compiled_blocks``).
 """
@@ -118,41 +118,24 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
     return out
 
 
-def pack(blocks: list[Block]) -> tuple[Any, Any, Any]:
-    """``(spans, masks, hidden)``: ``blocks`` as the compiled loops read them. ``spans``
-    holds ``(k0, k1, r0, r1)`` rows; ``masks`` a row ``(block, key offset, row offset,
-    keys, rows, start)`` for each mask, in block order, whose entries (queries by keys)
-    start at ``hidden[start]``."""
-    spans = np.array([block[:4] for block in blocks], np.int64).reshape(-1, 4)
-    table, parts, start = [], [], 0
-    for i, (*_, masks) in enumerate(blocks):
-        for key, row, hidden in masks:
-            table.append((i, key, row, hidden.shape[1], hidden.shape[0], start))
-            parts.append(hidden.ravel())
-            start += hidden.size
-    return (spans, np.array(table, np.int64).reshape(-1, 6),
-            np.concatenate(parts) if parts else np.zeros(0, bool))
-
-
 def accumulate_compiled(compiled: CompiledBlocks, on_tile: Callable[..., Any] | None,
                         tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any, acc: Any,
-                        sums: Any, blocks: list[Block], *, first_writes: bool,
-                        unit: tuple[tuple[int, ...], int, int],
-                        packed: tuple[Any, Any, Any] | None = None) -> None:
+                        sums: Any, blocks: list[Block], packed: tuple[Any, Any, Any], *,
+                        first_writes: bool, unit: tuple[tuple[int, ...], int, int]) -> None:
     """``blocks`` the fast way, in one ``compiled`` call: the weights of keys ``k0:k1``
     for rows ``r0:r1`` of ``alpha * q`` (0 where the block's masks hide them) times the
     values, added to those rows of ``acc``, and their sums to ``sums`` (``first_writes``:
-    the first block covers every row and writes them). ``tile``: the memory of the
+    the first block covers every row and writes them). ``packed``: the blocks as the
+    compiled loops read them (``UnitBlocks.packed``); ``tile``: the memory of the
     scores, here queries by keys; ``unit``: ``(batch index, head, first row)``, for the
-    ``on_tile`` hook (``Config.on_tile``), called first for every block; ``packed``: the
-    blocks already packed (:func:`pack`)."""
+    ``on_tile`` hook (``Config.on_tile``), called first for every block."""
     if on_tile is not None:
         b, h, q0 = unit
         for k0, k1, r0, r1, _ in blocks:
             on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
     keys = max(k1 - k0 for k0, k1, *_ in blocks)
     span, stride = tile.span(max(r1 - r0 for _, _, r0, r1, _ in blocks), keys)
-    spans, masks, hidden = pack(blocks) if packed is None else packed
+    spans, masks, hidden = packed
     compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, masks, hidden,
                         first_writes=first_writes)
 
@@ -163,16 +146,16 @@ def finish_fast(compiled: CompiledBlocks | None, acc: Any, sums: Any, keys: int,
     None) if :func:`trustworthy` (with ``keys`` keys); False, writing nothing, if not.
     ``acc``: C-contiguous, its first columns those of ``out`` (more may follow).
     ``compiled``: the compiled blocks, whose last step does it in one call, or None."""
-    if compiled is not None:
-        return compiled.finish(acc, sums, _TINY[sums.dtype] * keys, out,
-                               _NO_LSE[sums.dtype] if lse is None else lse)
-    acc = acc[:, :out.shape[-1]]
-    if not trustworthy(sums, acc, keys):
-        return False
-    np.divide(acc, sums[:, None], out=out)
-    if lse is not None:
-        np.log(sums, out=lse)
-    return True
+    if compiled is None:
+        acc = acc[:, :out.shape[-1]]
+        if not trustworthy(sums, acc, keys):
+            return False
+        np.divide(acc, sums[:, None], out=out)
+        if lse is not None:
+            np.log(sums, out=lse)
+        return True
+    return compiled.finish(acc, sums, _TINY[sums.dtype] * keys, out,
+                           _NO_LSE[sums.dtype] if lse is None else lse)
 
 
 def add_bias(tile: Any, bias: Any) -> None:

@@ -4,8 +4,8 @@ A fresh large array comes from the operating system, and its first touch costs a
 fault per 4 KiB page, zeroing included: in calls of small heads, stacked into new
 arrays, page faults would take a good share of the time. So each thread keeps its
 scratch buffers, by name and dtype, grown to the largest size asked for, and held
-while the thread lives. The strategies share the names ``unit.*`` (a thread runs one
-strategy at a time), and the units redone carefully beside them use ``careful.*``:
+while the thread lives. The loops share the names ``unit.*`` (a thread runs one
+strategy at a time), and the units redone carefully after them use ``careful.*``:
 what a thread holds is what one call needed of it, about two score tiles (a few MiB).
 
 Buffers of a MiB or more start on a 2 MiB boundary and ask the system for 2 MiB pages

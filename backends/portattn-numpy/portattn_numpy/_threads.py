@@ -143,10 +143,9 @@ def _set_blas_threads(library: Any, count: int) -> None:
 
 
 def run_parallel(worker: Callable[[Iterator[Any]], None], units: list[Any],
-                 threads: int, first: Callable[[], None] | None = None) -> None:
+                 threads: int) -> None:
     """Run ``worker`` on ``threads`` threads (the caller and ``threads - 1`` from the pool);
-    each pulls units from one shared queue. ``first``: what the caller does before it
-    takes units, while the pool's threads already work (plans they would wait for).
+    each pulls units from one shared queue.
 
     A worker allocates its scratch once and then takes units until none are left, so
     uneven units (causal rows) balance themselves.
@@ -160,8 +159,6 @@ def run_parallel(worker: Callable[[Iterator[Any]], None], units: list[Any],
         pool = _executor(threads - 1)
         futures = [pool.submit(_drain, worker, queue) for _ in range(used - 1)]
         try:
-            if first is not None:
-                _drain(lambda _: first(), queue)
             _drain(worker, queue)  # the caller works too instead of waiting
         finally:
             for future in futures:

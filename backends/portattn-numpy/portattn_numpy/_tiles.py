@@ -1,4 +1,5 @@
-"""The ``tiles`` strategy: one query tile of one head against its keys.
+"""The loop of tiles: one query tile of one head against the blocks planned for it
+(``_blocks``), the fast way or the careful way.
 
 Each key block costs two BLAS products and a few in-place ufunc passes over a score
 tile that stays near the core (``_scores.ScoreTile``). Without a bias the scores are
@@ -9,97 +10,45 @@ exponential (``_exponential``). Two ways through a unit:
   over its whole normal range, so this is as accurate as subtracting the max as long
   as nothing overflows and each row's largest term stays a normal number. Afterwards
   the row sums tell whether that held; if not, the unit is computed again the careful
-  way (``Tiles.redo_carefully``, called by ``_strategy.work``).
+  way (in a plan of its own, ``_plan.careful``, run by ``_run``).
 * careful: the online softmax of flash attention (running row max, rescaled sums).
   The untrusted units of every strategy are redone this way, in tiles.
 
 Exponentials, masks and row sums come from ``ScoreTile.weights`` (one compiled pass
 where Numba is installed); the careful way sets masked entries to ``-inf`` before its
 max. Where Numba and NumPy's BLAS allow, the fast way's blocks, their masks included,
-run in one compiled call, and its last step in another (``_compiled_blocks``). Which blocks
-a unit computes, and which entries are masked, is decided in ``_blocks`` from the
-mask's block form.
+run in one compiled call, and its last step in another (``_compiled_blocks``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from portattn.masks import slice_tile
 
-from ._blocks import unit_blocks
-from ._mask_tiles import head_view
+from ._problem import head_view
 from ._scores import ScoreTile, accumulate_compiled, add_bias, finish_fast, hide, scores
 from ._scratch import take
-from ._units import row_ranges, units_for
 
 if TYPE_CHECKING:
-    from ._config import Config
+    from collections.abc import Callable
+
     from ._loops import Loops
-    from ._memo import CallPlans
     from ._problem import Problem
-    from ._units import Block, Unit
+    from ._units import Block, Plan, Unit
 
-__all__ = ["Tiles", "careful", "plan"]
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """Query tiles of ``block_q`` rows, each against the keys its rows reach; also how
-    the units of every strategy are redone carefully (:meth:`redo_carefully`)."""
-
-    rows: tuple[tuple[int, int], ...]
-    config: Config
-    loops: Loops
-    plans: CallPlans
-    name = "tiles"
-
-    def units(self, p: Problem, b: tuple[int, ...]) -> list[Unit]:
-        return units_for(p, b, range(p.query.shape[-3]), self.rows)
-
-    def prepare(self, p: Problem, units: list[Unit]) -> None:
-        for unit in units:  # in the order the workers take them
-            unit_blocks(p, self.plans, *unit[:4])
-
-    def heads(self, p: Problem, h: int) -> range:
-        return range(h, h + 1)
-
-    def scratch(self, p: Problem) -> _Scratch:
-        return _Scratch(p, "unit")
-
-    def attend(self, p: Problem, s: _Scratch, unit: Unit) -> bool:
-        return _attend(p, self, s, *unit, careful=False)
-
-    def careful_scratch(self, p: Problem) -> _Scratch:
-        """Buffers to redo any strategy's units in tiles, carefully."""
-        return _Scratch(p, "careful")
-
-    def redo_carefully(self, p: Problem, s: _Scratch, unit: Unit, heads: range) -> None:
-        """A unit of any strategy (``heads``: its query heads), again in tiles,
-        carefully."""
-        b, _, q0, q1, _, _ = unit
-        tiles = [(t0, min(q1, t0 + p.block_q)) for t0 in range(q0, q1, p.block_q)]
-        for tile in units_for(p, b, heads, tiles):
-            _attend(p, self, s, *tile, careful=True)
+__all__ = ["Scratch", "attend"]
 
 
-def plan(p: Problem, config: Config, loops: Loops, plans: CallPlans, threads: int) -> Tiles:
-    return Tiles(tuple(row_ranges(p.q_len, p.block_q)), config, loops, plans)
+class Scratch:
+    """One worker's buffers for every unit of a plan (``role``: ``unit`` for the fast
+    way, ``careful`` for units redone carefully), kept for later calls."""
 
-
-def careful(config: Config, loops: Loops, plans: CallPlans) -> Tiles:
-    """Tiles that only redo the units of another strategy, carefully."""
-    return Tiles((), config, loops, plans)
-
-
-class _Scratch:
-    """One worker's buffers for every unit of a call (``role``: ``unit`` for the
-    ``tiles`` strategy, ``careful`` for units redone carefully), kept for later calls."""
-
-    def __init__(self, p: Problem, role: str) -> None:
+    def __init__(self, plan: Plan) -> None:
+        p = plan.problem
+        role = "careful" if plan.careful else "unit"
         dt, tq, tk, dv = p.query.dtype, p.block_q, p.block_k, p.value.shape[-1]
         self.q = take(f"{role}.q", (tq, p.query.shape[-1]), dt)
         self.tile = ScoreTile(f"{role}.scores", tk, tq, dt)
@@ -109,18 +58,19 @@ class _Scratch:
         self.rows = take(f"{role}.rows", (5, tq), dt)
 
 
-def _attend(p: Problem, t: Tiles, s: _Scratch, b: tuple[int, ...], h: int, q0: int, q1: int,
-            lo: int, hi: int, *, careful: bool) -> bool:
-    """One tile; the fast way returns False, writing nothing, when it is not trusted."""
+def attend(plan: Plan, s: Scratch, unit: Unit) -> bool:
+    """One tile, the way ``plan`` says; the fast way returns False, writing nothing,
+    when it is not trusted."""
+    p, loops, on_tile, careful = plan.problem, plan.loops, plan.config.on_tile, plan.careful
+    b, h, q0, q1, lo, hi, _, planned = unit
     n = q1 - q0
-    plan = unit_blocks(p, t.plans, b, h, q0, q1)
-    blocks = plan.blocks
+    blocks = planned.blocks
     if not blocks:
         return True  # out is already 0 and lse -inf
     query = p.query[(*b, h, slice(q0, q1))]
     k = p.key[(*b, h // p.group)]
     v = p.value[(*b, h // p.group)]
-    compiled = t.loops.compiled
+    compiled = loops.compiled
     if not careful and compiled is not None:
         # every block in one compiled call, masks included; where BLAS can read the
         # queries in place, the product scales them
@@ -131,13 +81,13 @@ def _attend(p: Problem, t: Tiles, s: _Scratch, b: tuple[int, ...], h: int, q0: i
         if not first_writes:
             acc[:] = 0
             sums[:] = 0
-        accumulate_compiled(compiled, t.config.on_tile, s.tile, alpha, q, k, v, acc, sums,
-                            blocks, first_writes=first_writes, unit=(b, h, q0),
-                            packed=plan.packed)
+        accumulate_compiled(compiled, on_tile, s.tile, alpha, q, k, v, acc, sums,
+                            blocks, planned.packed, first_writes=first_writes,
+                            unit=(b, h, q0))
     else:
         q = np.multiply(query, p.factor, out=s.q[:n])
-        _accumulate(p, t, s, q, k, v, b, h, q0, q1, blocks, careful=careful)
-    first, end = plan.first, plan.end  # the other rows keep out 0 and lse -inf
+        _accumulate(p, loops, on_tile, s, q, k, v, b, h, q0, q1, blocks, careful=careful)
+    first, end = planned.first, planned.end  # the other rows keep out 0 and lse -inf
     if not careful:
         rows = (*b, h, slice(q0 + first, q0 + end))
         return finish_fast(compiled, s.acc[first:end], s.rows[0, first:end], hi - lo,
@@ -149,9 +99,9 @@ def _attend(p: Problem, t: Tiles, s: _Scratch, b: tuple[int, ...], h: int, q0: i
     return True
 
 
-def _accumulate(p: Problem, t: Tiles, s: _Scratch, q: Any, k: Any, v: Any,
-                b: tuple[int, ...], h: int, q0: int, q1: int, blocks: list[Block], *,
-                careful: bool) -> None:
+def _accumulate(p: Problem, loops: Loops, on_tile: Callable[..., Any] | None, s: Scratch,
+                q: Any, k: Any, v: Any, b: tuple[int, ...], h: int, q0: int, q1: int,
+                blocks: list[Block], *, careful: bool) -> None:
     """The blocks' weights times values into ``s.acc``, their sums into ``s.rows[0]``,
     by NumPy's calls; ``q`` are the scaled queries."""
     n = q1 - q0
@@ -165,7 +115,6 @@ def _accumulate(p: Problem, t: Tiles, s: _Scratch, q: Any, k: Any, v: Any,
         sums[:] = 0
     m[:] = -np.inf
     bias = None if p.bias is None else head_view(p.bias, b, h)
-    on_tile, loops = t.config.on_tile, t.loops
     for i, (k0, k1, r0, r1, masks) in enumerate(blocks):
         if on_tile is not None:
             on_tile(b, h, q0 + r0, q0 + r1, k0, k1)
@@ -210,7 +159,7 @@ def _finite(m: Any) -> Any:
     return np.where(np.isneginf(m), 0, m)
 
 
-def _finish(p: Problem, s: _Scratch, b: tuple[int, ...], h: int, q0: int, first: int,
+def _finish(p: Problem, s: Scratch, b: tuple[int, ...], h: int, q0: int, first: int,
             end: int, shift: Any) -> None:
     """The careful way's last step for the unit's rows ``first:end`` (``shift``: each
     row's max, in base e)."""

@@ -1,32 +1,57 @@
-"""Units, the pieces of work a call is cut into, and the keys their rows reach.
+"""A call's plan as the loops read it: the units of work, each with the blocks it
+computes, and the plan that holds them.
 
-The mask's block form (``Problem.blocks``: which tiles of a fine grid are hidden, full
-or partial, per batch element and head where the mask varies) decides that range
-before any arithmetic: a unit keeps the rows of its query tile that see some tile, and
-``lo:hi`` bounds the keys those rows see. Units with nothing to attend are never
-created; their rows keep output 0 and lse ``-inf``.
+``_plan`` makes a plan once per call, on the calling thread; the loops (``_tiles``,
+``_diagonal``, ``_stacked``, run by ``_run``) only read it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from portattn.masks import HIDDEN
-
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
+    from ._config import Config
+    from ._loops import Loops
+    from ._memo import CallPlans
     from ._problem import Problem
 
-__all__ = ["KEY_ROW_SCORES", "Block", "Unit", "lead_index", "row_ranges", "units_for",
-           "unit_states", "work"]
+__all__ = ["KEY_ROW_SCORES", "Block", "Plan", "Unit", "UnitBlocks", "pack", "work"]
+
+
+Block = tuple[int, int, int, int, list[Any]]
+"""``(k0, k1, r0, r1, masks)``: keys ``k0:k1`` against a unit's rows ``r0:r1``, with
+``masks`` the entries to hide: ``(key offset, row offset, hidden)``, ``hidden`` queries
+by keys, True where masked (``_blocks`` plans them)."""
+
+
+@dataclass(frozen=True)
+class UnitBlocks:
+    """What one unit computes, rows counted from its first row."""
+
+    blocks: list[Block]
+    """In key order; none when the unit attends nothing."""
+    first: int
+    end: int
+    """Rows ``first:end`` attend some key; the others keep output 0 and lse ``-inf``
+    (rows between them that attend nothing are left to the careful way)."""
+    squares: int = 0
+    """Diagonal squares from row 0 (``_diagonal``): rows ``0:squares*size`` are
+    computed in stacked products before ``blocks``; 0 for units of tiles."""
+
+    @cached_property
+    def packed(self) -> tuple[Any, Any, Any]:
+        """The blocks as the compiled loops read them (:func:`pack`), made once."""
+        return pack(self.blocks)
 
 
 class Unit(NamedTuple):
-    """Query rows ``q0:q1`` of one head of one batch element against keys ``lo:hi``
-    (for stacked heads, ``head`` is the first of the run)."""
+    """Query rows ``q0:q1`` of ``heads`` heads from ``head`` of one batch element against
+    keys ``lo:hi``, and what it computes (``blocks``: None for stacked heads, computed
+    whole)."""
 
     batch: tuple[int, ...]
     head: int
@@ -34,12 +59,43 @@ class Unit(NamedTuple):
     q1: int
     lo: int
     hi: int
+    heads: int = 1
+    blocks: UnitBlocks | None = None
 
 
-Block = tuple[int, int, int, int, list[Any]]
-"""``(k0, k1, r0, r1, masks)``: keys ``k0:k1`` against a unit's rows ``r0:r1``, with
-``masks`` the entries to hide: ``(key offset, row offset, hidden)``, ``hidden`` queries
-by keys, True where masked (``_blocks`` plans them)."""
+@dataclass(frozen=True)
+class Plan:
+    """One call, planned: every decision the loops follow, made before they start."""
+
+    problem: Problem
+    loops: Loops
+    strategy: Any
+    """The way chosen (``_strategy``: ``Tiles``, ``Along`` or ``Stacked``), with what its
+    loop reads; the careful way's plan keeps the strategy it redoes."""
+    units: list[Unit]
+    """Costliest first."""
+    careful: bool
+    """Whether the units are tiles redone the careful way (``_plan.careful``)."""
+    config: Config
+    plans: CallPlans
+    """The plans of units this call made or found, kept for its careful way."""
+
+
+def pack(blocks: list[Block]) -> tuple[Any, Any, Any]:
+    """``(spans, masks, hidden)``: ``blocks`` as the compiled loops read them. ``spans``
+    holds ``(k0, k1, r0, r1)`` rows; ``masks`` a row ``(block, key offset, row offset,
+    keys, rows, start)`` for each mask, in block order, whose entries (queries by keys)
+    start at ``hidden[start]``."""
+    spans = np.array([block[:4] for block in blocks], np.int64).reshape(-1, 4)
+    table, parts, start = [], [], 0
+    for i, (*_, masks) in enumerate(blocks):
+        for key, row, hidden in masks:
+            table.append((i, key, row, hidden.shape[1], hidden.shape[0], start))
+            parts.append(hidden.ravel())
+            start += hidden.size
+    return (spans, np.array(table, np.int64).reshape(-1, 6),
+            np.concatenate(parts) if parts else np.zeros(0, bool))
+
 
 #: Reading one key's and value's rows costs about as much as this many scores: a
 #: decode step has few scores but a whole cache to read. (Set so that a decode step over
@@ -53,71 +109,3 @@ def work(heads: int, rows: int, keys: int, width: int) -> int:
     """What ``heads`` heads of ``rows`` queries against ``keys`` keys cost, in scores
     at head dim 64 (``width``: ``D + Dv`` of the call)."""
     return heads * keys * (rows + KEY_ROW_SCORES) * width // _WIDTH
-
-
-def row_ranges(rows: int, step: int, square: int = 1) -> list[tuple[int, int]]:
-    """``rows`` cut into ranges of ``step`` rows, each starting on a whole ``square``;
-    rows past the last whole square join the last range."""
-    whole = rows // square * square
-    ranges = [(q0, min(whole, q0 + step)) for q0 in range(0, whole, step)]
-    if whole < rows:
-        ranges[-1:] = [(ranges[-1][0] if ranges else 0, rows)]
-    return ranges
-
-
-def lead_index(states: Any, b: tuple[int, ...], h: int) -> tuple[int, ...]:
-    """Where batch element ``b`` and head ``h`` read the block form's ``states``, whose
-    leading axes broadcast against ``(*batch, H)`` (an axis of size 1 is shared)."""
-    lead = states.shape[:-2]
-    if not lead:
-        return ()
-    at = (*b, h)[-len(lead):]
-    return tuple(0 if size == 1 else i for i, size in zip(at, lead, strict=True))
-
-
-def unit_states(p: Problem, lead: tuple[int, ...], q0: int, q1: int) -> tuple[Any, Any]:
-    """``(states, edges)``: the fine tiles of rows ``q0:q1`` (``(rows, key blocks)``, read
-    at ``lead``), and where each row of tiles starts and ends, counted from ``q0``."""
-    step = p.blocks.block_q
-    a0, a1 = q0 // step, -(-q1 // step)
-    edges = np.clip(np.arange(a0, a1 + 1) * step, q0, q1) - q0
-    return p.blocks.states[lead][a0:a1], edges
-
-
-def _reach(p: Problem, lead: tuple[int, ...], q0: int,
-           q1: int) -> tuple[int, int, int, int] | None:
-    """``(q0, q1, lo, hi)``: the rows of ``q0:q1`` that see some tile, and the keys they
-    see; None when they see none."""
-    states, edges = unit_states(p, lead, q0, q1)
-    visible = states != HIDDEN
-    rows, keys = np.flatnonzero(visible.any(axis=1)), np.flatnonzero(visible.any(axis=0))
-    if not rows.size:
-        return None
-    step = p.blocks.block_k
-    return (q0 + int(edges[rows[0]]), q0 + int(edges[rows[-1] + 1]), int(keys[0]) * step,
-            min(p.kv_len, (int(keys[-1]) + 1) * step))
-
-
-def units_for(p: Problem, b: tuple[int, ...], heads: Iterable[int],
-              ranges: Iterable[tuple[int, int]]) -> list[Unit]:
-    """Units of ``heads`` of batch element ``b`` over the row ``ranges``, each narrowed to
-    the rows that see some key and to the keys they see; units with nothing to attend
-    are left out."""
-    heads = list(heads)
-    units: list[Unit] = []
-    if p.blocks is None:
-        for q0, q1 in ranges:
-            if q1 > q0 and p.kv_len:
-                units += [Unit(b, h, q0, q1, 0, p.kv_len) for h in heads]
-        return units
-    by_lead: dict[tuple[int, ...], list[int]] = {}
-    for h in heads:  # heads that read the same states share their reach
-        by_lead.setdefault(lead_index(p.blocks.states, b, h), []).append(h)
-    for q0, q1 in ranges:
-        if q1 <= q0:
-            continue
-        for lead, shared in by_lead.items():
-            reach = _reach(p, lead, q0, q1)
-            if reach is not None:
-                units += [Unit(b, h, *reach) for h in shared]
-    return units

@@ -185,13 +185,13 @@ def _packed(n: int = 512) -> tuple[tuple[np.ndarray, ...], masks.Mask]:
 def test_each_plan_is_made_once_and_threads_change_nothing(monkeypatch, threads):
     arrays, mask = _packed()
     made = []
-    real = _blocks._plan
+    real = _blocks.blocks_of  # called once for each plan made
 
-    def counted(p, unit_mask, lead, q0, q1):
-        made.append((lead, q0, q1))
-        return real(p, unit_mask, lead, q0, q1)
+    def counted(p, plans, b, h, q0, regions, n):
+        made.append((b, h, q0, n))
+        return real(p, plans, b, h, q0, regions, n)
 
-    monkeypatch.setattr(_blocks, "_plan", counted)
+    monkeypatch.setattr(_blocks, "blocks_of", counted)
     # many units, heads sharing a plan; the same tiles with any number of threads
     with configured(tile_bytes=16 << 10, min_units_per_thread=1):
         threads(1)

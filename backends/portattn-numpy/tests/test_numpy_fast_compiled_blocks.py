@@ -8,7 +8,7 @@ import ctypes.util
 
 import numpy as np
 import pytest
-from portattn_numpy import _cblas, _scores, configured
+from portattn_numpy import _cblas, _scores, _units, configured
 
 from portattn import masks
 
@@ -83,7 +83,7 @@ def test_blocks_add_weights_times_values_and_their_sums(dtype, first_writes, mas
     tile = _scores.ScoreTile("test.scores", 160, rows, dtype)
     span, stride = tile.span(rows, 160)  # queries by keys
     loops.accumulate(alpha, q, k, v, table[:, :-1], table[:, -1], span, stride,
-                     *_scores.pack(blocks), first_writes=first_writes)
+                     *_units.pack(blocks), first_writes=first_writes)
     want = np.zeros((rows, dv + 1)) if first_writes else before.astype(np.float64)
     for k0, k1, r0, r1, hides in blocks:
         w = _weights(k[k0:k1], q[r0:r1], alpha)  # keys by rows

@@ -1,10 +1,10 @@
-"""Causal-shaped masks computed along the diagonal (``_diagonal``)."""
+"""Causal-shaped masks computed along the diagonal (``_diagonal_shape``, ``_diagonal``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from portattn_numpy import _diagonal, configured
+from portattn_numpy import _diagonal_shape, configured
 
 from portattn import attention, masks
 
@@ -97,8 +97,8 @@ def test_threads_do_not_change_the_result(threads, tiny_tiles):
 
 
 def test_find_reads_the_shape_from_the_mask():
-    found = _diagonal.find(masks.causal(), 37, 53, np.float32, 16, 2)
+    found = _diagonal_shape.find(masks.causal(), 37, 53, np.float32, 16, 2)
     assert (found.size, found.key_shift) == (2, 16)
     np.testing.assert_array_equal(found.keep, [[1, 1], [0, 1]])  # keys by queries
-    assert _diagonal.find(masks.causal(), 1, 53, np.float32, 16, 2) is None  # no whole square
-    assert _diagonal.find(None, 37, 53, np.float32, 16, 2) is None
+    assert _diagonal_shape.find(masks.causal(), 1, 53, np.float32, 16, 2) is None  # no whole square
+    assert _diagonal_shape.find(None, 37, 53, np.float32, 16, 2) is None

@@ -1,10 +1,10 @@
-"""Small heads computed many at a time (``_stacked``)."""
+"""Small heads computed many at a time (``_strategy.Stacked``, ``_stacked``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from portattn_numpy import _stacked, configured
+from portattn_numpy import _strategy, configured
 
 from portattn import masks
 
@@ -78,18 +78,18 @@ def test_heads_whose_tiles_run_compiled_are_stacked_only_when_smaller(check, sta
 
 def test_heads_per_unit():
     tile = 1 << 18
-    assert _stacked.heads_per_unit(16, 16, 1, 64, tile) == 64  # all fit in one tile
-    assert _stacked.heads_per_unit(64, 64, 4, 64, tile) == 16  # 4 query heads each
-    assert _stacked.heads_per_unit(256, 256, 1, 64, tile) == 4  # a quarter tile each
-    assert _stacked.heads_per_unit(512, 512, 1, 64, tile) == 0  # too large to stack
+    assert _strategy.heads_per_unit(16, 16, 1, 64, tile) == 64  # all fit in one tile
+    assert _strategy.heads_per_unit(64, 64, 4, 64, tile) == 16  # 4 query heads each
+    assert _strategy.heads_per_unit(256, 256, 1, 64, tile) == 4  # a quarter tile each
+    assert _strategy.heads_per_unit(512, 512, 1, 64, tile) == 0  # too large to stack
     # tiles skip what causal, window and length masks hide: stack only smaller heads
-    assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True) == 16
-    assert _stacked.heads_per_unit(256, 256, 1, 64, tile, tiles_skip=True) == 0
-    assert _stacked.heads_per_unit(0, 16, 1, 64, tile) == 0  # nothing to compute
+    assert _strategy.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True) == 16
+    assert _strategy.heads_per_unit(256, 256, 1, 64, tile, tiles_skip=True) == 0
+    assert _strategy.heads_per_unit(0, 16, 1, 64, tile) == 0  # nothing to compute
     # compiled tiles cost less per call: stack only smaller heads again
-    assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_compiled=True) == 16
-    assert _stacked.heads_per_unit(256, 256, 1, 64, tile, tiles_compiled=True) == 0
-    assert _stacked.heads_per_unit(90, 90, 1, 64, tile, tiles_skip=True,
+    assert _strategy.heads_per_unit(128, 128, 1, 64, tile, tiles_compiled=True) == 16
+    assert _strategy.heads_per_unit(256, 256, 1, 64, tile, tiles_compiled=True) == 0
+    assert _strategy.heads_per_unit(90, 90, 1, 64, tile, tiles_skip=True,
                                    tiles_compiled=True) == 32
-    assert _stacked.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True,
+    assert _strategy.heads_per_unit(128, 128, 1, 64, tile, tiles_skip=True,
                                    tiles_compiled=True) == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from portattn_numpy import (
     THREADS_ENV,
-    _call,
+    _run,
     _threads,
     configured,
     get_num_threads,
@@ -242,15 +242,15 @@ def _units_and_threads(monkeypatch, q_shape, kv_len):
     q = rng.standard_normal(q_shape).astype(np.float32)
     k = rng.standard_normal((*q_shape[:2], kv_len, q_shape[3])).astype(np.float32)
     units, asked = [], []
-    real = _call.run_parallel
+    real = _run.run_parallel
 
-    def run_parallel(worker, work, count, first=None):
+    def run_parallel(worker, work, count):
         asked.append(min(count, len(work)))
-        real(worker, work, count, first)
+        real(worker, work, count)
 
     with monkeypatch.context() as patch, configured(
             on_unit=lambda *_: units.append(threading.get_ident())):
-        patch.setattr(_call, "run_parallel", run_parallel)
+        patch.setattr(_run, "run_parallel", run_parallel)
         attention(q, k, k, kernel="numpy_fast")
     assert len(set(units)) <= asked[0]
     return len(units), asked[0]
