@@ -108,7 +108,7 @@ class TorchFlexKernel(Kernel):
             if inputs.requires_grad:
                 reasons.append("gradients on cpu (torch's compiled CPU flex_attention is "
                                "forward only)")
-            reasons += _cpu_length_reasons(inputs)
+            reasons += _cpu_length_reasons(inputs, cls.block)
         if inputs.requires_grad and (inputs.q_len == 0 or inputs.kv_len == 0):
             reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
                            f"Lk={inputs.kv_len}): its zeros would carry none")
@@ -322,21 +322,19 @@ def _specialised(arrays: tuple[Any, ...], counts_shape: tuple[int, ...]) -> tupl
             tuple(a.is_contiguous() for a in arrays))
 
 
-CPU_LENGTH_MULTIPLE = 16
-"""float32 lengths torch's CPU flex template computes right: at lengths 8 past a
-multiple of 16 (8, 24, 40, ..., 1000, 1032) torch 2.13's compiled CPU flex_attention
-returned wrong values (up to 2.2 off, varying from run to run: memory past the end is
-read), also called directly; every multiple of 16 checked (16 to 1024, with GQA, masks,
-head dims 16 to 64) was right, and so were float16 and bfloat16 at every length."""
-
-
-def _cpu_length_reasons(inputs: AttentionInputs) -> list[str]:
+def _cpu_length_reasons(inputs: AttentionInputs, block: int) -> list[str]:
+    """float32 lengths torch 2.13's compiled CPU flex template gets wrong: shorter than
+    one block and 8 past a multiple of 16 (8, 24, ..., 120 with tiles of 128). There
+    it returned values up to 2.4 off, varying from run to run (memory past the end is
+    read), also when called directly; the other lengths checked (1 to 65, every fourth
+    to 298, multiples of 16 to 1024, 1000 and 1032) came out right, and so did float16
+    and bfloat16."""
     if inputs.dtype != "float32":
         return []
-    return [f"{name}={n} on cpu in float32 is not a multiple of {CPU_LENGTH_MULTIPLE} "
-            "(torch's CPU flex template reads past the end there)"
+    return [f"{name}={n} on cpu in float32 (shorter than a tile of {block} and 8 past a "
+            "multiple of 16: torch's CPU flex template reads past the end there)"
             for name, n in (("Lq", inputs.q_len), ("Lk", inputs.kv_len))
-            if n % CPU_LENGTH_MULTIPLE]
+            if n < block and n % 16 == 8]
 
 
 def _structure(mask: masks.Mask | None) -> Any:
