@@ -71,6 +71,11 @@ class Band:
     def __and__(self, other: Band) -> Band:
         return Band(_max(self.lower, other.lower), _min(self.upper, other.upper))
 
+    @property
+    def empty(self) -> bool:
+        """No pair at all: the lower bound lies above the upper."""
+        return self.lower is not None and self.upper is not None and self.lower > self.upper
+
     def normalized(self, lq: int, lk: int) -> Band:
         """The same set of pairs, with bounds that exclude nothing made ``None``."""
         lower = None if self.lower is not None and self.lower <= -(lq - 1) else self.lower
@@ -92,7 +97,7 @@ class Band:
         """No pair of the tile is allowed."""
         if q0 >= q1 or k0 >= k1:
             return True
-        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+        if self.empty:
             return True
         return ((self.upper is not None and k0 - (q1 - 1) > self.upper)
                 or (self.lower is not None and (k1 - 1) - q0 < self.lower))
@@ -494,10 +499,10 @@ class Mask:
         cannot be read on the host (JAX arrays while ``jax.jit`` traces).
 
         Where the values can be read these are the host's states; a kind computes them
-        from its arrays with :meth:`~portattn.masks.Mask.array_states`, in time proportional to the tiles and
-        positions; ``evaluate(part)`` gives those of a part that has no such formula
-        (dense masks, layouts and mask functions: evaluated pair by pair, a way of the
-        caller's library)."""
+        from its arrays with :meth:`~portattn.masks.Mask.array_states`, in time
+        proportional to the tiles and positions; ``evaluate(part)`` gives those of a
+        part that has no such formula (dense masks, layouts and mask functions:
+        evaluated pair by pair, a way of the caller's library)."""
         host = self.block_states(grid)
         if host is not None:
             return full_rank(xp, xp.asarray(host), rank)

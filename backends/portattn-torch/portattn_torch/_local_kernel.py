@@ -174,7 +174,7 @@ def _window(q: Any, k: Any, v: Any, band: Any, scale: float,
     lk = k.shape[2]
     out = torch.zeros((rows, heads, lq, width), dtype=q.dtype)
     lse = torch.full((rows, heads, lq), -math.inf, dtype=lse_dtype)
-    if band is None:
+    if band is None or band.empty:
         return out, lse
     lower, upper = band.lower, band.upper
     first = 0 if upper is None else max(0, -upper)
