@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from ._launch import check_shapes, forward
+from ._launch import forward
 from ._launch_backward import backward
+from ._launching import check_shapes
 from ._plan import plan_for
 
 if TYPE_CHECKING:

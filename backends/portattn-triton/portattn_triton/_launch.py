@@ -20,6 +20,7 @@ from ._configs import (
     is_even,
     pick_config,
 )
+from ._launching import bias_strides, check_shapes, on_device, precision, tables
 from ._plan import MaskPlan, plan_for
 from ._poison import value_poison
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
     from ._triton_dropout import Dropout
 
-__all__ = ["PATHS", "check_shapes", "flash_forward", "forward", "pick_path", "tables"]
+__all__ = ["PATHS", "flash_forward", "forward", "pick_path"]
 
 #: The forward's three paths: the pointer kernel (any strides, any generation), the
 #: tensor-descriptor kernel (Hopper, TMA-compatible strides) and split-KV decode.
@@ -67,15 +68,6 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
                     key_lengths=key_lengths, query_lengths=query_lengths, bias=bias)
     return forward(query, key, value, plan, scale=scale, softcap=softcap, config=config,
                    path=path, autotune=autotune, num_splits=num_splits)
-
-
-def check_shapes(query: Any, key: Any, value: Any) -> None:
-    hq, d = query.shape[-3], query.shape[-1]
-    hkv, lk = key.shape[-3], key.shape[-2]
-    if key.shape[-1] != d or value.shape[-2] != lk or (hq % hkv if hkv else hq):
-        msg = (f"incompatible shapes: query.shape={tuple(query.shape)}, "
-               f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
-        raise ValueError(msg)
 
 
 def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | None,
@@ -173,23 +165,6 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
     return out, lse
 
 
-def tables(plan: MaskPlan, block_q: int, block_k: int, dummy: Any,
-           columns: bool = False) -> tuple[Any, tuple[int, ...], Any, bool]:
-    """``(table, table arguments, bits, whether any tile has bits)`` of a kernel's grid:
-    the rows per query block (``columns``: per key block), or ``dummy`` and zeros when
-    the plan needs no table."""
-    if not plan.needs_table:
-        return dummy, (0, 0, 0, 0), dummy, False
-    grid = plan.grid(block_q, block_k)
-    table, *table_args = grid.columns if columns else grid.rows
-    return table, tuple(table_args), grid.bits, grid.has_bits
-
-
-def bias_strides(bias: Any) -> tuple[int, ...]:
-    """The strides a kernel reads ``bias (Z, H, Lq, Lk)`` with (0 for broadcast axes)."""
-    return (0, 0, 0, 0) if bias is None else tuple(bias.stride())
-
-
 def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: Any, *,
               decode: bool = True) -> str:
     """The forward path for these ``(Z, H, L, D)`` tensors on a device of
@@ -209,21 +184,3 @@ def pick_path(capability: tuple[int, int] | None, query: Any, key: Any, value: A
         if not tma_reasons(query, key, value):
             return "tma"
     return "pointer"
-
-
-def precision(dtype: Any) -> str:
-    """float32: three TF32 products per product (about float32 accuracy on tensor
-    cores) unless torch is told that plain TF32 will do."""
-    import torch
-
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "tf32x3"
-    return "tf32"
-
-
-def on_device(dev: Any) -> Any:
-    import contextlib
-
-    import torch
-
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ._configs import BackwardConfig, block_dim, delta_rows, is_even, pick_backward_config
-from ._launch import bias_strides, check_shapes, on_device, precision, tables
+from ._launching import bias_strides, check_shapes, on_device, precision, tables
 from ._plan import MaskPlan, plan_for
 from ._poison import not_finite
 

@@ -65,7 +65,7 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
     lse = torch.empty((z, hq, lq), dtype=torch.float32, device=dev)
     dummy = part_lse  # stands in for absent optional tensors; never read
 
-    from ._launch import bias_strides, on_device, precision
+    from ._launching import bias_strides, on_device, precision
     from ._triton_decode import decode_merge_kernel, decode_split_kernel
 
     lower, upper = plan.band

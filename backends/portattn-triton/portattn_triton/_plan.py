@@ -90,11 +90,10 @@ class MaskPlan:
     @cached_property
     def rest(self) -> Mask | None:
         """The parts masked by bit tiles (None when the formulas cover the mask)."""
-        from portattn.masks import Intersection
+        from portattn import masks
 
-        parts = () if self.mask is None else tuple(
-            p for p in self.mask.parts if p.kind not in FORMULA_KINDS)
-        return None if not parts else parts[0] if len(parts) == 1 else Intersection(parts)
+        return masks.intersection(
+            masks.band_and_lengths(self.mask, self.q_len, self.kv_len).rest)
 
     @property
     def batch(self) -> int:
