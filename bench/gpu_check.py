@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -488,8 +489,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.json is not None:  # a run cut short still leaves what it found
                 report.write(args.json)
     if args.json is not None:
+        import evidence
+
         report.write(args.json)
-        print(f"gpu_check: figures in {args.json}")
+        found = args.json.with_name(f"evidence-{args.json.name}")
+        found.write_text(json.dumps(evidence.evidence([str(args.json)]), indent=1) + "\n")
+        print(f"gpu_check: figures in {args.json}, what they say to dispatch in {found}")
     print(f"gpu_check: {report.summary()}; {report.failures} failure(s) "
           f"in {time.time() - report.started:.0f}s")
     return 1 if report.failures else 0

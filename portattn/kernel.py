@@ -16,7 +16,8 @@ may import its library). Plugins extend
 override :meth:`Kernel.check_available` to say why they cannot run at all here.
 What a kernel computes but another kernel runs better (faster, in less memory) is a
 preference, :meth:`Kernel.dispatch_reasons`: dispatch passes the kernel over for it,
-and a kernel named by ``kernel=`` runs all the same.
+and a kernel named by ``kernel=`` runs all the same; :meth:`Kernel.defers_to` names
+the kernels it steps aside for, unless measured faster than them.
 
 >>> class MyKernel(Kernel):
 ...     name = "my_kernel"
@@ -284,6 +285,27 @@ class Kernel:
             (``"262144 scores < 2097152 on cpu (tiled is faster on small calls)"``).
         """
         return []
+
+    @classmethod
+    def defers_to(cls, inputs: AttentionInputs) -> tuple[str, ...]:
+        """Kernels that should run a call this kernel can run, when one of them can and
+        no measurement says otherwise; empty by default.
+
+        Where :meth:`dispatch_reasons` steps aside whatever else can run the call, a
+        deferral names who: dispatch passes the kernel over only for a named kernel
+        that can run the call and is not itself passed over, and measurements win
+        over it (``python -m portattn tune`` on this machine, then the evidence
+        plugins ship). What dispatch does with it: ``explain()`` shows
+        ``"passed over: defers to ..."``. The same rules hold: from the description
+        alone, cheap, no allocation.
+
+        Args:
+            inputs: the call's description.
+
+        Returns:
+            Kernel names, the preferred first (``("torch_sdpa",)``).
+        """
+        return ()
 
     @classmethod
     def notes(cls, inputs: AttentionInputs) -> list[str]:

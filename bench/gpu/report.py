@@ -53,6 +53,7 @@ class Report:
 
     def as_json(self) -> dict[str, Any]:
         return {"device": self.device, "machine": self.machine,
+                "date": time.strftime("%Y-%m-%d", time.gmtime(self.started)),
                 "python": platform.python_version(),
                 "seconds": round(time.time() - self.started, 1),
                 "summary": self.summary(), "failures": self.failures,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._lib import torch_compiling
 from ..errors import KernelNotUsableError, KernelOutputError, NoKernelError, UnknownKernelError
+from ._evidence import evidence_choice, has_evidence
 from ._registry import (
     KNOWN_PLUGINS,
     KernelEntry,
@@ -304,12 +305,14 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
     Kernels are asked in priority order; the forced kernel (``kernel=``,
     :func:`use_kernel`, ``PORTATTN_KERNEL``) runs if it can, else the measured fastest
     of the kernels that can and that no preference of theirs passes over
-    (:meth:`~portattn.kernel.Kernel.dispatch_reasons`; ``python -m portattn tune``),
-    else the first of them, else the first kernel passed over: a preference never
-    leaves a call without a kernel, and a forced kernel is not asked for one.
-    ``every=False`` stops at the first kernel that can run when no measurement could
-    prefer another (what :func:`portattn.attention` needs); the kernels after it are
-    then left out of ``Plan.candidates``. What is decided follows from the
+    (:meth:`~portattn.kernel.Kernel.dispatch_reasons`; ``python -m portattn tune`` on
+    this machine, else the evidence the plugins ship), else the first of them that
+    defers to none of the others (:meth:`~portattn.kernel.Kernel.defers_to`), else the
+    first kernel passed over: a preference never leaves a call without a kernel, and
+    a forced kernel is not asked for one. ``every=False`` stops at the first kernel
+    that can run when no measurement or deferral could prefer another (what
+    :func:`portattn.attention` needs); the kernels after it are then left out of
+    ``Plan.candidates``. What is decided follows from the
     description of the call alone (the Kernel protocol), so it may be remembered;
     ``nonfinite`` (why a call's values break a kernel's ``finite_inputs_only``) also
     refuses those kernels.
@@ -318,11 +321,13 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
     entries = kernel_entries()
     if forced is not None:
         _lookup(entries, forced)
-    measuring = forced is None and not compiling() and tuned()  # a tracer reads no files
+    # a tracer reads no files
+    measuring = forced is None and not compiling() and (tuned() or has_evidence(inputs))
     disabled = current_overrides()[1]
     candidates: list[tuple[KernelEntry, tuple[str, ...]]] = []
     runnable: list[KernelEntry] = []
     passed_over: list[KernelEntry] = []
+    deferring: dict[str, tuple[str, ...]] = {}
     for entry in entries:
         if forced is not None and not every and entry.name != forced:
             continue
@@ -333,16 +338,20 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
             why = _preferences(entry, inputs)
             if why:
                 passed_over.append(entry)
+            elif forced is None:
+                deferring[entry.name] = _deferrals(entry, inputs)
         candidates.append((entry, why))
         if not why:
             runnable.append(entry)
-            if not (every or measuring):
+            if not (every or measuring or deferring.get(entry.name)):
                 break
+    runnable = _after_deferrals(runnable, deferring, candidates)
     chosen, note = (runnable[0] if runnable else None), None
     if forced is not None:
         chosen = next((e for e in runnable if e.name == forced), None)
     elif measuring and len(runnable) > 1:
-        measured = measured_choice(inputs, [e.name for e in runnable])
+        names = [e.name for e in runnable]
+        measured = measured_choice(inputs, names) or evidence_choice(inputs, names, names[0])
         if measured is not None:
             chosen = next(e for e in runnable if e.name == measured[0])
             note = measured[1]
@@ -350,6 +359,32 @@ def select(inputs: AttentionInputs, kernel: str | None = None, *,
         chosen = passed_over[0]
         note = "every kernel that can run the call is passed over; the first of them runs"
     return Plan(chosen, tuple(candidates), inputs, forced, note)
+
+
+def _deferrals(entry: KernelEntry, inputs: AttentionInputs) -> tuple[str, ...]:
+    try:
+        return tuple(entry.kernel.defers_to(inputs))
+    except Exception:  # a broken preference is no preference
+        return ()
+
+
+def _after_deferrals(runnable: list[KernelEntry], deferring: dict[str, tuple[str, ...]],
+                     candidates: list[tuple[KernelEntry, tuple[str, ...]]]
+                     ) -> list[KernelEntry]:
+    """``runnable`` with the kernels that defer to another runnable kernel moved to the
+    end (still runnable: a measurement may choose them), each then shown in
+    ``candidates`` as passed over for the kernel it defers to."""
+    names = {e.name for e in runnable}
+    moved = {name: next(t for t in to if t in names)
+             for name, to in deferring.items() if any(t in names for t in to)}
+    if not moved or len(moved) == len(runnable):
+        return runnable
+    for i, (entry, _) in enumerate(candidates):
+        if entry.name in moved:
+            candidates[i] = (entry, (f"{PASSED_OVER}defers to {moved[entry.name]}, which "
+                                     "can run the call, unless measured faster",))
+    return ([e for e in runnable if e.name not in moved]
+            + [e for e in runnable if e.name in moved])
 
 
 def choose(inputs: AttentionInputs, kernel: str | None = None) -> KernelEntry:

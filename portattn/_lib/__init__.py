@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ._arrays import (
     check_beside,
+    device_class,
     device_kind,
     device_text,
     dtype_name,
@@ -56,6 +57,7 @@ __all__ = [
     "check_beside",
     "check_like",
     "check_seed",
+    "device_class",
     "device_kind",
     "device_text",
     "dtype_name",

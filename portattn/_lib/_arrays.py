@@ -5,11 +5,12 @@ an array sits where a call runs. Detected through array-api-compat, never import
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from ._probes import values_readable
 
-__all__ = ["check_beside", "device_kind", "device_text", "dtype_name", "host_copy",
+__all__ = ["check_beside", "device_class", "device_kind", "device_text", "dtype_name", "host_copy",
            "in_native_order", "is_native", "namespace_name", "own_copy"]
 
 
@@ -107,6 +108,39 @@ def _device_kind(dev: Any) -> str:
         if known in text:
             return known
     return text
+
+
+_device_classes: dict[str, str] = {}
+
+
+def device_class(dev: Any) -> str:
+    """The class of device that speed measurements hold for: ``"cpu"``, or a GPU's kind
+    and generation (``"cuda sm_90"``); the kind alone when the generation cannot be
+    asked (``"cuda"``). Asked of the device's own library, once per device."""
+    kind = device_kind(dev)
+    if kind == "cpu":
+        return kind
+    key = f"{type(dev).__module__}.{type(dev).__name__}:{dev}"
+    found = _device_classes.get(key)
+    if found is None:
+        capability = _capability(dev)
+        found = _device_classes[key] = kind if capability is None else f"{kind} sm_{capability}"
+    return found
+
+
+def _capability(dev: Any) -> str | None:
+    """A CUDA device's compute capability as ``"90"``, None when it cannot be asked."""
+    try:
+        torch = sys.modules.get("torch")  # a torch device: torch is imported
+        if torch is not None and isinstance(dev, torch.device):
+            major, minor = torch.cuda.get_device_capability(dev)
+            return f"{major}{minor}"
+        found = getattr(dev, "compute_capability", None)  # CuPy's Device, JAX's GPU device
+        if found is not None:
+            return str(found).replace(".", "")
+    except Exception:  # no driver, a device of another process: the kind alone
+        return None
+    return None
 
 
 def check_beside(xp: Any, dev: Any, a: Any, what: str) -> None:

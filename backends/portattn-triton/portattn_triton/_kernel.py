@@ -82,6 +82,18 @@ class TritonFlashKernel(Kernel):
                     reasons.append(f"compute capability {major}.{minor} < 8.0")
         return reasons
 
+    @classmethod
+    def defers_to(cls, inputs: AttentionInputs) -> tuple[str, ...]:
+        """On torch's CUDA, the kernels a torch user already has: SDPA for the calls it
+        runs with a fused backend, FlexAttention for other masks. The evidence this
+        plugin ships (``evidence.json``, from the GPU check) says where triton_flash
+        was measured faster, and dispatch then runs it."""
+        if inputs.namespace != "torch" or inputs.device != "cuda":
+            return ()
+        if _sdpa_fuses(inputs):
+            return ("torch_sdpa",)
+        return ("torch_flex",) if inputs.mask is not None else ()
+
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._autograd import attention
         from ._plan import MaskPlan, bias_view
@@ -129,6 +141,18 @@ def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
         reasons.append(f"gradients with dtype={inputs.dtype} and head_dim={dim} > {limit} "
                        "not supported")
     return reasons
+
+
+def _sdpa_fuses(inputs: AttentionInputs) -> bool:
+    """Whether torch's SDPA runs the call with a fused (flash) backend: half precision,
+    one head dim up to 256, no mask or causal on a square call, nothing else added to
+    the scores."""
+    square_causal = inputs.mask_kinds == {"causal"} and inputs.q_len == inputs.kv_len
+    return (inputs.dtype in ("float16", "bfloat16")
+            and inputs.head_dim == inputs.value_head_dim <= 256
+            and (inputs.mask is None or square_causal)
+            and inputs.bias is None and inputs.softcap is None
+            and inputs.alibi_slopes is None and inputs.sinks is None)
 
 
 def _heavy_reasons(inputs: AttentionInputs) -> list[str]:
