@@ -166,3 +166,45 @@ def test_gradients_are_part_of_the_signature(recorder):
     with torch.no_grad():
         portattn.attention(q, k, v)
     assert Recorder.runs == 2
+
+
+class UnhashableDevice:
+    """Like CuPy's ``cupy.cuda.Device``: ``==`` and no hash. Equal to ``"cpu"`` too, so
+    NumPy's functions take it as their ``device=``."""
+
+    __hash__ = None
+
+    def __eq__(self, other):
+        return isinstance(other, UnhashableDevice) or other == "cpu"
+
+    def __repr__(self):
+        return "<CPU Device 0>"
+
+
+class OnUnhashableDevice(np.ndarray):
+    """NumPy arrays whose standard ``.device`` is an :class:`UnhashableDevice`."""
+
+    @property
+    def device(self):
+        return UnhashableDevice()
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"mask": masks.causal()}, {"mask": masks.key_lengths(np.array([5]))},
+    {"bias": np.ones((8, 8), np.float32)}, {"return_lse": True},
+], ids=["plain", "causal", "key_lengths", "bias", "lse"])
+def test_arrays_on_an_unhashable_device_run(recorder, monkeypatch, options):
+    # Every CuPy call on a GPU once failed before any kernel ran, with "unhashable type:
+    # 'cupy.cuda.device.Device'": the device's kind was remembered in a dict keyed by the
+    # device, and the call's signature holds the devices too.
+    from portattn._inputs import _describe
+
+    monkeypatch.setattr(_describe, "device_of", lambda a: UnhashableDevice())
+    q, k, v = (a.view(OnUnhashableDevice) for a in _qkv())
+    want = _expected(*(np.asarray(a) for a in (q, k, v)), **options)
+    for _ in range(2):  # the second call through what the first left in the caches
+        out = portattn.attention(q, k, v, **options)
+        np.testing.assert_allclose(np.asarray(out[0] if "return_lse" in options else out),
+                                   want, rtol=1e-5, atol=1e-6)
+    assert Recorder.runs == 2
+    assert portattn.explain(q, k, v, **options).kernel.name == "recorder"

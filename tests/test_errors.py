@@ -90,6 +90,33 @@ def test_bad_input_message(name, call, error, words):
         assert word in str(info.value), f"{word!r} not in {info.value}"
 
 
+def bfloat16(a):
+    """``a`` as NumPy holds bfloat16: ml_dtypes' type, which ``numpy.isdtype`` refuses."""
+    import ml_dtypes
+
+    return np.asarray(a).astype(ml_dtypes.bfloat16)
+
+
+# CuPy holds bfloat16 as NumPy does; such calls failed on a GPU inside isdtype with
+# "dtype argument must be a NumPy dtype", naming no argument.
+BFLOAT16 = [
+    ("query", lambda: portattn.attention(bfloat16(Q), bfloat16(K), bfloat16(V))),
+    ("key", lambda: portattn.attention(Q, bfloat16(K), V)),
+    ("bias", lambda: portattn.attention(Q, K, V, bias=bfloat16(np.ones((8, 10))))),
+    ("sinks", lambda: portattn.attention(Q, K, V, sinks=bfloat16(np.ones(4)))),
+    ("attn_mask", lambda: portattn.scaled_dot_product_attention(
+        Q, K, V, attn_mask=bfloat16(np.ones((8, 10))))),
+]
+
+
+@pytest.mark.parametrize(("argument", "call"), BFLOAT16, ids=[b[0] for b in BFLOAT16])
+def test_a_bfloat16_the_library_does_not_know_is_refused_by_name(argument, call):
+    pytest.importorskip("ml_dtypes")
+    with pytest.raises(TypeError) as info:
+        call()
+    assert f"{argument}.dtype=bfloat16, which numpy.isdtype does not know" in str(info.value)
+
+
 @pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
 def test_arrays_from_different_libraries():
     torch = require_library("torch")

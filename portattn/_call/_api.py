@@ -10,7 +10,7 @@ from .. import masks
 from .._dispatch import Plan, check_result, described_and_chosen, select
 from .._inputs import describe, from_kernel_layout, to_kernel_layout
 from .._kernels import distrust
-from .._lib import dtype_name
+from .._lib import dtype_name, namespace_name
 
 if TYPE_CHECKING:
     from .._inputs import AttentionInputs
@@ -252,13 +252,20 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         mask, attn_mask = causal_bias, None
     if attn_mask is not None:
         xp = _namespace(attn_mask)
-        if xp.isdtype(attn_mask.dtype, "bool"):
+        try:
+            boolean = xp.isdtype(attn_mask.dtype, "bool")
+            floating = not boolean and xp.isdtype(attn_mask.dtype, "real floating")
+        except TypeError:  # NumPy's and CuPy's isdtype refuse ml_dtypes' bfloat16
+            boolean = floating = None
+        if boolean:
             mask = masks.dense(attn_mask)
-        elif xp.isdtype(attn_mask.dtype, "real floating"):
+        elif floating:
             bias = attn_mask
         else:
             msg = ("attn_mask must be boolean (True = attend) or a real floating bias; got "
                    f"attn_mask.dtype={dtype_name(attn_mask.dtype)}")
+            if floating is None:
+                msg += f", which {namespace_name(xp)}.isdtype does not know"
             raise TypeError(msg)
     if is_causal:
         mask = masks.causal("top_left") if mask is None else mask & masks.causal("top_left")

@@ -213,9 +213,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     if bias is not None:
         check_beside(xp, dev, bias, "bias")
         bias = in_native_order(xp, bias)
-        if not xp.isdtype(bias.dtype, "real floating"):
-            msg = f"bias must have a real floating dtype; got dtype={dtype_name(bias.dtype)}"
-            raise TypeError(msg)
+        _check_floating(xp, bias, "bias")
         bias = _masks.expand_to_rank(xp, bias, full_shape, "bias")
     if alibi_slopes is not None:
         if getattr(alibi_slopes, "requires_grad", False) is True:
@@ -327,9 +325,7 @@ def _numpy_scalar(value: Any, *kinds: str) -> bool:
 def _per_head(xp: Any, dev: Any, a: Any, name: str, batch: tuple[int, ...], heads: int) -> Any:
     """A float value per query head, ``(Hq,)`` or ``(*batch, Hq)``, as ``(*batch | 1, Hq)``."""
     check_beside(xp, dev, a, name)
-    if not xp.isdtype(a.dtype, "real floating"):
-        msg = f"{name} must have a real floating dtype; got {name}.dtype={dtype_name(a.dtype)}"
-        raise TypeError(msg)
+    _check_floating(xp, a, name)
     shape = tuple(a.shape)
     if shape not in ((heads,), (*batch, heads)):
         msg = (f"{name} must have shape (Hq,) = ({heads},) or (*batch, Hq) = "
@@ -393,26 +389,48 @@ def _common_device(arrays: dict[str, Any]) -> Any:
     return known[0] if known else None  # None: ``device=None`` works in every library
 
 
-_floating: dict[tuple[type, Any], bool] = {}
+_floating: dict[tuple[type, Any], bool | None] = {}
+_UNASKED = object()
 
 
-def _is_floating(xp: Any, dtype: Any) -> bool:
+def _is_floating(xp: Any, dtype: Any) -> bool | None:
+    """Whether ``dtype`` is a real floating dtype of ``xp``; None when ``xp.isdtype``
+    does not know it (NumPy and CuPy hold bfloat16 and the float8 types as ml_dtypes'
+    types, which their ``isdtype`` refuses)."""
     key = (type(dtype), dtype)
-    result = _floating.get(key)
-    if result is None:
-        result = _floating[key] = bool(xp.isdtype(dtype, "real floating"))
+    result = _floating.get(key, _UNASKED)
+    if result is _UNASKED:
+        try:
+            result = bool(xp.isdtype(dtype, "real floating"))
+        except TypeError:
+            result = None
+        _floating[key] = result
     return result
+
+
+def _check_floating(xp: Any, a: Any, name: str) -> None:
+    """``a`` (the argument ``name``) must have a real floating dtype that ``xp`` knows."""
+    floating = _is_floating(xp, a.dtype)
+    if floating:
+        return
+    got = f"{name}.dtype={dtype_name(a.dtype)}"
+    if floating is None:
+        library = namespace_name(xp)
+        msg = (f"{name} must have a real floating dtype of {library}'s array API; got "
+               f"{got}, which {library}.isdtype does not know: cast {name} to float16 or "
+               "float32 (torch and JAX arrays take bfloat16)")
+    else:
+        msg = f"{name} must have a real floating dtype; got {got}"
+    raise TypeError(msg)
 
 
 def _check_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
     query, key, value = arrays.values()
     if query.dtype == key.dtype == value.dtype and _is_floating(xp, query.dtype):
         return
-    names = {n: dtype_name(a.dtype) for n, a in arrays.items()}
     for n, a in arrays.items():
-        if not _is_floating(xp, a.dtype):
-            msg = f"{n} must have a real floating dtype; got {n}.dtype={names[n]}"
-            raise TypeError(msg)
+        _check_floating(xp, a, n)
+    names = {n: dtype_name(a.dtype) for n, a in arrays.items()}
     if len(set(names.values())) > 1:
         listed = ", ".join(f"{n}.dtype={d}" for n, d in names.items())
         msg = f"query, key and value must share one dtype; got {listed}"
