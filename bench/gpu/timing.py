@@ -128,6 +128,7 @@ def time_shape(name: str, dims: tuple[int, ...], causal: bool, device: str,
             row[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
         row[label] = {"seconds": seconds, "tflops": flops / seconds / 1e12}
+    row["dispatched"] = dispatched(q, k, v, causal, flops, device, repeats)
     for label, backend in sdpa_backends(device).items():
         def theirs(backend=backend) -> Any:
             with sdpa_kernel(backend):
@@ -149,12 +150,39 @@ def time_shape(name: str, dims: tuple[int, ...], causal: bool, device: str,
     if sdpa_times:
         best = min(sdpa_times, key=sdpa_times.get)
         row["sdpa_best"] = {"backend": best, "seconds": sdpa_times[best]}
+        if "dispatched" in timed:  # the promise: never slower than what torch has
+            row["dispatched"]["vs_sdpa_best"] = timed["dispatched"] / sdpa_times[best]
     ours_time = timed.get("triton_flash")
     if ours_time:
         row["ratios"] = {n: t / ours_time for n, t in timed.items() if n != "triton_flash"}
         if sdpa_times:
             row["ratios"]["sdpa_best"] = sdpa_times[best] / ours_time
     return row
+
+
+def dispatched(q: Any, k: Any, v: Any, causal: bool, flops: float, device: str,
+               repeats: int, grad: Any = None) -> dict[str, Any]:
+    """The time of ``portattn.attention`` as a user calls it (dispatch, its per-call
+    work and the kernel it picks; with ``grad``, forward and backward), and the kernel
+    it picked."""
+    import torch
+
+    import portattn
+    from portattn import masks
+
+    mask = masks.causal() if causal else None
+    try:
+        picked = portattn.explain(q, k, v, mask=mask).kernel.name
+
+        def call() -> Any:
+            out = portattn.attention(q, k, v, mask=mask)
+            return out if grad is None else torch.autograd.grad(out, (q, k, v), grad)
+
+        call()
+        seconds = median_time(call, device, repeats=repeats)
+    except Exception as e:  # a figure, not a crash
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"kernel": picked, "seconds": seconds, "tflops": flops / seconds / 1e12}
 
 
 def document_ids(sizes: tuple[int, ...], length: int, scale: int) -> list[int]:
@@ -253,6 +281,11 @@ def autotuned_configs() -> list[dict[str, Any]]:
             for kind, config in _autotune._chosen.items()]
 
 
+#: ``portattn.attention`` may take at most this many times the time of the fastest SDPA
+#: backend for the same call.
+NEVER_SLOWER = 1.02
+
+
 def run(report: Any, device: str, scale: int = 1, autotune: bool = True,
         repeats: int = 20, shapes: list | None = None,
         documents: list | None = None) -> None:
@@ -289,6 +322,12 @@ def run(report: Any, device: str, scale: int = 1, autotune: bool = True,
         ratio = row.get("ratios", {}).get(target[0]) if target else None
         detail = (f"{ours['tflops']:.1f} TFLOP/s; "
                   + ", ".join(f"{n} x{r:.2f}" for n, r in row.get("ratios", {}).items()))
+        through = row.get("dispatched", {})
+        if "vs_sdpa_best" in through:  # time through portattn over torch's best
+            slower = through["vs_sdpa_best"]
+            detail += f"; portattn.attention ran {through['kernel']}, x{slower:.2f} the time"
+            report.figure("never_slower", name=name, kernel=through["kernel"],
+                          ratio=slower, target=NEVER_SLOWER, met=slower <= NEVER_SLOWER)
         print(f"  {name:<20} {detail}")
         if target and ratio is not None and device == "cuda":
             met = ratio >= target[1]

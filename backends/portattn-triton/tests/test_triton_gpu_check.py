@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -152,7 +153,13 @@ def test_end_to_end_on_cpu(gpu_check, tmp_path, capsys):
     assert speed["triton_flash"]["seconds"] > 0
     assert speed["sdpa_math"]["seconds"] > 0
     assert speed["ratios"]["sdpa_math"] > 0
+    assert speed["dispatched"]["seconds"] > 0
+    assert speed["dispatched"]["kernel"]
+    assert {row["name"] for row in data["figures"]["never_slower"]} == set(rows)
     assert data["machine"]["portattn_triton"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"])  # the day the run began
+    evidence = json.loads((tmp_path / "evidence-check.json").read_text())
+    assert evidence == {"format": 1, "entries": []}  # a CPU run measures no GPU
 
 
 def test_preflight_fails_without_triton_flash(gpu_check, report_type, monkeypatch):
@@ -165,14 +172,25 @@ def test_preflight_fails_without_triton_flash(gpu_check, report_type, monkeypatc
     assert "no kernel named triton_flash" in report.checks[0]["detail"]
 
 
-def test_preflight_fails_when_another_kernel_is_chosen(gpu_check, report_type, monkeypatch):
-    from portattn import use_kernel
+def test_preflight_fails_when_triton_flash_cannot_run_the_calls(gpu_check, report_type,
+                                                                 monkeypatch):
+    from portattn_triton import TritonFlashKernel
 
     report = report_type("cpu")
-    with use_kernel("tiled"):
-        gpu_check.preflight(report, "cpu")
+    monkeypatch.setattr(TritonFlashKernel, "not_supported_reasons",
+                        classmethod(lambda cls, inputs: ["a reason"]))
+    gpu_check.preflight(report, "cpu")
     assert report.failures >= 1
-    assert any("chose" in c["detail"] for c in report.checks if c["status"] == "FAIL")
+    assert any("triton_flash refused: a reason" in c["detail"] for c in report.checks
+               if c["status"] == "FAIL")
+
+
+def test_preflight_says_which_kernel_dispatch_runs(gpu_check, report_type):
+    report = report_type("cpu")
+    assert gpu_check.preflight(report, "cpu")
+    runs = [c["detail"] for c in report.checks if c["name"].startswith("triton_flash can")]
+    assert len(runs) == 4
+    assert all(d.startswith("dispatch runs ") for d in runs)
 
 
 def test_nothing_run_is_a_failure(report_type):
