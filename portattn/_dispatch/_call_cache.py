@@ -102,7 +102,7 @@ def _signature(query: Any, key: Any, value: Any, options: dict[str, Any],
     if not has_device:
         return None
     try:
-        devices = (query.device, key.device, value.device)
+        devices = tuple(map(_hashable, (query.device, key.device, value.device)))
     except Exception:  # a traced array has no device
         return None
     # Without .requires_grad, whether gradients flow follows from the type alone.
@@ -110,3 +110,12 @@ def _signature(query: Any, key: Any, value: Any, options: dict[str, Any],
                             ) and needs_grad((query, key, value))
     return (kind, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
             *devices, *described, grad, kernel, *current_overrides())
+
+
+def _hashable(device: Any) -> Any:
+    """``device``, or its type and name when it has no hash (CuPy's ``Device``)."""
+    try:
+        hash(device)
+    except TypeError:
+        return (type(device), str(device))
+    return device
