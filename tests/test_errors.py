@@ -117,6 +117,16 @@ def test_a_bfloat16_the_library_does_not_know_is_refused_by_name(argument, call)
     assert f"{argument}.dtype=bfloat16, which numpy.isdtype does not know" in str(info.value)
 
 
+def test_a_bfloat16_another_library_knows_is_still_refused_on_numpy():
+    # JAX's bfloat16 is the same dtype object as ml_dtypes' one NumPy holds: what JAX's
+    # isdtype says of it must not be taken for NumPy's answer
+    jnp = require_library("jax").numpy
+    q = jnp.zeros((1, 2, 4, 8), dtype=jnp.bfloat16)
+    assert portattn.attention(q, q, q).dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match=r"query\.dtype=bfloat16, which numpy\.isdtype"):
+        portattn.attention(*(np.asarray(q) for _ in range(3)))
+
+
 @pytest.mark.cross  # two libraries: runs in the cross tox env (numpy + torch)
 def test_arrays_from_different_libraries():
     torch = require_library("torch")

@@ -389,7 +389,7 @@ def _common_device(arrays: dict[str, Any]) -> Any:
     return known[0] if known else None  # None: ``device=None`` works in every library
 
 
-_floating: dict[tuple[type, Any], bool | None] = {}
+_floating: dict[tuple[Any, type, Any], bool | None] = {}
 _UNASKED = object()
 
 
@@ -397,7 +397,8 @@ def _is_floating(xp: Any, dtype: Any) -> bool | None:
     """Whether ``dtype`` is a real floating dtype of ``xp``; None when ``xp.isdtype``
     does not know it (NumPy and CuPy hold bfloat16 and the float8 types as ml_dtypes'
     types, which their ``isdtype`` refuses)."""
-    key = (type(dtype), dtype)
+    # by library too: JAX's bfloat16 and NumPy's are one dtype object, and only JAX knows it
+    key = (getattr(xp, "__name__", type(xp)), type(dtype), dtype)
     result = _floating.get(key, _UNASKED)
     if result is _UNASKED:
         try:
