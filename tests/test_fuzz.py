@@ -16,8 +16,8 @@ kernel that declares ``grad``, forced in turn, against the chain rule written ou
 float64 (``fuzz_oracle.gradients64``), for ``sum(out * dout) + sum(lse * dlse)``.
 
 - ``PORTATTN_FUZZ=ci`` (default): a few dozen seeded calls per backend, for CI;
-- ``PORTATTN_FUZZ=long``: 2,000 calls per backend, to run by hand
-  (``PORTATTN_FUZZ_SEED`` picks another seed, ``PORTATTN_FUZZ_EXAMPLES`` another count).
+- ``PORTATTN_FUZZ=long``: 2,000 calls per backend, by hand or nightly (``tox -e long``;
+  ``PORTATTN_FUZZ_SEED`` picks another seed, ``PORTATTN_FUZZ_EXAMPLES`` another count).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 #: Kernel variants: the plain path (the deepest software pipeline, so the most shared
 #: memory); the masks the kernels compute by formulas alone, with no table (band,
@@ -254,7 +255,12 @@ def main(argv: list[str]) -> int:
                         help="dtypes for the backward passes (default: --dtypes)")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help=f"comma-separated, of {', '.join(_FUNCTIONS)}")
+    parser.add_argument("--cases", default=None,
+                        help="a JSON file listing the [arch, kernel, dtype, dim, variant] "
+                        "cases to compile (default: every case)")
     args = parser.parse_args(argv)
+    chosen = (None if args.cases is None
+              else {tuple(c) for c in json.loads(Path(args.cases).read_text())})
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="portattn-triton-aot-")
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v report: registers, spills
@@ -267,8 +273,9 @@ def main(argv: list[str]) -> int:
             for dtype in dtypes.split(","):
                 for dim in BLOCK_DIMS:
                     for variant in variants(arch, dtype, dim, kernel):
-                        print(json.dumps(compile_one(arch, dtype, dim, variant,
-                                                     kernel=kernel)), flush=True)
+                        if chosen is None or (arch, kernel, dtype, dim, variant) in chosen:
+                            print(json.dumps(compile_one(arch, dtype, dim, variant,
+                                                         kernel=kernel)), flush=True)
     return 0
 
 
