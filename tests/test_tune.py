@@ -18,6 +18,7 @@ from portattn._commands import _tune_run
 from portattn._dispatch import _registry, _tune
 from portattn._lib import _tuned as _settings
 from portattn.kernel import Kernel
+from portattn.testing.plugin import require_library
 
 
 @pytest.fixture
@@ -47,10 +48,11 @@ def _versions():
 
 
 def _row(times, *, library="numpy", dtype="float32", head_dim=64, mask="none", band="medium",
-         heads=8):
+         heads=8, mode=None):
     return {"library": library, "device": "cpu", "dtype": dtype, "head_dim": head_dim,
             "mask": mask, "band": band, "times": times,
-            "shape": [1, heads, _tune.BAND_SIZES[band], head_dim]}
+            "shape": [1, heads, _tune.BAND_SIZES[band], head_dim],
+            **({} if mode is None else {"mode": mode})}
 
 
 def _inputs(lq=1024, lk=None, d=64, dtype=np.float32, **kwargs):
@@ -108,10 +110,35 @@ def test_bands_and_head_dims_group_nearby_calls(tune_file):
     _write(tune_file, [_row({"numpy_fast": 0.02, "tiled": 0.01}, mask="causal", band="long",
                             head_dim=64)])
     steered = _inputs(lq=3000, lk=9000, d=40, mask=masks.causal())
-    assert _tune.call_key(steered)[3:] == (64, "causal", "long")
+    assert _tune.call_key(steered)[3:] == (64, "causal", "long", "forward")
     assert _tune.measured_choice(steered, RUNNABLE)[0] == "tiled"
     assert [_tune.band(n) for n in (0, 512, 513, 2048, 2049)] == [
         "short", "short", "medium", "medium", "long"]
+
+
+def test_calls_that_need_gradients_follow_the_training_calls_measured(tune_file):
+    grad = _inputs()._replace(requires_grad=True)
+    # a file of forward calls (written before training was timed: no mode) steers none
+    _write(tune_file, [_row({"numpy_fast": 0.02, "tiled": 0.01})])
+    assert _tune.measured_choice(grad, RUNNABLE) is None
+    _write(tune_file, [_row({"numpy_fast": 0.02, "tiled": 0.01}, mode="forward"),
+                       _row({"tiled": 0.09, "reference": 0.03}, mode="training")])
+    assert _tune.measured_choice(grad, RUNNABLE)[0] == "reference"
+    assert _tune.measured_choice(_inputs(), RUNNABLE)[0] == "tiled"
+
+
+@pytest.mark.parametrize("library", ["torch", "jax"])
+def test_training_is_timed_with_the_gradients(monkeypatch, library):
+    require_library(library)
+    monkeypatch.setitem(_tune.BAND_SIZES, "short", 16)
+    row = _tune_run.measure(library, "float32", 8, "causal", "short", heads=2, repeats=1,
+                            mode="training")
+    assert row["mode"] == "training"
+    assert "tiled" in row["times"]
+    assert "reference" in row["times"]
+    kernels = {e.name: e.kernel for e in portattn.kernels()}
+    assert all(kernels[name].grad for name in row["times"])  # only kernels with gradients
+    assert _tune_run.measure("numpy", "float32", 8, "causal", "short", mode="training") is None
 
 
 def test_no_file_means_no_choice(tune_file):

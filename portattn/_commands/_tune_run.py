@@ -1,7 +1,8 @@
 """``python -m portattn tune``: time the kernels on representative calls, write the file.
 
-Each call (library, dtype, head dim, mask kind, size band: see ``_tune``) is made
-with random inputs in its library and timed on every kernel that can run it, in turns.
+Each call (library, dtype, head dim, mask kind, size band, forward or training: see
+``_tune``) is made with random inputs in its library and timed on every kernel that can
+run it, in turns; a training call is the forward and the gradients of q, k and v.
 Then each kernel's ``tunables`` are timed, value against value, on the calls that
 kernel ran. The library is imported only here, when it is measured.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -47,6 +49,9 @@ class _Library:
     module: str
     make: Callable[[Any, tuple[int, ...], str, int], Any]
     wait: Callable[[Any, Any], Any]
+    train: Callable[[Any, Callable[..., Any], Any, Any, Any], Any] | None = None
+    """``train(module, attend, q, k, v)``: the gradients of ``attend(q, k, v).sum()``
+    with respect to q, k and v, waited for (None: the library has no autograd)."""
     device: str = "cpu"
 
 
@@ -65,6 +70,18 @@ def _jax_make(jnp: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     return jnp.asarray(_numpy_make(np, shape, dtype, seed))
 
 
+def _torch_train(torch: Any, attend: Callable[..., Any], q: Any, k: Any, v: Any) -> Any:
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    return torch.autograd.grad(attend(*leaves).sum(), leaves)
+
+
+def _jax_train(jnp: Any, attend: Callable[..., Any], q: Any, k: Any, v: Any) -> Any:
+    import jax
+
+    grads = jax.grad(lambda *x: attend(*x).sum(), argnums=(0, 1, 2))(q, k, v)
+    return jax.block_until_ready(grads)
+
+
 def _dask_make(da: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     import numpy as np
 
@@ -73,11 +90,13 @@ def _dask_make(da: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
 
 LIBRARIES = {
     "numpy": _Library("numpy", "numpy", _numpy_make, lambda _m, out: out),
-    "torch": _Library("torch", "torch", _torch_make, lambda _m, out: out),
-    "jax": _Library("jax", "jax.numpy", _jax_make, lambda _m, out: out.block_until_ready()),
+    "torch": _Library("torch", "torch", _torch_make, lambda _m, out: out, _torch_train),
+    "jax": _Library("jax", "jax.numpy", _jax_make, lambda _m, out: out.block_until_ready(),
+                    _jax_train),
     "dask": _Library("dask", "dask.array", _dask_make, lambda _m, out: out.compute()),
 }
 MASKS = ("none", "causal")
+MODES = ("forward", "training")
 #: Rounds are cut so that the fastest kernel runs for about this many seconds.
 ROUND_S = 0.5
 #: Kernels this many times slower than the fastest in the warm-up are not raced.
@@ -112,15 +131,17 @@ def _time_in_turns(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[st
 
 
 def _call(library: str, dtype: str, head_dim: int, mask: str, band_name: str,
-          heads: int) -> tuple[Any, Callable[..., Any]] | None:
+          heads: int, mode: str = "forward") -> tuple[Any, Callable[..., Any]] | None:
     """``(plan, run)`` for one representative call: ``run(kernel)`` makes it on that
-    kernel and waits for the result. None when the library is missing or cannot make
-    that dtype."""
+    kernel and waits for the result (a training call: its gradients). None when the
+    library is missing, cannot make that dtype or has no autograd to train with."""
     import importlib
 
     from .. import attention, explain
 
     lib = LIBRARIES[library]
+    if mode == "training" and lib.train is None:
+        return None
     try:
         module = importlib.import_module(lib.module)
     except ImportError:
@@ -131,17 +152,35 @@ def _call(library: str, dtype: str, head_dim: int, mask: str, band_name: str,
     except (AttributeError, TypeError, ValueError):
         return None
     m = _mask(mask)
+    if mode == "training":
+        def run(kernel: str) -> Any:
+            return lib.train(module, functools.partial(attention, mask=m, kernel=kernel),
+                             q, k, v)
+        # the plan of a call that needs gradients: asked with inputs that say so
+        if library == "torch":
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+        return _training_plan(explain(q, k, v, mask=m)), run
 
     def run(kernel: str) -> Any:
         return lib.wait(module, attention(q, k, v, mask=m, kernel=kernel))
     return explain(q, k, v, mask=m), run
 
 
+def _training_plan(plan: Any) -> Any:
+    """``plan`` with the kernels that take no gradients refused (a JAX array says
+    nothing of gradients outside ``jax.grad``)."""
+    from dataclasses import replace
+
+    candidates = tuple((e, why or (() if e.kernel.grad else ("no gradients",)))
+                       for e, why in plan.candidates)
+    return replace(plan, candidates=candidates)
+
+
 def measure(library: str, dtype: str, head_dim: int, mask: str, band_name: str, *,
-            heads: int = 8, repeats: int = 5) -> dict[str, Any] | None:
+            heads: int = 8, repeats: int = 5, mode: str = "forward") -> dict[str, Any] | None:
     """One representative call timed on every kernel that can run it (None when the
-    library is missing or cannot make that dtype)."""
-    made = _call(library, dtype, head_dim, mask, band_name, heads)
+    library is missing, cannot make that dtype or cannot train)."""
+    made = _call(library, dtype, head_dim, mask, band_name, heads, mode)
     if made is None:
         return None
     plan, run = made
@@ -153,12 +192,12 @@ def measure(library: str, dtype: str, head_dim: int, mask: str, band_name: str, 
             run(entry.name)  # a kernel that fails here is simply not measured
         except Exception as e:  # any failure of a plugin
             warnings.warn(f"tune: {entry.name} failed on {library} {dtype} d={head_dim} "
-                          f"{mask} {band_name}: {e}", TuneWarning, stacklevel=2)
+                          f"{mask} {band_name} {mode}: {e}", TuneWarning, stacklevel=2)
             continue
         calls[entry.name] = functools.partial(run, entry.name)
     times = _time_in_turns(calls, repeats)
     return {"library": library, "device": plan.inputs.device, "dtype": dtype,
-            "head_dim": head_dim, "mask": mask, "band": band_name,
+            "head_dim": head_dim, "mask": mask, "band": band_name, "mode": mode,
             "shape": [1, heads, BAND_SIZES[band_name], head_dim], "times": times}
 
 
@@ -178,7 +217,7 @@ def measure_settings(rows: Sequence[dict[str, Any]], *, repeats: int = 5,
             logs: dict[str, list[float]] = {str(value): [] for value in values}
             for row in ran:
                 made = _call(row["library"], row["dtype"], row["head_dim"], row["mask"],
-                             row["band"], row["shape"][1])
+                             row["band"], row["shape"][1], row.get("mode", "forward"))
                 if made is None:
                     continue
                 calls = {str(value): functools.partial(_run_with, made[1], entry.name,
@@ -220,23 +259,19 @@ def _distribution_versions(libraries: Sequence[str]) -> dict[str, str]:
 
 def tune(libraries: Sequence[str], dtypes: Sequence[str], head_dims: Sequence[int],
          mask_kinds: Sequence[str], bands: Sequence[str], *, repeats: int = 5,
-         say: Callable[[str], Any] = print) -> dict[str, Any]:
+         modes: Sequence[str] = MODES, say: Callable[[str], Any] = print) -> dict[str, Any]:
     """Measure every combination; returns the tune file's contents."""
     rows = []
-    for library in libraries:
-        for dtype in dtypes:
-            for head_dim in head_dims:
-                for mask in mask_kinds:
-                    for band_name in bands:
-                        row = measure(library, dtype, head_dim, mask, band_name,
-                                      repeats=repeats)
-                        if row is None:
-                            continue
-                        rows.append(row)
-                        ranked = sorted(row["times"].items(), key=lambda item: item[1])
-                        listed = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
-                        say(f"{library} {dtype} d={head_dim} {mask} {band_name} "
-                            f"(L={BAND_SIZES[band_name]}): {listed}")
+    combinations = itertools.product(libraries, modes, dtypes, head_dims, mask_kinds, bands)
+    for library, mode, dtype, head_dim, mask, band_name in combinations:
+        row = measure(library, dtype, head_dim, mask, band_name, repeats=repeats, mode=mode)
+        if row is None:
+            continue
+        rows.append(row)
+        ranked = sorted(row["times"].items(), key=lambda item: item[1])
+        listed = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
+        say(f"{library} {mode} {dtype} d={head_dim} {mask} {band_name} "
+            f"(L={BAND_SIZES[band_name]}): {listed}")
     measured = sorted({row["library"] for row in rows})
     settings = measure_settings(rows, repeats=repeats, say=say)
     return {"format": FORMAT,
@@ -290,6 +325,9 @@ def main(argv: Sequence[str]) -> int:
                         help="default: none,causal")
     parser.add_argument("--bands", type=_csv(str, list(BAND_SIZES)), default=None,
                         help="default: short,medium,long (--quick: short,medium)")
+    parser.add_argument("--modes", type=_csv(str, MODES), default=list(MODES),
+                        help="default: forward,training (training: forward and gradients, "
+                        "on the libraries with autograd)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer calls: the defaults above marked --quick")
     parser.add_argument("--repeats", type=int, default=5,
@@ -305,7 +343,7 @@ def main(argv: Sequence[str]) -> int:
     if path is None:
         parser.error(f"{TUNE_ENV} is set empty (measured dispatch off); pass --output")
     contents = tune(args.libraries, args.dtypes, args.head_dims, args.masks, args.bands,
-                    repeats=args.repeats)
+                    repeats=args.repeats, modes=args.modes)
     if not contents["entries"]:
         print("nothing measured: none of the libraries is installed", file=sys.stderr)
         return 1

@@ -109,8 +109,9 @@ def _features(mask_kinds: Any, bias: bool, softcap: bool) -> str:
 _call_parts: dict[tuple, tuple[str, str, str, int, str]] = {}
 
 
-def call_key(inputs: AttentionInputs) -> tuple[str, str, str, int, str, str]:
-    """``(library, device, dtype, head dim band, mask kinds and extras, size band)``."""
+def call_key(inputs: AttentionInputs) -> tuple[str, str, str, int, str, str, str]:
+    """``(library, device, dtype, head dim band, mask kinds and extras, size band,
+    mode)``; the mode is ``training`` for calls that need gradients, else ``forward``."""
     # dispatch asks on every call it has not seen: the parts that need work are remembered
     seen = (inputs.namespace, inputs.device, inputs.dtype, inputs.head_dim, inputs.mask_kinds,
             inputs.bias is not None, inputs.softcap is not None)
@@ -119,12 +120,14 @@ def call_key(inputs: AttentionInputs) -> tuple[str, str, str, int, str, str]:
         if len(_call_parts) > 1024:
             _call_parts.clear()
         parts = _call_parts[seen] = (*seen[:3], _head_dim_band(seen[3]), _features(*seen[4:]))
-    return (*parts, band(max(inputs.q_len, inputs.kv_len)))
+    return (*parts, band(max(inputs.q_len, inputs.kv_len)),
+            "training" if inputs.requires_grad else "forward")
 
 
-def _key_of(row: dict[str, Any]) -> tuple[str, str, str, int, str, str]:
+def _key_of(row: dict[str, Any]) -> tuple[str, str, str, int, str, str, str]:
+    # files written before training was timed hold forward calls only
     return (row["library"], row["device"], row["dtype"], _head_dim_band(row["head_dim"]),
-            row["mask"], row["band"])
+            row["mask"], row["band"], row.get("mode", "forward"))
 
 
 # -- the file: machine, versions, loading -------------------------------------------
@@ -309,11 +312,9 @@ def measured_choice(inputs: AttentionInputs, runnable: Sequence[str]) -> tuple[s
     ``inputs``, and a note for ``explain()``; None without a usable tune entry, when the
     call has far more or fewer rows than the measured one (:data:`SPREAD`), or when the
     fastest beat the first runnable by less than :data:`MARGIN` (priorities stand).
-
-    Calls that need gradients are left to the priorities: tune times forward passes.
+    Calls that need gradients are steered by the training calls measured (forward and
+    gradients), the others by the forward ones.
     """
-    if inputs.requires_grad:
-        return None
     table = _table()
     if table is None:
         return None
