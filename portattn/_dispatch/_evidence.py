@@ -137,18 +137,30 @@ def combined(entries: Iterable[tuple[tuple[str, ...], dict[str, float], str]]
     return table
 
 
-_loaded: dict[str, Any] = {"packages": None, "table": {}}
+#: The table read, for which registry list and packages (``packages=None``: read again),
+#: and the kinds of device it has entries for.
+#: The table read, for which registry list and packages (``packages=None``: read it
+#: again), and the kinds of device it has entries for.
+_loaded: dict[str, Any] = {"kernels": None, "packages": None, "table": {}, "kinds": ()}
 
 
 def shipped() -> dict[tuple[str, ...], Evidence]:
-    """The evidence of every installed kernel's package, read once per set of kernels."""
+    """The evidence of every installed kernel's package, read once per set of kernels
+    (dispatch asks on every call it has not remembered: a new registry list is the only
+    thing looked at then)."""
+    entries = kernel_entries()
+    if entries is _loaded.get("kernels") and _loaded["packages"] is not None:
+        return _loaded["table"]
     packages = tuple(sorted({type(e.kernel).__module__.partition(".")[0]
-                             for e in kernel_entries() if e.kernel is not None}))
+                             for e in entries if e.kernel is not None}))
     if packages != _loaded["packages"]:
-        entries = []
+        found = []
         for package in packages:
-            entries += _read(package)
-        _loaded.update(packages=packages, table=combined(entries))
+            found += _read(package)
+        table = combined(found)
+        _loaded.update(table=table, kinds=frozenset(key[0].partition(" ")[0] for key in table))
+    _loaded["packages"] = packages
+    _loaded["kernels"] = entries
     return _loaded["table"]
 
 
@@ -175,7 +187,8 @@ def _read(package: str) -> list[tuple[tuple[str, ...], dict[str, float], str]]:
 def has_evidence(inputs: AttentionInputs) -> bool:
     """Whether any entry is for the call's kind of device (cheap: decides whether
     dispatch must ask every kernel)."""
-    return any(key[0].partition(" ")[0] == inputs.device for key in shipped())
+    shipped()
+    return inputs.device in _loaded.get("kinds", ())
 
 
 def evidence_choice(inputs: AttentionInputs, runnable: Sequence[str],
