@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import portattn
 from portattn import masks
@@ -74,6 +76,27 @@ def test_tiles_across_documents_are_skipped():
     assert mask.parts_of("documents")[0].covers(128, 192, 128, 192, 256, 256)
     traced = mask.with_arrays(mask.arrays)  # other arrays: no plan, every tile visited
     assert traced.key_range(128, 192, 256, 256) == (0, 192)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_a_tile_is_covered_exactly_when_all_its_pairs_are_allowed(data):
+    # several batch elements, padding and ids in any order: a tile is full only where
+    # every batch element allows every pair of it
+    rows = data.draw(st.integers(1, 3))
+    length = data.draw(st.integers(1, 24))
+    ids = st.lists(st.integers(-1, 3), min_size=length, max_size=length)
+    query_ids = np.array([data.draw(ids) for _ in range(rows)])
+    key_ids = np.array([data.draw(ids) for _ in range(rows)])
+    xp = pytest.importorskip("array_api_compat.numpy")
+    mask = masks.documents(query_ids, key_ids).bind(xp, (rows,), 1, length, length)
+    q0 = data.draw(st.integers(0, length - 1))
+    q1 = data.draw(st.integers(q0 + 1, length))
+    k0 = data.draw(st.integers(0, length - 1))
+    k1 = data.draw(st.integers(k0 + 1, length))
+    q, k = query_ids[:, q0:q1, None], key_ids[:, None, k0:k1]
+    every_pair = bool(((q == k) & (q >= 0)).all())
+    assert mask.covers(q0, q1, k0, k1, length, length) == every_pair
 
 
 def test_padding_ids_attend_nothing():

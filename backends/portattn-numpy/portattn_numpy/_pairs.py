@@ -58,13 +58,14 @@ def blocks_of(p: Problem, plans: CallPlans, b: tuple[int, ...], h: int, q0: int,
 _COLUMN = 0.75
 
 
-def _columns(p: Problem, plans: CallPlans) -> Any:
-    """Which key blocks of the call's grid are read over every query at once."""
+def _columns(p: Problem, plans: CallPlans) -> list[int]:
+    """How many of the first ``c`` key blocks of the call's grid are read over every
+    query at once, for each ``c`` (a list: read for every tile a plan evaluates)."""
     found = plans.local.get("columns")
     if found is None:
         partial = p.blocks.states == PARTIAL
-        found = plans.local["columns"] = partial.reshape(-1, partial.shape[-1]).mean(
-            axis=0) >= _COLUMN
+        read = partial.reshape(-1, partial.shape[-1]).mean(axis=0) >= _COLUMN
+        found = plans.local["columns"] = [0, *np.cumsum(read).tolist()]
     return found
 
 
@@ -84,12 +85,15 @@ class UnitMask:
         p, q0 = self.p, self.q0
         step = p.blocks.block_k
         c0, c1 = k0 // step, -(-k1 // step)
-        if _columns(p, self.plans)[c0:c1].all():  # read once per call, for every unit
+        columns = _columns(p, self.plans)
+        if columns[c1] - columns[c0] == c1 - c0:  # read once per call, for every unit
             parts = [self._column(c) for c in range(c0, c1)]
             tile = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
             return tile[q0 + r0:q0 + r1, k0 - c0 * step:k1 - c0 * step]
-        tile = np.asarray(p.mask.tile(np, q0 + r0, q0 + r1, k0, k1, p.q_len, p.kv_len))
-        return np.broadcast_to(self._own(tile), (r1 - r0, k1 - k0))
+        tile = self._own(np.asarray(p.mask.tile(np, q0 + r0, q0 + r1, k0, k1, p.q_len,
+                                                p.kv_len)))
+        shape = (r1 - r0, k1 - k0)
+        return tile if tile.shape == shape else np.broadcast_to(tile, shape)
 
     def _column(self, c: int) -> Any:
         """The tile of the call's key block ``c`` over every query, kept for the call."""

@@ -43,9 +43,21 @@ class UnitBlocks:
     computed in stacked products before ``blocks``; 0 for units of tiles."""
 
     @cached_property
+    def nbytes(self) -> int:
+        """About what the plan holds: its masks' entries and a tuple's worth per block
+        and mask (counted once per plan, where a walk of every object would cost as
+        much as planning a fresh mask)."""
+        masks = [hidden.nbytes for *_, found in self.blocks for _, _, hidden in found]
+        return sum(masks) + _TUPLE_BYTES * (len(self.blocks) + len(masks))
+
+    @cached_property
     def packed(self) -> tuple[Any, Any, Any]:
         """The blocks as the compiled loops read them (:func:`pack`), made once."""
         return pack(self.blocks)
+
+
+#: A block's or mask's tuple and the integers in it, about.
+_TUPLE_BYTES = 200
 
 
 class Unit(NamedTuple):

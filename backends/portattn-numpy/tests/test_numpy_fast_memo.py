@@ -36,6 +36,16 @@ def test_size_of_counts_arrays_inside_objects_once():
     assert 8000 + 80 < _memo.size_of(Plan()) < 8000 + 80 + 2000
 
 
+def test_a_plan_of_blocks_counts_its_masks():
+    # a unit's plan counts its bytes itself (walking every block of every stored plan
+    # would cost as much as planning a new mask): at least the entries it masks
+    from portattn_numpy._units import UnitBlocks
+
+    hidden = np.ones((128, 256), bool)
+    plan = UnitBlocks([(0, 256, 0, 128, [(0, 0, hidden)]), (256, 512, 0, 128, [])], 0, 128)
+    assert hidden.nbytes < _memo.size_of(plan) < hidden.nbytes + 2000
+
+
 def test_calls_of_many_shapes_keep_the_stores_bounded(monkeypatch):
     monkeypatch.setattr(_memo, "MAX_BYTES", 256 << 10)
     _memo.clear_all()
