@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._triton_dropout import kept, row_key
-from ._triton_kernel import LOG2E, valid_lengths
+from ._triton_kernel import LOG2E
 from ._triton_masks import (
     add_poison,
     bias_tile,
@@ -36,6 +36,7 @@ from ._triton_masks import (
     tile_span,
     tile_start,
 )
+from ._triton_walk import query_tiles, valid_lengths
 
 __all__ = ["delta_kernel", "dkdv_kernel", "scores_of_tile"]
 
@@ -176,34 +177,6 @@ def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi,
             dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
     return dk, dv
-
-
-@triton.jit
-def query_tiles(n0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
-    """Query bounds ``(t_lo, u_lo, u_hi, t_hi)`` of the key block at ``n0`` under a
-    band and lengths alone (the transpose of ``key_tiles``): masked head, mask-free
-    middle, masked tail; multiples of ``BLOCK_M``."""
-    # Queries that see any key of the block, and those that see every key of it.
-    n_last = tl.minimum(n0 + BLOCK_N, kv_valid) - 1
-    i_lo = 0
-    i_hi = q_valid
-    full_lo = 0
-    full_hi = q_valid
-    if HAS_UPPER:
-        i_lo = tl.maximum(n0 - upper_off, 0)
-        full_lo = tl.maximum(n0 + BLOCK_N - 1 - upper_off, 0)
-    if HAS_LOWER:
-        i_hi = tl.minimum(i_hi, n_last - lower_off + 1)
-        full_hi = tl.minimum(full_hi, n0 - lower_off + 1)
-    i_hi = tl.maximum(i_hi, i_lo)
-    i_hi = tl.where(n_last < n0, i_lo, i_hi)  # the whole block is key padding
-    t_lo = (i_lo // BLOCK_M) * BLOCK_M
-    t_hi = tl.cdiv(i_hi, BLOCK_M) * BLOCK_M
-    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, t_lo), t_hi)
-    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_M) * BLOCK_M, u_lo), t_hi)
-    u_hi = tl.where(n0 + BLOCK_N <= kv_valid, u_hi, u_lo)  # keys past the end: all masked
-    return t_lo, u_lo, u_hi, t_hi
 
 
 @triton.jit

@@ -20,8 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_kernel import LOG2E, finish_rows, fold_tile, valid_lengths
+from ._triton_kernel import LOG2E, finish_rows, fold_tile, keys_and_values
 from ._triton_masks import bias_tile, table_row
+from ._triton_walk import valid_lengths
 
 __all__ = ["decode_merge_kernel", "decode_split_kernel"]
 
@@ -40,36 +41,16 @@ def _attend_split(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_
     offs_n = tl.arange(0, BLOCK_N)
     for i in range(count):
         cols = tl.load(tiles + i) * BLOCK_N + offs_n
-        k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        poison = 0.0
+        # poisoned keys load as NaN; with a bias, which may hide them, the poison joins
+        # the scores instead
+        k, v, poison = keys_and_values(K, V, Poison, cols, offs_d, offs_dv, stride_kn,
+                                       stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
+                                       value_head_dim, MASKED, EVEN_D, HAS_POISON,
+                                       HAS_POISON and HAS_BIAS)
         slot = 0
         bias = 0.0
-        if MASKED:
-            in_k = cols < kv_valid
-            k_other = 0.0
-            if HAS_POISON:  # poisoned values load as 0, their keys as NaN (with a bias,
-                # which may hide them, the poison joins the scores instead)
-                poison = tl.load(Poison + cols, mask=in_k, other=0.0)
-                if not HAS_BIAS:
-                    k_other = poison[None, :]
-                in_k &= poison == 0.0
-            if EVEN_D:
-                k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
-                v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
-                            other=k_other)
-                v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
-                            other=0.0)
-            if HAS_BITS:
-                slot = tl.load(tiles + num_cols + i)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
+        if MASKED and HAS_BITS:
+            slot = tl.load(tiles + num_cols + i)
         if HAS_BIAS:
             bias = bias_tile(Bias, pos[:, None], cols[None, :], q_len, kv_len, stride_bm,
                              stride_bn)

@@ -15,14 +15,8 @@ import triton.language as tl
 
 from ._triton_backward import _load_tile, _row_stats, scores_of_tile
 from ._triton_dropout import kept, row_key
-from ._triton_kernel import key_tiles, valid_lengths
-from ._triton_masks import (
-    bias_tile,
-    table_row,
-    tile_slot,
-    tile_span,
-    tile_start,
-)
+from ._triton_masks import bias_tile, tile_slot, tile_span, tile_start
+from ._triton_walk import key_walk
 
 __all__ = ["dq_kernel"]
 
@@ -101,29 +95,19 @@ def dq_kernel(
     float32)."""
     pid_zh = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if REVERSE:  # causal-like bands: the last query blocks do the most work
+    if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
         pid_m = tl.num_programs(1) - 1 - pid_m
     off_z = (pid_zh // num_heads).to(tl.int64)
     off_h = (pid_zh % num_heads).to(tl.int64)
-    off_kvh = off_h // group_size
-
+    off_kvh = off_h // group_size  # grouped-query: K/V head shared by the group
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-
-    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
-                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
-    t_lo = 0
-    u_lo = 0
-    u_hi = 0
-    t_hi = 0
-    if HAS_TABLE:
-        row = table_row(Table, off_z, off_h, pid_m, table_z, table_h, table_m)
-    else:
-        row = Table
-        t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
-                                           BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    kv_valid, _, row, t_lo, u_lo, u_hi, t_hi = key_walk(
+        Table, KeyLengths, QueryLengths, off_z, off_h, pid_m, m0, q_len, kv_len, table_z,
+        table_h, table_m, lower_off, upper_off, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER,
+        HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS, HAS_TABLE)
 
     in_q = offs_m < q_len
     q = _load_tile(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm

@@ -24,15 +24,15 @@ from ._triton_dropout import kept, row_key
 from ._triton_masks import (
     add_poison,
     bias_tile,
-    table_row,
     tile_keep,
     tile_slot,
     tile_span,
     tile_start,
 )
+from ._triton_walk import key_walk
 
-__all__ = ["block_order", "finish_rows", "flash_forward_kernel", "fold_tile", "key_tiles",
-           "valid_lengths"]
+__all__ = ["block_order", "finish_rows", "flash_forward_kernel", "fold_tile",
+           "keys_and_values"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -117,6 +117,45 @@ def block_order(num_heads, q_len, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def keys_and_values(K, V, Poison, cols, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
+                    stride_vd, kv_valid, head_dim, value_head_dim, MASKED: tl.constexpr,
+                    EVEN_D: tl.constexpr, HAS_POISON: tl.constexpr,
+                    POISON_SCORES: tl.constexpr):
+    """``(k, v, poison)``: the key tile transposed ``(BLOCK_D, BLOCK_N)`` and the value
+    tile ``(BLOCK_N, BLOCK_DV)`` at keys ``cols``, and their poison (0.0 unless
+    ``MASKED`` with ``HAS_POISON``). Full tiles are read whole; a masked tile never
+    reads keys past ``kv_valid`` nor poisoned values (they load as 0), and loads a
+    poisoned key as its poison (NaN), unless ``POISON_SCORES`` adds it to the scores
+    instead (see :func:`fold_tile`)."""
+    k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    poison = 0.0
+    if MASKED:
+        in_k = cols < kv_valid
+        k_other = 0.0
+        if HAS_POISON:
+            poison = tl.load(Poison + cols, mask=in_k, other=0.0)
+            if not POISON_SCORES:
+                k_other = poison[None, :]
+            in_k &= poison == 0.0
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
+            v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
+                        other=k_other)
+            v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
+                        other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
+    return k, v, poison
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
             offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
             stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
@@ -137,35 +176,14 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols,
     for pos in range(lo, hi, BLOCK_N):
         start_n = tile_start(tiles, pos, BLOCK_N, HAS_TABLE)
         cols = start_n + offs_n
-        k_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        poison = 0.0
+        k, v, poison = keys_and_values(K, V, Poison, cols, offs_d, offs_dv, stride_kn,
+                                       stride_kd, stride_vn, stride_vd, kv_valid, head_dim,
+                                       value_head_dim, MASKED, EVEN_D, HAS_POISON,
+                                       POISON_SCORES)
         slot = 0
         bias = 0.0
-        if MASKED:
-            in_k = cols < kv_valid
-            k_other = 0.0
-            if HAS_POISON:  # poisoned values load as 0
-                poison = tl.load(Poison + cols, mask=in_k, other=0.0)
-                if not POISON_SCORES:
-                    k_other = poison[None, :]
-                in_k &= poison == 0.0
-            if EVEN_D:
-                k = tl.load(k_ptrs, mask=in_k[None, :], other=k_other)
-                v = tl.load(v_ptrs, mask=in_k[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=in_k[None, :] & (offs_d[:, None] < head_dim),
-                            other=k_other)
-                v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < value_head_dim),
-                            other=0.0)
-            if HAS_BITS:
-                slot = tile_slot(tiles, num_cols, pos, BLOCK_N)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < value_head_dim, other=0.0)
+        if MASKED and HAS_BITS:
+            slot = tile_slot(tiles, num_cols, pos, BLOCK_N)
         if HAS_BIAS:
             bias = bias_tile(Bias, offs_m[:, None], cols[None, :], q_len, kv_len, stride_bm,
                              stride_bn)
@@ -175,47 +193,6 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols,
                                   HAS_UPPER, HAS_BITS, HAS_BIAS, POISON_SCORES, SOFTCAP,
                                   INPUT_PRECISION, BLOCK_M, BLOCK_N, DROPOUT)
     return acc, l_i, m_i
-
-
-@triton.jit
-def valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
-                  HAS_KEY_LENGTHS: tl.constexpr, HAS_QUERY_LENGTHS: tl.constexpr):
-    """``(kv_valid, q_valid)``: batch element ``off_z``'s key and query lengths."""
-    kv_valid = kv_len
-    if HAS_KEY_LENGTHS:
-        kv_valid = tl.minimum(tl.load(KeyLengths + off_z).to(tl.int32), kv_len)
-    q_valid = q_len
-    if HAS_QUERY_LENGTHS:
-        q_valid = tl.minimum(tl.load(QueryLengths + off_z).to(tl.int32), q_len)
-    return kv_valid, q_valid
-
-
-@triton.jit
-def key_tiles(m0, q_valid, kv_valid, lower_off, upper_off, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
-    """Key bounds ``(t_lo, u_lo, u_hi, t_hi)`` of the query block at ``m0`` under a
-    band and lengths alone: masked head ``[t_lo, u_lo)``, mask-free middle
-    ``[u_lo, u_hi)``, masked tail ``[u_hi, t_hi)``; multiples of ``BLOCK_N``. Forward
-    and dQ pass walk the same."""
-    # Key range any row of the block may reach, and the range every row reaches.
-    m_last = tl.minimum(m0 + BLOCK_M, q_valid) - 1
-    k_lo = 0
-    k_hi = kv_valid
-    full_lo = 0
-    full_hi = kv_valid
-    if HAS_LOWER:
-        k_lo = tl.maximum(m0 + lower_off, 0)
-        full_lo = tl.maximum(m_last + lower_off, 0)
-    if HAS_UPPER:
-        k_hi = tl.minimum(k_hi, m_last + upper_off + 1)
-        full_hi = tl.minimum(full_hi, m0 + upper_off + 1)
-    k_hi = tl.maximum(k_hi, k_lo)
-    k_hi = tl.where(m_last < m0, k_lo, k_hi)  # the whole block is query padding
-    t_lo = (k_lo // BLOCK_N) * BLOCK_N
-    t_hi = tl.cdiv(k_hi, BLOCK_N) * BLOCK_N
-    u_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, t_lo), t_hi)
-    u_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, u_lo), t_hi)
-    return t_lo, u_lo, u_hi, t_hi
 
 
 @triton.jit
@@ -250,24 +227,14 @@ def flash_forward_kernel(
     off_z = (pid_zh // num_heads).to(tl.int64)
     off_h = (pid_zh % num_heads).to(tl.int64)
     off_kvh = off_h // group_size  # grouped-query: K/V head shared by the group
-
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-
-    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
-                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
-    t_lo = 0
-    u_lo = 0
-    u_hi = 0
-    t_hi = 0
-    if HAS_TABLE:
-        row = table_row(Table, off_z, off_h, pid_m, table_z, table_h, table_m)
-    else:
-        row = Table
-        t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
-                                           BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    kv_valid, q_valid, row, t_lo, u_lo, u_hi, t_hi = key_walk(
+        Table, KeyLengths, QueryLengths, off_z, off_h, pid_m, m0, q_len, kv_len, table_z,
+        table_h, table_m, lower_off, upper_off, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER,
+        HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS, HAS_TABLE)
 
     q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
               + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)

@@ -18,14 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_kernel import block_order, finish_rows, fold_tile, key_tiles, valid_lengths
-from ._triton_masks import (
-    bias_tile,
-    table_row,
-    tile_slot,
-    tile_span,
-    tile_start,
-)
+from ._triton_kernel import block_order, finish_rows, fold_tile
+from ._triton_masks import bias_tile, tile_slot, tile_span, tile_start
+from ._triton_walk import key_walk
 
 __all__ = ["flash_forward_tma_kernel"]
 
@@ -93,18 +88,10 @@ def flash_forward_tma_kernel(
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    kv_valid, q_valid = valid_lengths(KeyLengths, QueryLengths, off_z, q_len, kv_len,
-                                      HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS)
-    t_lo = 0
-    u_lo = 0
-    u_hi = 0
-    t_hi = 0
-    if HAS_TABLE:
-        row = table_row(Table, off_z, off_h, pid_m, table_z, table_h, table_m)
-    else:
-        row = Table
-        t_lo, u_lo, u_hi, t_hi = key_tiles(m0, q_valid, kv_valid, lower_off, upper_off,
-                                           BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    kv_valid, q_valid, row, t_lo, u_lo, u_hi, t_hi = key_walk(
+        Table, KeyLengths, QueryLengths, off_z, off_h, pid_m, m0, q_len, kv_len, table_z,
+        table_h, table_m, lower_off, upper_off, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER,
+        HAS_KEY_LENGTHS, HAS_QUERY_LENGTHS, HAS_TABLE)
 
     q = DescQ.load([off_z, off_h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
     Poison += (off_z * (num_heads // group_size) + off_kvh).to(tl.int64) * kv_len
