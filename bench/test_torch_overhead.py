@@ -4,9 +4,10 @@ Shapes (1, 8, N, 64) float32 for N = 64 (where per-call overhead shows) and 2048
 (where it should vanish): ``F.scaled_dot_product_attention`` called directly, the same
 through ``portattn.attention`` (dispatching to ``torch_sdpa``), and dispatch alone
 (validating the call and choosing the kernel, no attention; first call and repeated
-call). The time of one tiny SDPA call drifts by a third within a minute on a shared
-machine, so the ratio is not taken from two separate benchmarks: portattn's benchmark
-also times both calls in alternation (``ALTERNATIONS``: rounds, calls per round) and
+call), and one decode step (one query under ``causal()`` against 256 cached keys).
+The time of one tiny SDPA call drifts by a third within a minute on a shared machine,
+so the ratio is not taken from two separate benchmarks: portattn's benchmark also
+times both calls in alternation (``ALTERNATIONS``: rounds, calls per round) and
 records min(portattn) / min(direct) and the median of the per-round ratios in
 ``extra_info``, and prints them; the target is at most 1.15 at N = 64. Run::
 
@@ -75,6 +76,47 @@ def test_overhead(benchmark, impl, n):
         note = f" (target <= {target})" if target else ""
         print(f"\nportattn.attention / F.scaled_dot_product_attention at N={n}, in turns: "
               f"{best:.3f}x by minimum, {median:.3f}x median per round{note}")
+
+
+DECODE_KEYS = 256  # a short cache, where what portattn adds shows
+
+
+def test_decode_step_overhead(benchmark):
+    """One decode step as a model makes it: one query against ``DECODE_KEYS`` cached
+    keys under ``causal()`` (which hides nothing at Lq = 1), through
+    ``portattn.attention`` against SDPA called directly, in turns."""
+    from portattn import masks
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=g)
+    k, v = (torch.randn(1, HEADS, DECODE_KEYS, HEAD_DIM, generator=g) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal = masks.causal()
+
+    def direct():
+        return sdpa(q, k, v)
+
+    def ours():
+        return portattn.attention(q, k, v, mask=causal)
+
+    torch.testing.assert_close(ours(), direct())
+    benchmark.group = f"torch overhead, decode 1 x {DECODE_KEYS}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a few microseconds: no OpenMP threads to wake
+    try:
+        benchmark.pedantic(ours, warmup_rounds=3, rounds=100, iterations=10)
+        times = {direct: [], ours: []}
+        for _ in range(30):
+            for call in times:
+                times[call].append(timeit.timeit(call, number=200) / 200)
+    finally:
+        torch.set_num_threads(threads)
+    added = min(times[ours]) - min(times[direct])
+    ratio = min(times[ours]) / min(times[direct])
+    benchmark.extra_info.update(time_over_direct=ratio, added_seconds=added)
+    print(f"\ndecode step 1 x {DECODE_KEYS}, causal(), one thread, in turns: "
+          f"portattn.attention adds {added * 1e6:.1f} us to "
+          f"F.scaled_dot_product_attention's {min(times[direct]) * 1e6:.1f} us ({ratio:.3f}x)")
 
 
 @pytest.mark.parametrize("repeated", [False, True], ids=["first", "repeated"])

@@ -50,16 +50,25 @@ def values_readable(a: Any) -> bool:
         >>> values_readable(np.arange(3))
         True
     """
+    kind = _kinds.get(type(a))
+    if kind is None:  # once per array type: every call asks it
+        kind = _kinds[type(a)] = _kind_of(a)
+    return kind == "readable" or (kind == "torch" and not torch_compiling())
+
+
+_kinds: dict[type, str] = {}
+"""Per array type: ``"lazy"`` (Dask arrays, JAX tracers: never readable), ``"torch"``
+(readable unless torch.compile traces) or ``"readable"``."""
+
+
+def _kind_of(a: Any) -> str:
     from array_api_compat import is_dask_array
 
-    if is_dask_array(a):
-        return False
     tracer = jax_tracer_type()
-    if tracer is not None and isinstance(a, tracer):
-        return False
-    torch = sys.modules.get("torch")
-    tensor = getattr(torch, "Tensor", None)
-    return not (tensor is not None and isinstance(a, tensor) and torch_compiling())
+    if is_dask_array(a) or (tracer is not None and isinstance(a, tracer)):
+        return "lazy"
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return "torch" if tensor is not None and isinstance(a, tensor) else "readable"
 
 
 def torch_compiling() -> bool:

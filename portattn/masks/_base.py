@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._lib import own_copy, run_import_hooks
+from .._lib import own_copy, run_import_hooks, torch_compiling
 from ._values import content_of
 
 if TYPE_CHECKING:
@@ -586,8 +586,13 @@ class Mask:
             >>> a.content_key() == b.content_key(), a == b  # same values, other arrays
             (True, False)
         """
-        if not self.arrays:
-            return self.key()
+        if not self.arrays:  # parameters alone: the key never changes (every call asks)
+            found = self.__dict__.get("_content_key")
+            if found is None:
+                found = self.key()
+                if not torch_compiling():  # masks are frozen: the memo is set once
+                    object.__setattr__(self, "_content_key", found)
+            return found
         if not self.__dict__.get("_own_arrays"):  # the caller's arrays may change
             return None
         content = content_of(self.arrays)
