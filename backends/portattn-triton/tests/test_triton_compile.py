@@ -99,6 +99,7 @@ def test_compiles_fits_and_does_not_spill(compiled, arch, kernel, dtype, dim, va
     assert r["spilled"] == 0, f"{where}: {r['spilled']} bytes spilled:\n{r['ptxas']}"
     sass = r["sass"]
     assert "error" not in sass, f"{where}: no SASS: {sass.get('error')}"
+    assert sass["total"] > 0, f"{where}: an empty SASS listing"
     assert sass["local"] == 0, f"{where}: local-memory loads/stores in the SASS"
     if kernel == "delta":  # elementwise: no products
         return

@@ -4,7 +4,9 @@ Run as a script (``python triton_compile_configs.py 90 --dtypes float16``), in a
 ``TRITON_INTERPRET`` is unset: it compiles every block configuration the launcher can
 pick for that generation, for each kernel (the forward and the backward's dK/dV and dQ
 passes), dtype and variant, and prints one JSON line per compilation: shared memory,
-registers and spilled bytes (from ptxas's report).
+registers and spilled bytes (from ptxas's report), marks of the PTX and of the SASS,
+and the SASS's instruction count (``sass.total``: two runs compare a change to the
+kernels' code by it).
 The tests run it in a subprocess because the interpreter tests share their process
 with ``TRITON_INTERPRET=1``, which Triton reads at import.
 """
@@ -17,6 +19,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -236,14 +239,23 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
 
 
 def _sass_marks(compiled) -> dict:
-    """Opcode counts in the SASS, read by NVIDIA's disassembler (shipped in Triton's
-    wheel); an "error" entry when it cannot run."""
+    """Opcode counts in the whole SASS and its instruction count (``total``), read from
+    the cubin by NVIDIA's ``cuobjdump`` (shipped in Triton's wheel); an "error" entry
+    when it cannot run. (Triton's own listing, ``asm["sass"]``, stops at the 4096th
+    instruction: its address pattern has four hex digits.)"""
+    from triton.tools.disasm import path_to_cuobjdump
+
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            sass = compiled.asm["sass"]
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            sass = subprocess.run([path_to_cuobjdump(), "-sass", cubin.name], check=True,
+                                  capture_output=True, text=True).stdout
     except Exception as e:  # reported to the test, which fails with the message
         return {"error": f"{type(e).__name__}: {e}"[:500]}
-    return {k: len(re.findall(p, sass)) for k, p in SASS_MARKS.items()}
+    marks = {k: len(re.findall(p, sass)) for k, p in SASS_MARKS.items()}
+    marks["total"] = len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s", sass, re.MULTILINE))
+    return marks
 
 
 def main(argv: list[str]) -> int:
