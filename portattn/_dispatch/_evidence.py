@@ -137,20 +137,22 @@ def combined(entries: Iterable[tuple[tuple[str, ...], dict[str, float], str]]
     return table
 
 
-#: The table read, for which registry list and packages (``packages=None``: read again),
-#: and the kinds of device it has entries for.
 #: The table read, for which registry list and packages (``packages=None``: read it
 #: again), and the kinds of device it has entries for.
-_loaded: dict[str, Any] = {"kernels": None, "packages": None, "table": {}, "kinds": ()}
+_loaded: dict[str, Any] = {"kernels": None, "packages": None, "table": {}, "kinds": frozenset()}
 
 
 def shipped() -> dict[tuple[str, ...], Evidence]:
-    """The evidence of every installed kernel's package, read once per set of kernels
-    (dispatch asks on every call it has not remembered: a new registry list is the only
-    thing looked at then)."""
+    """The evidence of every installed kernel's package, read once per set of kernels."""
+    return _current()["table"]
+
+
+def _current() -> dict[str, Any]:
+    """:data:`_loaded` for the registry list in use (dispatch asks on every call it has
+    not remembered: a new registry list is the only thing looked at then)."""
     entries = kernel_entries()
     if entries is _loaded.get("kernels") and _loaded["packages"] is not None:
-        return _loaded["table"]
+        return _loaded
     packages = tuple(sorted({type(e.kernel).__module__.partition(".")[0]
                              for e in entries if e.kernel is not None}))
     if packages != _loaded["packages"]:
@@ -159,9 +161,8 @@ def shipped() -> dict[tuple[str, ...], Evidence]:
             found += _read(package)
         table = combined(found)
         _loaded.update(table=table, kinds=frozenset(key[0].partition(" ")[0] for key in table))
-    _loaded["packages"] = packages
-    _loaded["kernels"] = entries
-    return _loaded["table"]
+    _loaded.update(packages=packages, kernels=entries)
+    return _loaded
 
 
 def _read(package: str) -> list[tuple[tuple[str, ...], dict[str, float], str]]:
@@ -187,8 +188,7 @@ def _read(package: str) -> list[tuple[tuple[str, ...], dict[str, float], str]]:
 def has_evidence(inputs: AttentionInputs) -> bool:
     """Whether any entry is for the call's kind of device (cheap: decides whether
     dispatch must ask every kernel)."""
-    shipped()
-    return inputs.device in _loaded.get("kinds", ())
+    return inputs.device in _current()["kinds"]
 
 
 def evidence_choice(inputs: AttentionInputs, runnable: Sequence[str],
