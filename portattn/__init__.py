@@ -23,11 +23,14 @@ from ._lib import VERSION as __version__
 from .kv_cache import KVCache
 from .linear import linear_attention
 from .multihead import MultiHeadAttention, multi_head_attention
+from .paged import paged_attention
+from .paged_cache import PagedKVCache
 
 __all__ = [
     "KVCache",
     "KernelEntry",
     "MultiHeadAttention",
+    "PagedKVCache",
     "Plan",
     "__version__",
     "attention",
@@ -40,6 +43,7 @@ __all__ = [
     "masks",
     "merge",
     "multi_head_attention",
+    "paged_attention",
     "refresh_kernels",
     "scaled_dot_product_attention",
     "use_kernel",

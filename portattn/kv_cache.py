@@ -196,7 +196,7 @@ class KVCache:
             head_dim: key head dimension ``D``.
             capacity: positions to hold, at least 1.
             value_head_dim: value head dimension ``Dv``; defaults to ``head_dim``.
-            xp: the array namespace (or an array of that library); NumPy when None.
+            xp: the array namespace; NumPy when None.
             dtype: a dtype or its name.
             device: where to allocate; the library's default when None.
 

@@ -11,7 +11,7 @@ from typing import Any
 from ._probes import values_readable
 
 __all__ = ["check_beside", "device_class", "device_kind", "device_text", "dtype_name", "host_copy",
-           "in_native_order", "is_native", "namespace_name", "own_copy"]
+           "host_values", "in_native_order", "is_native", "namespace_name", "own_copy"]
 
 
 def host_copy(a: Any) -> Any:
@@ -29,6 +29,14 @@ def host_copy(a: Any) -> Any:
             return np.asarray(to_device(a, "cpu"))
     except Exception:  # e.g. no NumPy, or a library that cannot hand its values over
         return None
+
+
+def host_values(a: Any) -> Any:
+    """The values of a small array (lengths, tables) as a NumPy array, computing a lazy
+    Dask array; None for values that cannot be read now (traced by JAX or torch)."""
+    from array_api_compat import is_dask_array
+
+    return host_copy(a.compute() if is_dask_array(a) else a)
 
 
 def own_copy(xp: Any, a: Any, device: Any = None) -> Any:

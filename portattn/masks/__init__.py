@@ -66,6 +66,7 @@ from ._queries import (
     head_dependence,
     intersection,
     is_positional,
+    reads_positions_alone,
 )
 from ._ranges import KeyRanges, QueryRanges, SequenceWindow
 from ._show import show, text
@@ -120,6 +121,7 @@ __all__ = [
     "head_dependence",
     "intersection",
     "is_positional",
+    "reads_positions_alone",
     "key_lengths",
     "key_ranges",
     "leaves",

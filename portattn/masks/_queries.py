@@ -18,9 +18,10 @@ if TYPE_CHECKING:
     from ._base import Band, Mask
 
 __all__ = ["BandAndLengths", "BandAndTokens", "band_and_lengths", "band_and_tokens",
-           "head_dependence", "intersection", "is_positional"]
+           "head_dependence", "intersection", "is_positional", "reads_positions_alone"]
 
 _PADDING = frozenset({"key_lengths", "query_lengths"})
+_RELATIVE = frozenset({"causal", "sliding_window", "sink_tokens", "chunks"})
 
 
 def is_positional(mask: Mask | None) -> bool:
@@ -35,6 +36,26 @@ def is_positional(mask: Mask | None) -> bool:
         False
     """
     return mask is not None and all(p.kind in POSITIONAL for p in mask.parts)
+
+
+def reads_positions_alone(mask: Mask | None) -> bool:
+    """Whether ``mask`` holds no arrays and reads only a query's position and a key's,
+    query ``i`` of ``n`` sitting at ``Lk - n + i``: it means the same in each sequence
+    of a packed or paged batch, at that sequence's own length (causal, sliding windows,
+    sink tokens and chunks, bottom-right aligned, combined with ``&`` and ``|``). So
+    does no mask (None).
+
+    Example:
+        >>> from portattn import masks
+        >>> masks.reads_positions_alone(masks.causal() | masks.sink_tokens(4))
+        True
+        >>> masks.reads_positions_alone(masks.causal("top_left"))
+        False
+    """
+    return mask is None or all(
+        p.kind in _RELATIVE and getattr(p, "alignment", "bottom_right") == "bottom_right"
+        and not getattr(p, "shift", 0) and not getattr(p, "origin", 0)
+        for p in leaves(mask))
 
 
 @dataclass(frozen=True)

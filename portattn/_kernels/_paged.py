@@ -1,0 +1,321 @@
+"""Packed queries of many sequences against keys and values held in pages.
+
+Each sequence's queries are cut into query tiles, and each tile reads its sequence's
+keys a chunk of pages at a time, straight from the page pool through the block table,
+with an online softmax over the chunks: memory holds one chunk per tile, never a
+sequence gathered whole. Tiles of one size are computed together, all sequences at
+once.
+
+Every size is fixed by the sequence itself (its query tile by its own number of
+queries, the chunks by the page size), never by the batch, and a tile's chunks run in
+one order whoever shares the batch: a sequence's output does not depend on the other
+sequences in its batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .._lib import values_readable
+from ._portable import (
+    Scores,
+    attend_values,
+    cast,
+    finish,
+    finite_or_zero,
+    lowest,
+    with_empty_rows,
+)
+
+if TYPE_CHECKING:
+    from ..masks import Mask
+
+#: Keys a tile reads per step: the pages of one chunk, at least one page.
+CHUNK_KEYS = 256
+#: The longest query tile; a sequence with fewer queries takes the next power of two.
+MAX_TILE_QUERIES = 64
+
+
+class PagedCall(NamedTuple):
+    """One paged call, checked (see :func:`portattn.paged_attention`).
+
+    ``query`` is ``(T, Hq, D)``; the pools ``(P, page, Hkv, D)``, or ``(P, Hkv, page,
+    D)`` when ``head_major``; ``block_table`` ``(S, W)`` on the device; ``query_starts``
+    (``S + 1`` ints) and ``key_lengths`` (``S`` ints) are host copies; ``key_counts``
+    the key lengths on the device. ``alibi_slopes`` and ``sinks`` are ``(S, Hq)``.
+    """
+
+    xp: Any
+    device: Any
+    query: Any
+    key_pages: Any
+    value_pages: Any
+    head_major: bool
+    block_table: Any
+    query_starts: list[int]
+    key_lengths: list[int]
+    key_counts: Any
+    mask: Mask | None
+    scale: float
+    softcap: float | None
+    alibi_slopes: Any
+    sinks: Any
+
+    @property
+    def page_size(self) -> int:
+        return self.key_pages.shape[2 if self.head_major else 1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key_pages.shape[1 if self.head_major else 2]
+
+    @property
+    def compute_dtype(self) -> Any:
+        xp, dtype = self.xp, self.query.dtype
+        return dtype if dtype in (xp.float32, xp.float64) else xp.float32
+
+
+class Tiles(NamedTuple):
+    """Query tiles of one size: for each, its sequence, the position of its first
+    query within the sequence, its queries in the packed batch, and the chunks of keys
+    it reads (``first <= chunk < stop``)."""
+
+    size: int
+    sequence: list[int]
+    position: list[int]
+    rows: list[int]
+    count: list[int]
+    first: list[int]
+    stop: list[int]
+
+
+def attend_pages(call: PagedCall) -> tuple[Any, Any]:
+    """``(out (T, Hq, Dv), lse (Hq, T))``; a query that sees no key gives 0 and an lse
+    of ``-inf`` (its head's sink with sinks)."""
+    xp = call.xp
+    total, heads = call.query.shape[:2]
+    if total == 0:
+        out = xp.zeros((0, heads, call.value_pages.shape[-1]), dtype=call.query.dtype,
+                       device=call.device)
+        return out, xp.zeros((heads, 0), dtype=call.compute_dtype, device=call.device)
+    outs, lses, order = [], [], []
+    for tiles in plan(call):
+        out, lse = _tiles(call, tiles)
+        outs.append(xp.reshape(out, (-1, *out.shape[2:])))
+        lses.append(xp.reshape(lse, (-1, lse.shape[-1])))
+        for t, start in enumerate(tiles.rows):
+            for r in range(tiles.size):
+                order.append(start + r if r < tiles.count[t] else -1)
+    # Row i of the result is the tile row that computed packed query i.
+    where = [0] * total
+    for index, row in enumerate(order):
+        if row >= 0:
+            where[row] = index
+    out = xp.concat(outs, axis=0) if len(outs) > 1 else outs[0]
+    lse = xp.concat(lses, axis=0) if len(lses) > 1 else lses[0]
+    pick = xp.asarray(where, dtype=xp.int32, device=call.device)
+    out = cast(xp, xp.take(out, pick, axis=0), call.query.dtype)
+    return out, xp.permute_dims(xp.take(lse, pick, axis=0), (1, 0))
+
+
+def plan(call: PagedCall) -> list[Tiles]:
+    """The query tiles of a call, grouped by size (host work, one pass over the
+    sequences)."""
+    groups: dict[int, Tiles] = {}
+    chunk = chunk_keys(call.page_size)
+    for s, length in enumerate(call.key_lengths):
+        start, stop = call.query_starts[s], call.query_starts[s + 1]
+        n = stop - start
+        if n == 0:
+            continue
+        size = min(MAX_TILE_QUERIES, 1 << (n - 1).bit_length())
+        tiles = groups.setdefault(size, Tiles(size, [], [], [], [], [], []))
+        for q0 in range(0, n, size):
+            count = min(size, n - q0)
+            first = length - n + q0  # the sequence's own position of the tile's query 0
+            lo, hi = _key_range(call.mask, first, first + count, length)
+            tiles.sequence.append(s)
+            tiles.position.append(first)
+            tiles.rows.append(start + q0)
+            tiles.count.append(count)
+            tiles.first.append(lo // chunk if hi > lo else 0)
+            tiles.stop.append(-(-hi // chunk) if hi > lo else 0)
+    return [groups[size] for size in sorted(groups)]
+
+
+def chunk_keys(page_size: int) -> int:
+    """Keys per chunk: whole pages, :data:`CHUNK_KEYS` or one page when larger."""
+    return max(1, CHUNK_KEYS // page_size) * page_size
+
+
+def _key_range(mask: Mask | None, p0: int, p1: int, length: int) -> tuple[int, int]:
+    """The keys queries at positions ``[p0, p1)`` of a sequence of ``length`` keys may
+    see, as ``[lo, hi)``."""
+    if length == 0:
+        return 0, 0
+    if mask is None:
+        return 0, length
+    # With as many queries as keys, query i sits at position i (bottom-right aligned).
+    lo, hi = mask.key_range(p0, p1, length, length)
+    return max(0, lo), min(length, hi)
+
+
+def _tiles(call: PagedCall, tiles: Tiles) -> tuple[Any, Any]:
+    """``(out (N, size, Hq, Dv), lse (N, size, Hq))`` of tiles of one size."""
+    xp, dev, ct = call.xp, call.device, call.compute_dtype
+    size, n = tiles.size, len(tiles.sequence)
+    hkv = call.num_kv_heads
+    hq, dim = call.query.shape[1], call.query.shape[2]
+    group = hq // hkv
+
+    def device_ints(values: list[int]) -> Any:
+        return xp.asarray(values, dtype=xp.int32, device=dev)
+
+    # Queries (N, Hkv, G, size, D), the padding rows reading query 0 (never shown).
+    rows = [tiles.rows[t] + r if r < tiles.count[t] else 0
+            for t in range(n) for r in range(size)]
+    q = xp.take(call.query, device_ints(rows), axis=0)
+    q = xp.reshape(cast(xp, q, ct) * call.scale, (n, size, hkv, group, dim))
+    q = xp.permute_dims(q, (0, 2, 3, 1, 4))
+    sequence = device_ints(tiles.sequence)
+    positions = (xp.reshape(device_ints(tiles.position), (n, 1))
+                 + xp.reshape(xp.arange(size, dtype=xp.int32, device=dev), (1, size)))
+    real = (xp.reshape(xp.arange(size, dtype=xp.int32, device=dev), (1, size))
+            < xp.reshape(device_ints(tiles.count), (n, 1)))
+    lengths = xp.take(call.key_counts, sequence, axis=0)
+    table = xp.take(call.block_table, sequence, axis=0)
+    slopes = None if call.alibi_slopes is None else _per_head(
+        xp, xp.take(call.alibi_slopes, sequence, axis=0), hkv, ct)
+    # Nothing seen yet: no mass, the lowest maximum (joining a chunk to it is exact).
+    shape = (n, hkv, group, size)
+    state = (xp.zeros((*shape, call.value_pages.shape[-1]), dtype=ct, device=dev),
+             xp.full((*shape, 1), lowest(xp, ct), dtype=ct, device=dev),
+             xp.zeros((*shape, 1), dtype=ct, device=dev))
+    for chunk in range(max(tiles.stop, default=0)):
+        active = [t for t in range(n) if tiles.first[t] <= chunk < tiles.stop[t]]
+        if not active:
+            continue
+        pick = None if len(active) == n else device_ints(active)
+
+        def part(x: Any, pick: Any = pick) -> Any:
+            return x if pick is None else xp.take(x, pick, axis=0)
+
+        keys, values, slot = _chunk(call, part(table), chunk, ct)
+        s = xp.matmul(part(q), xp.permute_dims(keys, (0, 1, 2, 4, 3)))
+        if call.softcap is not None:
+            s = xp.tanh(s / call.softcap) * call.softcap
+        rows_at = part(positions)[:, :, None]
+        if slopes is not None:
+            distance = cast(xp, xp.abs(rows_at - slot[None, None, :]), ct)
+            s = s - part(slopes) * distance[:, None, None, :, :]
+        allowed = (part(real)[:, :, None]
+                   & (slot[None, None, :] < part(lengths)[:, None, None]))
+        if call.mask is not None:
+            allowed = allowed & call.mask.allows(xp, 0, 0, rows_at, slot[None, None, :],
+                                                 0, 0)
+        allowed = allowed[:, None, None, :, :]
+        step = _step(xp, Scores(xp.where(allowed, s, lowest(xp, ct)), allowed), values)
+        state = _merged(xp, state, step, pick, active)
+    acc, m, denom = state
+    sinks = None if call.sinks is None else _per_head(
+        xp, xp.take(call.sinks, sequence, axis=0), hkv, ct)
+    if sinks is not None:
+        top = xp.maximum(m, sinks)
+        alpha = xp.exp(m - top)
+        acc, m, denom = acc * alpha, top, denom * alpha + xp.exp(sinks - top)
+    out, lse, has_mass = finish(xp, acc, m, denom)
+    lse = with_empty_rows(xp, lse, has_mass)
+    out = xp.reshape(xp.permute_dims(out, (0, 3, 1, 2, 4)), (n, size, hq, -1))
+    lse = xp.reshape(xp.permute_dims(lse, (0, 3, 1, 2)), (n, size, hq))
+    return out, lse
+
+
+def _per_head(xp: Any, values: Any, hkv: int, dtype: Any) -> Any:
+    """``(N, Hq)`` per-tile head values as ``(N, Hkv, G, 1, 1)``."""
+    n, hq = values.shape
+    return xp.reshape(cast(xp, values, dtype), (n, hkv, hq // hkv, 1, 1))
+
+
+def _chunk(call: PagedCall, table: Any, chunk: int, dtype: Any) -> tuple[Any, Any, Any]:
+    """Keys ``(N, Hkv, 1, tk, D)`` and values ``(N, Hkv, 1, tk, Dv)`` of one chunk for
+    each tile (read through its block table rows ``table``), and the chunk's key
+    positions ``(tk,)``."""
+    xp, page = call.xp, call.page_size
+    per_chunk = chunk_keys(page) // page
+    width = table.shape[1]
+    first = chunk * per_chunk
+    pages = table[:, first:min(width, first + per_chunk)]
+    short = per_chunk - pages.shape[1]
+    if short > 0:  # past the table's width: page 0, hidden by the sequence's length
+        pages = xp.concat([pages, xp.zeros((pages.shape[0], short), dtype=pages.dtype,
+                                           device=call.device)], axis=1)
+    pages = xp.where(pages < 0, 0, pages)  # unused entries (-1): hidden likewise
+    n, keys = pages.shape[0], per_chunk * page
+    flat = xp.reshape(pages, (-1,))
+    hkv = call.num_kv_heads
+
+    def read(pool: Any) -> Any:
+        dim = pool.shape[-1]
+        if call.head_major:  # (P, Hkv, page, D): whole pages, then pages end to end
+            x = xp.reshape(xp.take(pool, flat, axis=0), (n, per_chunk, hkv, page, dim))
+            x = xp.reshape(xp.permute_dims(x, (0, 2, 1, 3, 4)), (n, hkv, keys, dim))
+        else:  # (P, page, Hkv, D): the pool as one row per key
+            slots = (xp.reshape(flat, (-1, 1)) * page
+                     + xp.reshape(xp.arange(page, dtype=flat.dtype, device=call.device),
+                                  (1, page)))
+            rows = xp.reshape(pool, (-1, hkv, dim))
+            x = xp.reshape(xp.take(rows, xp.reshape(slots, (-1,)), axis=0),
+                           (n, keys, hkv, dim))
+            x = xp.permute_dims(x, (0, 2, 1, 3))
+        return xp.expand_dims(cast(xp, x, dtype), axis=2)
+
+    slot = xp.arange(chunk * keys, (chunk + 1) * keys, dtype=xp.int32, device=call.device)
+    return read(call.key_pages), read(call.value_pages), slot
+
+
+def _step(xp: Any, tile: Scores, values: Any) -> tuple[Any, Any, Any]:
+    """``(acc, m, denom)`` of one chunk. Non-finite values are read as 0 and make NaN
+    only the rows that attend them: a page's unused slots may hold anything."""
+    finite = xp.isfinite(values)
+    clean = xp.where(finite, values, 0.0)
+    bad = xp.any(xp.logical_not(finite), axis=-1, keepdims=True)
+    bad = None if values_readable(bad) and not bool(xp.any(bad)) else cast(xp, bad,
+                                                                             values.dtype)
+    # a row that sees no key of the chunk keeps the lowest value as its maximum
+    m = finite_or_zero(xp, xp.max(tile.s, axis=-1, keepdims=True))
+    p = tile.weights(xp, m)
+    return attend_values(xp, p, clean, bad, tile), m, xp.sum(p, axis=-1, keepdims=True)
+
+
+def _merged(xp: Any, state: tuple[Any, Any, Any], step: tuple[Any, Any, Any], pick: Any,
+            active: list[int]) -> tuple[Any, Any, Any]:
+    """The running ``(acc, m, denom)`` with one chunk's joined, for the tiles that
+    read the chunk (``pick``; None: all of them)."""
+    acc, m, denom = state
+    if pick is not None:
+        acc, m, denom = (xp.take(x, pick, axis=0) for x in state)
+    s_acc, s_m, s_denom = step
+    top = xp.maximum(m, s_m)
+    alpha, beta = xp.exp(m - top), xp.exp(s_m - top)
+    joined = (acc * alpha + s_acc * beta, top, denom * alpha + s_denom * beta)
+    if pick is None:
+        return joined
+    return tuple(_put(xp, whole, part, active) for whole, part in zip(state, joined,
+                                                                       strict=True))
+
+
+def _put(xp: Any, whole: Any, part: Any, active: list[int]) -> Any:
+    """``whole`` with rows ``active`` replaced by ``part`` (a gather, so immutable
+    arrays work too)."""
+    n = whole.shape[0]
+    where = list(range(n))
+    for index, t in enumerate(active):
+        where[t] = n + index
+    joined = xp.concat([whole, part], axis=0)
+    return xp.take(joined, xp.asarray(where, dtype=xp.int32, device=_device(whole)), axis=0)
+
+
+def _device(x: Any) -> Any:
+    from array_api_compat import device
+
+    return device(x)
