@@ -30,6 +30,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "distributed.md": ("dask", "distributed", "portattn_dask"),
     "recipes/nanogpt.md": ("torch",),
     "recipes/transformers.md": ("torch", "transformers", "portattn_torch"),
+    "recipes/serving.md": ("torch", "transformers", "portattn_torch"),
     "recipes/flax.md": ("jax", "flax", "portattn_jax"),
     "backends/torch.md": ("torch", "portattn_torch"),
     "backends/jax.md": ("jax", "portattn_jax"),
