@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from array_api_compat import array_namespace
 
 from . import masks
-from ._kernels import PagedCall, attend_pages
+from ._kernels import PagedCall, attend_pages, attend_pages_cascading
 from ._lib import check_like, dtype_name, host_values, safe_device
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
                     key_lengths: Any, query_starts: Any = None, mask: Mask | None = None,
                     scale: float | None = None, softcap: float | None = None,
                     alibi_slopes: Any = None, sinks: Any = None, return_lse: bool = False,
-                    layout: str = "blhd") -> Any:
+                    layout: str = "blhd", cascade: bool = False) -> Any:
     """Exact attention of packed queries of ``S`` sequences to their paged keys.
 
     Sequence ``s`` has ``key_lengths[s]`` keys: its key ``j`` is row ``j % page`` of
@@ -66,6 +66,12 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
             float32 for half-precision queries.
         layout: ``"blhd"`` (a page is ``(page, Hkv, D)``, flash-attn's and vLLM's) or
             ``"bhld"`` (``(Hkv, page, D)``).
+        cascade: sequences whose tables begin with the same pages (a prompt shared by
+            samples or beams) read those pages once for all their queries, merged
+            with the rest of each sequence by log-sum-exp. Taken where every query of
+            such a group sees every shared key (``mask`` None or ``causal()``, no
+            ``alibi_slopes``); the rest as without. A sequence's bits then depend on
+            which others share its batch.
 
     Returns:
         ``out`` ``(T, Hq, Dv)`` in the dtype of ``query``; with ``return_lse``,
@@ -98,7 +104,7 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
     """
     call = _checked(query, key_pages, value_pages, block_table, key_lengths, query_starts,
                     mask, scale, softcap, alibi_slopes, sinks, layout)
-    out, lse = attend_pages(call)
+    out, lse = attend_pages_cascading(call) if cascade else attend_pages(call)
     return (out, lse) if return_lse else out
 
 
@@ -141,7 +147,7 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
                    f"{capacity}]; got key_lengths[{s}]={n}")
             raise ValueError(msg)
     starts = _starts(xp, dev, query_starts, sequences, q[0], lengths)
-    _check_table(table, lengths, page, num_pages)
+    host_table = _check_table(table, lengths, page, num_pages)
     if mask is not None and not masks.reads_positions_alone(mask):
         msg = (f"mask must read positions alone (causal, sliding_window, sink_tokens, "
                f"chunks, combined with & and |), to mean the same in every sequence; "
@@ -153,7 +159,7 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
     return PagedCall(
         xp=xp, device=dev, query=query, key_pages=key_pages, value_pages=value_pages,
         head_major=head_major, block_table=xp.astype(table, xp.int32),
-        query_starts=starts, key_lengths=lengths,
+        host_table=host_table, query_starts=starts, key_lengths=lengths,
         key_counts=xp.asarray(lengths, dtype=xp.int32, device=dev), mask=mask,
         scale=1.0 / math.sqrt(q[2]) if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap),
@@ -208,9 +214,9 @@ def _starts(xp: Any, dev: Any, query_starts: Any, sequences: int, total: int,
     return starts
 
 
-def _check_table(table: Any, lengths: list[int], page: int, num_pages: int) -> None:
-    """Every table entry a sequence reads names a page of the pool (JAX would clamp an
-    index outside it, silently)."""
+def _check_table(table: Any, lengths: list[int], page: int, num_pages: int) -> Any:
+    """The table on the host, every entry a sequence reads checked to name a page of
+    the pool (JAX would clamp an index outside it, silently)."""
     host = host_values(table)
     if host is None:
         msg = "block_table must hold values that can be read now; got a traced array"
@@ -222,6 +228,7 @@ def _check_table(table: Any, lengths: list[int], page: int, num_pages: int) -> N
             msg = (f"block_table[{s}] names pages outside the pool of {num_pages} within "
                    f"the sequence's key_lengths[{s}]={n}; got pages {bad}")
             raise ValueError(msg)
+    return host
 
 
 def _per_sequence(xp: Any, dev: Any, a: Any, name: str, sequences: int,

@@ -210,6 +210,59 @@ def test_a_cache_serves_prompts_forks_and_decodes(backend):
     assert cache.pages_in_use == 0
 
 
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_a_shared_prompt_is_read_once_with_cascade(backend, mask, monkeypatch):
+    """Four samples of one prompt and an unrelated sequence decode together: with a
+    causal mask the prompt's full pages are attended once for all four samples (a
+    window might hide some of them: no cascade), and every row equals the oracle."""
+    import portattn._kernels._cascade as cascade
+
+    passes = []
+    attend = cascade.attend_pages
+    monkeypatch.setattr(cascade, "attend_pages",
+                        lambda call: passes.append(call.key_lengths) or attend(call))
+    rng = np.random.default_rng(8)
+    cache = portattn.PagedKVCache.empty(4, HKV, D, value_head_dim=DV, xp=backend.xp,
+                                        device=backend.device)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    prompt_k, prompt_v, other_k, other_v = normal(38, HKV, D), normal(38, HKV, DV), \
+        normal(5, HKV, D), normal(5, HKV, DV)
+    first, other = cache.add(), cache.add()
+    cache.append([first, other], backend.asarray(np.concatenate([prompt_k, other_k])),
+                 backend.asarray(np.concatenate([prompt_v, other_v])), [38, 5])
+    samples = [first] + [cache.fork(first) for _ in range(3)]
+    mine = {s: (list(prompt_k), list(prompt_v)) for s in samples}
+    mine[other] = (list(other_k), list(other_v))
+    options = {"mask": MASKS[mask], "softcap": 5.0,
+               "sinks": backend.asarray(normal(HQ))}
+    for step in range(2):
+        order = [*samples, other]
+        counts = [1, 1, 2, 1, 1] if step else [1] * 5
+        k, v, q = normal(sum(counts), HKV, D), normal(sum(counts), HKV, DV), \
+            normal(sum(counts), HQ, D)
+        cache.append(order, backend.asarray(k), backend.asarray(v), counts)
+        passes.clear()
+        got = cache.attention(backend.asarray(q), order, counts, cascade=True, **options)
+        # the prompt's 9 full pages (the partial 10th was copied on write) in one pass
+        assert ([36] in passes) == (mask == "causal")
+        assert len(passes) == (2 if mask == "causal" else 1)
+        want, start = [], 0
+        for s, n in zip(order, counts, strict=True):
+            keys, values = mine[s]
+            keys.extend(k[start:start + n])
+            values.extend(v[start:start + n])
+            out, _, _ = oracle(q[start:start + n].transpose(1, 0, 2),
+                               np.stack(keys).transpose(1, 0, 2),
+                               np.stack(values).transpose(1, 0, 2), mask=MASKS[mask],
+                               softcap=5.0, sinks=backend.to_numpy(options["sinks"]))
+            want.append(out.transpose(1, 0, 2))
+            start += n
+        assert_close(got, np.concatenate(want), "float32")
+
+
 def test_no_query_gives_empty_results(backend):
     cache = portattn.PagedKVCache.empty(4, HKV, D, value_head_dim=DV, xp=backend.xp,
                                         device=backend.device)

@@ -11,6 +11,7 @@ It may import :mod:`portattn.kernel`, :mod:`portattn._inputs`, :mod:`portattn.ma
 
 from __future__ import annotations
 
+from ._cascade import attend_pages_cascading
 from ._dropout import (
     KEEP_BITS,
     KEY,
@@ -34,6 +35,6 @@ from ._reference import ReferenceKernel, reference_attention
 from ._tiled import TiledKernel, tiled_attention
 
 __all__ = ["KEEP_BITS", "KEY", "M1", "M2", "QUERY", "ROW", "Gradients", "PagedCall",
-           "ReferenceKernel", "TiledKernel", "attend_pages", "distrust", "flash_backward",
-           "kept", "merge", "mix", "reference_attention", "rows", "seed_word", "seed_words",
-           "threshold", "tile", "tiled_attention"]
+           "ReferenceKernel", "TiledKernel", "attend_pages", "attend_pages_cascading",
+           "distrust", "flash_backward", "kept", "merge", "mix", "reference_attention",
+           "rows", "seed_word", "seed_words", "threshold", "tile", "tiled_attention"]

@@ -40,9 +40,10 @@ class PagedCall(NamedTuple):
     """One paged call, checked (see :func:`portattn.paged_attention`).
 
     ``query`` is ``(T, Hq, D)``; the pools ``(P, page, Hkv, D)``, or ``(P, Hkv, page,
-    D)`` when ``head_major``; ``block_table`` ``(S, W)`` on the device; ``query_starts``
-    (``S + 1`` ints) and ``key_lengths`` (``S`` ints) are host copies; ``key_counts``
-    the key lengths on the device. ``alibi_slopes`` and ``sinks`` are ``(S, Hq)``.
+    D)`` when ``head_major``; ``block_table`` ``(S, W)`` on the device and
+    ``host_table`` its NumPy copy; ``query_starts`` (``S + 1`` ints) and
+    ``key_lengths`` (``S`` ints) are host copies, ``key_counts`` the key lengths on the
+    device. ``alibi_slopes`` and ``sinks`` are ``(S, Hq)``.
     """
 
     xp: Any
@@ -52,6 +53,7 @@ class PagedCall(NamedTuple):
     value_pages: Any
     head_major: bool
     block_table: Any
+    host_table: Any
     query_starts: list[int]
     key_lengths: list[int]
     key_counts: Any
@@ -259,13 +261,9 @@ def _chunk(call: PagedCall, table: Any, chunk: int, dtype: Any) -> tuple[Any, An
         if call.head_major:  # (P, Hkv, page, D): whole pages, then pages end to end
             x = xp.reshape(xp.take(pool, flat, axis=0), (n, per_chunk, hkv, page, dim))
             x = xp.reshape(xp.permute_dims(x, (0, 2, 1, 3, 4)), (n, hkv, keys, dim))
-        else:  # (P, page, Hkv, D): the pool as one row per key
-            slots = (xp.reshape(flat, (-1, 1)) * page
-                     + xp.reshape(xp.arange(page, dtype=flat.dtype, device=call.device),
-                                  (1, page)))
-            rows = xp.reshape(pool, (-1, hkv, dim))
-            x = xp.reshape(xp.take(rows, xp.reshape(slots, (-1,)), axis=0),
-                           (n, keys, hkv, dim))
+        else:  # (P, page, Hkv, D): whole pages, read as (Hkv, keys, D) with strides
+            x = xp.reshape(xp.take(pool, flat, axis=0), (n, per_chunk, page, hkv, dim))
+            x = xp.reshape(x, (n, keys, hkv, dim))  # in two steps, as Dask can
             x = xp.permute_dims(x, (0, 2, 1, 3))
         return xp.expand_dims(cast(xp, x, dtype), axis=2)
 
@@ -277,10 +275,10 @@ def _step(xp: Any, tile: Scores, values: Any) -> tuple[Any, Any, Any]:
     """``(acc, m, denom)`` of one chunk. Non-finite values are read as 0 and make NaN
     only the rows that attend them: a page's unused slots may hold anything."""
     finite = xp.isfinite(values)
-    clean = xp.where(finite, values, 0.0)
-    bad = xp.any(xp.logical_not(finite), axis=-1, keepdims=True)
-    bad = None if values_readable(bad) and not bool(xp.any(bad)) else cast(xp, bad,
-                                                                             values.dtype)
+    clean, bad = values, None
+    if not values_readable(finite) or not bool(xp.all(finite)):
+        clean = xp.where(finite, values, 0.0)
+        bad = cast(xp, xp.any(xp.logical_not(finite), axis=-1, keepdims=True), values.dtype)
     # a row that sees no key of the chunk keeps the lowest value as its maximum
     m = finite_or_zero(xp, xp.max(tile.s, axis=-1, keepdims=True))
     p = tile.weights(xp, m)

@@ -1,0 +1,104 @@
+"""Shared prompts read once: cascade attention over pages.
+
+Sequences forked from one prompt (samples, beams) begin with the same pages. Every
+query of such a group attends those pages in one pass (the group's queries stacked as
+the rows of one sequence), and each sequence's own pages in a second; the two halves
+are exact attention over disjoint keys, joined by log-sum-exp (:func:`merge`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._merge import merge
+from ._paged import PagedCall, attend_pages
+
+
+def attend_pages_cascading(call: PagedCall) -> tuple[Any, Any]:
+    """:func:`attend_pages`, with shared leading pages read once per group of
+    sequences; the plain call where no group shares a page or the mask or ALiBi could
+    hide a shared key from one of the group's queries."""
+    groups = shared_prefixes(call)
+    if not groups or call.alibi_slopes is not None or not _sees_all_before(call):
+        return attend_pages(call)
+    xp, dev = call.xp, call.device
+    page = call.page_size
+    table = [list(map(int, row)) for row in call.host_table]
+    lengths = list(call.key_lengths)
+    rows: list[int] = []  # the packed queries the shared pass computes, group by group
+    starts, shared_table, shared_lengths = [0], [], []
+    for members, pages in groups:
+        for s in members:
+            rows.extend(range(call.query_starts[s], call.query_starts[s + 1]))
+            table[s] = table[s][pages:] + [-1] * pages  # the rest of the sequence
+            lengths[s] -= pages * page
+        starts.append(len(rows))
+        shared_table.append(call.host_table[members[0]][:pages])
+        shared_lengths.append(pages * page)
+
+    def ints(values: Any) -> Any:
+        return xp.asarray(values, dtype=xp.int32, device=dev)
+
+    width = max(len(r) for r in shared_table)
+    padded = [list(map(int, r)) + [-1] * (width - len(r)) for r in shared_table]
+    # Every query of a group sees every shared key: no mask, no sinks (they join once,
+    # in the second pass).
+    shared = call._replace(
+        query=xp.take(call.query, ints(rows), axis=0), block_table=ints(padded),
+        host_table=padded, query_starts=starts, key_lengths=shared_lengths,
+        key_counts=ints(shared_lengths), mask=None, sinks=None)
+    rest = call._replace(block_table=ints(table), host_table=table, key_lengths=lengths,
+                         key_counts=ints(lengths))
+    out, lse = attend_pages(rest)
+    part, part_lse = attend_pages(shared)
+    # The shared pass's rows in the order of the call; rows it did not compute get the
+    # lse of no key (weight 0 in the merge).
+    total = call.query.shape[0]
+    where = [len(rows)] * total
+    for index, row in enumerate(rows):
+        where[row] = index
+    heads = call.query.shape[1]
+    part = xp.concat([part, xp.zeros((1, *part.shape[1:]), dtype=part.dtype, device=dev)])
+    part_lse = xp.concat([part_lse, xp.full((heads, 1), -math.inf, dtype=part_lse.dtype,
+                                            device=dev)], axis=1)
+    pick = ints(where)
+    part = xp.take(part, pick, axis=0)
+    part_lse = xp.permute_dims(xp.take(part_lse, pick, axis=1), (1, 0))
+    merged, merged_lse = merge([out, part], [xp.permute_dims(lse, (1, 0)), part_lse])
+    return merged, xp.permute_dims(merged_lse, (1, 0))
+
+
+def shared_prefixes(call: PagedCall) -> list[tuple[list[int], int]]:
+    """Groups of two or more sequences whose tables begin with the same pages, as
+    ``(sequences, pages)``: the shared pages are full and lie before every query of
+    the group."""
+    page = call.page_size
+    table = call.host_table
+    by_first: dict[int, list[int]] = {}
+    room: dict[int, int] = {}  # full pages before the sequence's first query
+    for s, length in enumerate(call.key_lengths):
+        n = call.query_starts[s + 1] - call.query_starts[s]
+        room[s] = (length - n) // page
+        if n and room[s]:
+            by_first.setdefault(int(table[s][0]), []).append(s)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        most = min(room[s] for s in members)
+        first = table[members[0]]
+        pages = 0
+        while pages < most and all(int(table[s][pages]) == int(first[pages])
+                                   for s in members):
+            pages += 1
+        groups.append((members, pages))
+    return groups
+
+
+def _sees_all_before(call: PagedCall) -> bool:
+    """Whether every query sees every key before its sequence's first query: no mask,
+    or a causal one."""
+    from ..masks import causal
+
+    return call.mask is None or call.mask == causal()
