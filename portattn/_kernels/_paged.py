@@ -14,6 +14,7 @@ sequences in its batch.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._lib import values_readable
@@ -273,16 +274,22 @@ def _chunk(call: PagedCall, table: Any, chunk: int, dtype: Any) -> tuple[Any, An
 
 def _step(xp: Any, tile: Scores, values: Any) -> tuple[Any, Any, Any]:
     """``(acc, m, denom)`` of one chunk. Non-finite values are read as 0 and make NaN
-    only the rows that attend them: a page's unused slots may hold anything."""
-    finite = xp.isfinite(values)
-    clean, bad = values, None
-    if not values_readable(finite) or not bool(xp.all(finite)):
-        clean = xp.where(finite, values, 0.0)
-        bad = cast(xp, xp.any(xp.logical_not(finite), axis=-1, keepdims=True), values.dtype)
+    only the rows that attend them: a page's unused slots may hold anything.
+
+    Whether the values hold one is read from the product, which is small, and not from
+    the values: a non-finite value makes the product non-finite where it meets a weight
+    (0 included), and only then are the values cleaned and the product made again."""
     # a row that sees no key of the chunk keeps the lowest value as its maximum
     m = finite_or_zero(xp, xp.max(tile.s, axis=-1, keepdims=True))
     p = tile.weights(xp, m)
-    return attend_values(xp, p, clean, bad, tile), m, xp.sum(p, axis=-1, keepdims=True)
+    with warnings.catch_warnings():  # NumPy's warning for 0 * inf, made right below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pv = xp.matmul(p, values)
+    if not values_readable(pv) or not bool(xp.all(xp.isfinite(pv))):
+        finite = xp.isfinite(values)
+        bad = cast(xp, xp.any(xp.logical_not(finite), axis=-1, keepdims=True), values.dtype)
+        pv = attend_values(xp, p, xp.where(finite, values, 0.0), bad, tile)
+    return pv, m, xp.sum(p, axis=-1, keepdims=True)
 
 
 def _merged(xp: Any, state: tuple[Any, Any, Any], step: tuple[Any, Any, Any], pick: Any,
