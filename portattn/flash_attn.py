@@ -12,16 +12,14 @@ rotary embeddings, left padding of the cache).
 
 from __future__ import annotations
 
-import numbers
-import operator
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from array_api_compat import array_namespace, is_writeable_array
 
-from . import masks
 from ._call import attention
-from ._lib import check_like, dtype_name, host_values, safe_device
+from ._lib import safe_device
+from ._models import flash_args, host_ints, int_at_least
 from .paged import paged_attention
 
 if TYPE_CHECKING:
@@ -102,10 +100,10 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
         True
     """
     xp, dev = array_namespace(q), safe_device(q)
-    _check_dropout(dropout_p)
-    mask = _window_mask(causal, window_size)
-    cap = _softcap(softcap)
-    _check_arrays(xp, dev, ("q", q), ("k", k), ("v", v))
+    flash_args.check_dropout(dropout_p)
+    mask = flash_args.window_mask(causal, window_size)
+    cap = flash_args.softcap(softcap)
+    flash_args.check_arrays(xp, dev, ("q", q), ("k", k), ("v", v))
     paged = block_table is not None
     want = 4 if paged else 3
     if q.ndim != 3 or k.ndim != want or v.ndim != want or k.shape[:-1] != v.shape[:-1]:
@@ -114,32 +112,32 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                f" got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, "
                f"v.shape={tuple(v.shape)}")
         raise ValueError(msg)
-    _check_heads(q.shape[-2:], k.shape[-2:], "q", "k")
-    cu_q = _host_ints(xp, dev, cu_seqlens_q, "cu_seqlens_q", None)
+    flash_args.check_heads(q.shape[-2:], k.shape[-2:], "q", "k")
+    cu_q = host_ints(xp, dev, cu_seqlens_q, "cu_seqlens_q", None, "q")
     if not cu_q or cu_q[0] != 0 or cu_q[-1] != q.shape[0]:
         msg = (f"cu_seqlens_q must run from 0 to q.shape[0]={q.shape[0]}; got "
-               f"cu_seqlens_q={_short(cu_q)}")
+               f"cu_seqlens_q={flash_args.short(cu_q)}")
         raise ValueError(msg)
-    _check_rising(cu_q, "cu_seqlens_q")
+    flash_args.check_rising(cu_q, "cu_seqlens_q")
     sequences = len(cu_q) - 1
-    cu_k = _host_ints(xp, dev, cu_seqlens_k, "cu_seqlens_k", (sequences + 1,))
-    _check_rising(cu_k, "cu_seqlens_k")
+    cu_k = host_ints(xp, dev, cu_seqlens_k, "cu_seqlens_k", (sequences + 1,), "q")
+    flash_args.check_rising(cu_k, "cu_seqlens_k")
     lengths = [b - a for a, b in pairwise(cu_k)]
     if seqused_k is not None:
-        used = _host_ints(xp, dev, seqused_k, "seqused_k", (sequences,))
+        used = host_ints(xp, dev, seqused_k, "seqused_k", (sequences,), "q")
         for s, (n, most) in enumerate(zip(used, lengths, strict=True)):
             if n < 0 or (n > most and not paged):
                 msg = (f"seqused_k[{s}] must lie in [0, cu_seqlens_k[{s + 1}] - "
                        f"cu_seqlens_k[{s}]={most}]; got seqused_k[{s}]={n}")
                 raise ValueError(msg)
         lengths = used
-    _check_slopes(xp, dev, alibi_slopes, sequences, q.shape[1])
+    flash_args.check_slopes(xp, dev, alibi_slopes, sequences, q.shape[1])
     counts = [b - a for a, b in pairwise(cu_q)]
-    _check_max("max_seqlen_q", max_seqlen_q, counts, "queries")
-    _check_max("max_seqlen_k", max_seqlen_k, lengths, "keys")
+    flash_args.check_max("max_seqlen_q", max_seqlen_q, counts, "queries")
+    flash_args.check_max("max_seqlen_k", max_seqlen_k, lengths, "keys")
     if paged:
         pages, page = k.shape[0], k.shape[1]
-        host_table = _host_table(xp, dev, block_table, sequences, "len(cu_seqlens_q) - 1")
+        host_table = flash_args.host_table(xp, dev, block_table, sequences, "len(cu_seqlens_q) - 1")
         room = page * block_table.shape[1]
         for s, n in enumerate(lengths):
             if n > room:
@@ -148,7 +146,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                 msg = (f"{name}={n} keys do not fit the {block_table.shape[1]} pages of "
                        f"{page} a block_table row holds ({room} keys)")
                 raise ValueError(msg)
-        _check_pages(host_table, lengths, page, pages)
+        flash_args.check_pages(host_table, lengths, page, pages)
         table = block_table
         pools = k, v
     else:
@@ -251,23 +249,23 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None,
                     "supported here; hold each element's keys from position 0")
             msg = f"{name} must be None: {what}; got {name} of type {type(value).__name__}"
             raise ValueError(msg)
-    mask = _window_mask(causal, window_size)
-    cap = _softcap(softcap)
-    _int(num_splits, "num_splits", 0)  # flash-attn's tuning knob: nothing to tune here
+    mask = flash_args.window_mask(causal, window_size)
+    cap = flash_args.softcap(softcap)
+    int_at_least("num_splits", num_splits)  # flash-attn's tuning knob: nothing to tune here
     if (k is None) != (v is None):
         msg = (f"k and v must be given together; got k of type {type(k).__name__}, "
                f"v of type {type(v).__name__}")
         raise ValueError(msg)
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-    _check_arrays(xp, dev, *arrays, *([("k", k), ("v", v)] if k is not None else []))
+    flash_args.check_arrays(xp, dev, *arrays, *([("k", k), ("v", v)] if k is not None else []))
     if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape[:-1] != v_cache.shape[:-1]:
         msg = (f"q must be (B, Lq, Hq, D) and k_cache, v_cache 4-dimensional with one "
                f"shape but the last; got q.shape={tuple(q.shape)}, "
                f"k_cache.shape={tuple(k_cache.shape)}, v_cache.shape={tuple(v_cache.shape)}")
         raise ValueError(msg)
-    _check_heads(q.shape[-2:], k_cache.shape[-2:], "q", "k_cache")
+    flash_args.check_heads(q.shape[-2:], k_cache.shape[-2:], "q", "k_cache")
     batch, lq = q.shape[0], q.shape[1]
-    _check_slopes(xp, dev, alibi_slopes, batch, q.shape[2])
+    flash_args.check_slopes(xp, dev, alibi_slopes, batch, q.shape[2])
     new = 0
     if k is not None:
         want = (batch, k.shape[1] if k.ndim == 4 else "Lnew", *k_cache.shape[2:])
@@ -283,14 +281,14 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None,
             msg = ("cache_batch_idx must be None with block_table (the table names each "
                    "element's pages)")
             raise ValueError(msg)
-        host_table = _host_table(xp, dev, block_table, batch, "q.shape[0]")
+        host_table = flash_args.host_table(xp, dev, block_table, batch, "q.shape[0]")
         table = block_table
     else:  # a cache of B_cache rows is a pool of B_cache pages of L_cache tokens
         if cache_batch_idx is None:
             rows = list(range(batch))
             index = xp.arange(batch, dtype=xp.int32, device=dev)
         else:
-            rows = _host_ints(xp, dev, cache_batch_idx, "cache_batch_idx", (batch,))
+            rows = host_ints(xp, dev, cache_batch_idx, "cache_batch_idx", (batch,), "q")
             index = cache_batch_idx
         bad = [r for r in rows if not 0 <= r < pages][:4]
         if bad and cache_batch_idx is None:
@@ -299,14 +297,14 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None,
             raise ValueError(msg)
         if bad:
             msg = (f"cache_batch_idx must name rows of k_cache in [0, {pages}); got "
-                   f"cache_batch_idx={_short(rows)} (outside: {bad})")
+                   f"cache_batch_idx={flash_args.short(rows)} (outside: {bad})")
             raise ValueError(msg)
         host_table = [[r] for r in rows]
         table = xp.reshape(index, (batch, 1))
     capacity = page * (len(host_table[0]) if host_table else 0)
-    held = _cache_lengths(xp, dev, cache_seqlens, batch, capacity, new)
+    held = flash_args.cache_lengths(xp, dev, cache_seqlens, batch, capacity, new)
     lengths = [n + new for n in held]
-    _check_pages(host_table, lengths, page, pages)
+    flash_args.check_pages(host_table, lengths, page, pages)
     if new:
         slots = [(host_table[b][p // page], p % page)
                  for b in range(batch) for p in range(held[b], lengths[b])]
@@ -438,162 +436,3 @@ def _write(xp: Any, dev: Any, cache: Any, new: Any, slots: list[tuple[int, int]]
                f"k=None, v=None")
         raise ValueError(msg)
 
-
-def _check_slopes(xp: Any, dev: Any, alibi_slopes: Any, sequences: int,
-                  heads: int) -> None:
-    if alibi_slopes is None:
-        return
-    check_like(xp, dev, alibi_slopes, "alibi_slopes", "q")
-    if tuple(alibi_slopes.shape) not in ((heads,), (sequences, heads)):
-        msg = (f"alibi_slopes must have shape (Hq,)=({heads},) or (batch, Hq)="
-               f"({sequences}, {heads}); got alibi_slopes.shape={tuple(alibi_slopes.shape)}")
-        raise ValueError(msg)
-
-
-def _window_mask(causal: bool, window_size: Any) -> Mask | None:
-    """flash-attn's ``causal`` and ``window_size`` as a mask (None: every key)."""
-    try:
-        left, right = (operator.index(w) for w in window_size)
-    except (TypeError, ValueError):
-        left = right = None
-    else:
-        if min(left, right) >= -1:
-            left = None if left == -1 else left
-            right = 0 if causal else (None if right == -1 else right)
-            if left is None and right is None:
-                return None
-            return masks.causal() if left is None and right == 0 else masks.sliding_window(
-                left, right)
-    msg = (f"window_size must be a pair of ints >= -1 (-1: unbounded); got "
-           f"window_size={window_size!r}")
-    raise ValueError(msg)
-
-
-def _softcap(softcap: Any) -> float | None:
-    if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap >= 0:
-        return float(softcap) or None
-    msg = f"softcap must be a number >= 0 (0.0: none); got softcap={softcap!r}"
-    raise ValueError(msg)
-
-
-def _check_dropout(dropout_p: Any) -> None:
-    if dropout_p != 0:
-        msg = (f"dropout_p={dropout_p!r} is not supported here (paged attention has no "
-               f"dropout); pass 0.0, or pad into a batch and use portattn.attention(..., "
-               f"dropout_p=..., dropout_seed=...)")
-        raise ValueError(msg)
-
-
-def _int(value: Any, name: str, low: int) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or number < low:
-        msg = f"{name} must be an int >= {low}; got {name}={value!r}"
-        raise ValueError(msg)
-    return number
-
-
-def _check_max(name: str, value: Any, counts: list[int], what: str) -> None:
-    most = max(counts, default=0)
-    if _int(value, name, 0) < most:
-        msg = (f"{name} must be at least the most {what} of a sequence ({most}); got "
-               f"{name}={value!r}")
-        raise ValueError(msg)
-
-
-def _check_arrays(xp: Any, dev: Any, first: tuple[str, Any], *rest: tuple[str, Any]) -> None:
-    anchor, a = first
-    for name, b in rest:
-        check_like(xp, dev, b, name, anchor)
-        if b.dtype != a.dtype:
-            msg = (f"{name}.dtype={dtype_name(b.dtype)} differs from "
-                   f"{anchor}.dtype={dtype_name(a.dtype)}")
-            raise TypeError(msg)
-
-
-def _check_heads(q: tuple[int, int], k: tuple[int, int], qname: str, kname: str) -> None:
-    """``(H, D)`` of the queries and keys: one ``D``, ``Hq`` a multiple of ``Hkv``."""
-    if q[1] != k[1] or k[0] == 0 or q[0] % k[0]:
-        msg = (f"{qname} and {kname} must have one head dimension and a multiple of "
-               f"{kname}'s heads in {qname}; got {qname} heads={q[0]}, D={q[1]} and "
-               f"{kname} heads={k[0]}, D={k[1]}")
-        raise ValueError(msg)
-
-
-def _host_ints(xp: Any, dev: Any, a: Any, name: str,
-               shape: tuple[int, ...] | None) -> list[int]:
-    """The values of an integer array of ``shape`` (any 1-D one when None)."""
-    ndim = 1 if shape is None else len(shape)
-    if (not hasattr(a, "shape") or len(a.shape) != ndim
-            or not xp.isdtype(a.dtype, "integral")):
-        msg = (f"{name} must be an integer array with {ndim} dims; got {name} of type "
-               f"{type(a).__name__} with shape {tuple(getattr(a, 'shape', ()))}")
-        raise ValueError(msg)
-    check_like(xp, dev, a, name, "q")
-    if shape is not None and tuple(a.shape) != shape:
-        msg = f"{name} must have shape {shape}; got {name}.shape={tuple(a.shape)}"
-        raise ValueError(msg)
-    host = host_values(a)
-    if host is None:
-        msg = (f"{name} must hold values that can be read now (the call is planned on "
-               f"the host); got a traced {type(a).__name__} (under jax.jit or "
-               f"torch.compile)")
-        raise ValueError(msg)
-    return [int(x) for x in host.reshape(-1)]
-
-
-def _host_table(xp: Any, dev: Any, block_table: Any, batch: int,
-                what: str) -> list[list[int]]:
-    if getattr(block_table, "ndim", None) != 2 or block_table.shape[0] != batch:
-        msg = (f"block_table must be (B, W) with B={what}={batch}; got "
-               f"block_table.shape={tuple(getattr(block_table, 'shape', ()))}")
-        raise ValueError(msg)
-    flat = _host_ints(xp, dev, xp.reshape(block_table, (-1,)), "block_table", None)
-    width = block_table.shape[1]
-    return [flat[b * width:(b + 1) * width] for b in range(batch)]
-
-
-def _cache_lengths(xp: Any, dev: Any, cache_seqlens: Any, batch: int, capacity: int,
-                   new: int) -> list[int]:
-    """The keys each element holds before the new ones, checked against the room."""
-    if cache_seqlens is None:
-        if new:
-            msg = (f"cache_seqlens must be given with k and v (None means a full cache of "
-                   f"{capacity} keys, with no room for {new} more)")
-            raise ValueError(msg)
-        return [capacity] * batch
-    if hasattr(cache_seqlens, "shape"):
-        shape = () if not cache_seqlens.shape else (batch,)
-        held = _host_ints(xp, dev, cache_seqlens, "cache_seqlens", shape)
-        held = held * batch if not shape else held
-    else:
-        held = [_int(cache_seqlens, "cache_seqlens", 0)] * batch
-    for b, n in enumerate(held):
-        if not 0 <= n <= capacity - new:
-            msg = (f"cache_seqlens[{b}]={n} must lie in [0, {capacity - new}]: the cache "
-                   f"holds {capacity} keys per element and {new} new ones are written "
-                   f"after them")
-            raise ValueError(msg)
-    return held
-
-
-def _check_pages(table: list[list[int]], lengths: list[int], page: int, pages: int) -> None:
-    """Every page an element reads (or writes) is one of the pool's."""
-    for b, n in enumerate(lengths):
-        bad = [p for p in table[b][:-(-n // page)] if not 0 <= p < pages][:4]
-        if bad:
-            msg = (f"block_table[{b}] names pages outside the pool of {pages} within the "
-                   f"element's {n} keys; got pages {bad}")
-            raise ValueError(msg)
-
-
-def _check_rising(values: list[int], name: str) -> None:
-    if (values and values[0] < 0) or any(b < a for a, b in pairwise(values)):
-        msg = f"{name} must be non-decreasing from >= 0; got {name}={_short(values)}"
-        raise ValueError(msg)
-
-
-def _short(values: list[int]) -> str:
-    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:8]))}, ...]"

@@ -19,12 +19,12 @@ sequence's own length (:func:`portattn.masks.sequence_causal`).
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 from array_api_compat import array_namespace
 
 from ._lib import check_like, dtype_name, namespace, resolve_dtype, safe_device
+from ._models import int_at_least
 
 __all__ = ["KVCache"]
 
@@ -79,7 +79,7 @@ class KVCache:
             msg = (f"key_buffer and value_buffer must share one dtype; got "
                    f"{dtype_name(key_buffer.dtype)} and {dtype_name(value_buffer.dtype)}")
             raise TypeError(msg)
-        length = _index("length", length)
+        length = int_at_least("length", length)
         if length > k[-2]:
             msg = f"length must lie in [0, capacity={k[-2]}]; got length={length}"
             raise ValueError(msg)
@@ -215,11 +215,12 @@ class KVCache:
         xp = namespace(xp)
         batch = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
         for i, b in enumerate(batch):
-            _index(f"batch_shape[{i}]", b)
-        heads = _index("num_kv_heads", num_kv_heads, low=1)
-        dim = _index("head_dim", head_dim, low=1)
-        vdim = dim if value_head_dim is None else _index("value_head_dim", value_head_dim, low=1)
-        cap = _index("capacity", capacity, low=1)
+            int_at_least(f"batch_shape[{i}]", b)
+        heads = int_at_least("num_kv_heads", num_kv_heads, low=1)
+        dim = int_at_least("head_dim", head_dim, low=1)
+        vdim = dim if value_head_dim is None else int_at_least("value_head_dim",
+                                                                 value_head_dim, low=1)
+        cap = int_at_least("capacity", capacity, low=1)
         dt = resolve_dtype(xp, dtype)
         kwargs = {} if device is None else {"device": device}
         key = xp.zeros((*batch, heads, cap, dim), dtype=dt, **kwargs)
@@ -332,13 +333,3 @@ class KVCache:
                 f"{self._value.shape[-1]}, length={self._length}, "
                 f"dtype={dtype_name(self._key.dtype)})")
 
-
-def _index(name: str, value: Any, low: int = 0) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or number < low:
-        msg = f"{name} must be an int >= {low}; got {name}={value!r}"
-        raise ValueError(msg)
-    return number

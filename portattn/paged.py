@@ -18,6 +18,7 @@ from array_api_compat import array_namespace
 from . import masks
 from ._kernels import PagedCall, attend_pages, attend_pages_cascading
 from ._lib import check_like, dtype_name, host_values, safe_device
+from ._models import host_ints, integer_array
 
 if TYPE_CHECKING:
     from .masks import Mask
@@ -137,9 +138,9 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
                f"Hq={q[1]}, Hkv={hkv}")
         raise ValueError(msg)
     num_pages, page = k[0], (k[2] if head_major else k[1])
-    table = _integers(xp, dev, block_table, "block_table", 2)
+    table = integer_array(xp, dev, block_table, "block_table", 2, "query")
     sequences, width = table.shape
-    lengths = _host_ints(xp, dev, key_lengths, "key_lengths", (sequences,))
+    lengths = host_ints(xp, dev, key_lengths, "key_lengths", (sequences,), "query")
     capacity = width * page
     for s, n in enumerate(lengths):
         if not 0 <= n <= capacity:
@@ -167,30 +168,6 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
         sinks=_per_sequence(xp, dev, sinks, "sinks", sequences, q[1]))
 
 
-def _integers(xp: Any, dev: Any, a: Any, name: str, ndim: int) -> Any:
-    if (not hasattr(a, "shape") or len(a.shape) != ndim
-            or not xp.isdtype(a.dtype, "integral")):
-        msg = (f"{name} must be an integer array with {ndim} dims; got {name} of type "
-               f"{type(a).__name__} with shape {tuple(getattr(a, 'shape', ()))}")
-        raise ValueError(msg)
-    check_like(xp, dev, a, name, "query")
-    return a
-
-
-def _host_ints(xp: Any, dev: Any, a: Any, name: str, shape: tuple[int, ...]) -> list[int]:
-    a = _integers(xp, dev, a, name, len(shape))
-    if tuple(a.shape) != shape:
-        msg = f"{name} must have shape {shape}; got {name}.shape={tuple(a.shape)}"
-        raise ValueError(msg)
-    host = host_values(a)
-    if host is None:
-        msg = (f"{name} must hold values that can be read now (the call is planned on "
-               f"the host); got a traced {type(a).__name__} (under jax.jit or "
-               f"torch.compile)")
-        raise ValueError(msg)
-    return [int(x) for x in host.reshape(-1)]
-
-
 def _starts(xp: Any, dev: Any, query_starts: Any, sequences: int, total: int,
             lengths: list[int]) -> list[int]:
     if query_starts is None:
@@ -199,7 +176,7 @@ def _starts(xp: Any, dev: Any, query_starts: Any, sequences: int, total: int,
                    f"query.shape[0]={total} for {sequences} sequences")
             raise ValueError(msg)
         return list(range(sequences + 1))
-    starts = _host_ints(xp, dev, query_starts, "query_starts", (sequences + 1,))
+    starts = host_ints(xp, dev, query_starts, "query_starts", (sequences + 1,), "query")
     if starts[0] != 0 or starts[-1] != total:
         msg = (f"query_starts must run from 0 to query.shape[0]={total}; got "
                f"query_starts[0]={starts[0]}, query_starts[-1]={starts[-1]}")

@@ -24,6 +24,7 @@ from typing import Any
 from array_api_compat import array_namespace
 
 from ._lib import check_like, dtype_name, namespace, resolve_dtype, safe_device
+from ._models import int_at_least
 from .paged import LAYOUTS, paged_attention
 
 __all__ = ["PagedKVCache"]
@@ -113,11 +114,12 @@ class PagedKVCache:
             ((8, 2, 16, 64), 0)
         """
         xp = namespace(xp)
-        page = _size("page_size", page_size)
-        heads = _size("num_kv_heads", num_kv_heads)
-        dim = _size("head_dim", head_dim)
-        vdim = dim if value_head_dim is None else _size("value_head_dim", value_head_dim)
-        pages = _size("num_pages", num_pages)
+        page = int_at_least("page_size", page_size, 1)
+        heads = int_at_least("num_kv_heads", num_kv_heads, 1)
+        dim = int_at_least("head_dim", head_dim, 1)
+        vdim = dim if value_head_dim is None else int_at_least("value_head_dim",
+                                                                 value_head_dim, 1)
+        pages = int_at_least("num_pages", num_pages, 1)
         dt = resolve_dtype(xp, dtype)
         kwargs = {} if device is None else {"device": device}
 
@@ -287,7 +289,7 @@ class PagedKVCache:
         for s in sequences:
             self._pages_of(s)
         counts = [1] * len(sequences) if counts is None else [
-            _size("counts[i]", n, low=0) for n in counts]
+            int_at_least("counts[i]", n) for n in counts]
         total = key.shape[0]
         if len(counts) != len(sequences) or sum(counts) != total or value.shape[0] != total:
             msg = (f"counts must give one number per sequence, summing to key.shape[0] "
@@ -378,13 +380,3 @@ def _put(xp: Any, whole: Any, rows: list[int], new: Any) -> Any:
         return xp.take(xp.concat([whole, new], axis=0),
                        xp.asarray(where, dtype=xp.int32, device=dev), axis=0)
 
-
-def _size(name: str, value: Any, low: int = 1) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or number < low:
-        msg = f"{name} must be an int >= {low}; got {name}={value!r}"
-        raise ValueError(msg)
-    return number

@@ -1,18 +1,21 @@
-"""Argument checks for multi-head attention: one library, device and dtype, and weight
-shapes that fit together. Each error names the argument and its value."""
+"""Argument checks for the model-level modules: one library, device and dtype, weight
+shapes that fit together, sizes, and the integer arrays a call reads on the host.
+Each error names the argument and its value."""
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from array_api_compat import array_namespace
 
-from .._lib import check_like, dtype_name, safe_device
+from .._lib import check_like, dtype_name, host_values, safe_device
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["Dims", "check_features", "check_same", "count", "dimensions", "namespace_of"]
+__all__ = ["Dims", "check_features", "check_same", "count", "dimensions", "host_ints",
+           "int_at_least", "integer_array", "namespace_of"]
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
@@ -57,6 +60,47 @@ def check_features(name: str, a: Any, expected: int, source: str) -> None:
         msg = (f"{name} must have shape (..., length, {expected}) to match {source}; "
                f"got {name}.shape={tuple(a.shape)}")
         raise ValueError(msg)
+
+
+def int_at_least(name: str, value: Any, low: int = 0) -> int:
+    """``value`` as an int (anything ``operator.index`` takes, not a bool) of at least
+    ``low``."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < low:
+        msg = f"{name} must be an int >= {low}; got {name}={value!r}"
+        raise ValueError(msg)
+    return number
+
+
+def integer_array(xp: Any, dev: Any, a: Any, name: str, ndim: int, anchor: str) -> Any:
+    """``a``, checked to be an integer array of ``ndim`` dims beside ``anchor``."""
+    if (not hasattr(a, "shape") or len(a.shape) != ndim
+            or not xp.isdtype(a.dtype, "integral")):
+        msg = (f"{name} must be an integer array with {ndim} dims; got {name} of type "
+               f"{type(a).__name__} with shape {tuple(getattr(a, 'shape', ()))}")
+        raise ValueError(msg)
+    check_like(xp, dev, a, name, anchor)
+    return a
+
+
+def host_ints(xp: Any, dev: Any, a: Any, name: str, shape: tuple[int, ...] | None,
+              anchor: str) -> list[int]:
+    """The values of an integer array of ``shape`` (any 1-D one when None), read on the
+    host (lengths and tables that plan a call there)."""
+    a = integer_array(xp, dev, a, name, 1 if shape is None else len(shape), anchor)
+    if shape is not None and tuple(a.shape) != shape:
+        msg = f"{name} must have shape {shape}; got {name}.shape={tuple(a.shape)}"
+        raise ValueError(msg)
+    host = host_values(a)
+    if host is None:
+        msg = (f"{name} must hold values that can be read now (the call is planned on "
+               f"the host); got a traced {type(a).__name__} (under jax.jit or "
+               f"torch.compile)")
+        raise ValueError(msg)
+    return [int(x) for x in host.reshape(-1)]
 
 
 def count(name: str, value: Any) -> int:
