@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ._inputs import AttentionInputs, describe
+from ._inputs import AttentionInputs, PagedInputs, describe
 from ._lib import dtype_name, jax_tracer_type, torch_compiling, tuned_value, values_readable
 from .masks import Band, Mask
 
-__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "describe", "dtype_name",
-           "jax_tracer_type", "torch_compiling", "values_readable"]
+__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "PagedInputs", "describe",
+           "dtype_name", "jax_tracer_type", "torch_compiling", "values_readable"]
 
 ANY = "*"
 """Wildcard for ``namespaces`` and ``devices``."""
@@ -123,6 +123,10 @@ class Kernel:
     kernel raises ``KernelNotUsableError`` for it. Where
     :attr:`AttentionInputs.values_readable` is False nothing is checked: a kernel that
     wants the rule there keeps it itself."""
+    paged: ClassVar[bool] = False
+    """Runs calls of :func:`portattn.paged_attention` (:meth:`paged_reasons`,
+    :meth:`run_paged`): packed queries of many sequences against keys read in place
+    from a pool of pages. The portable loop runs those it refuses."""
     priority: ClassVar[int] = 0
     """Dispatch prefers a higher priority (ties go by name), unless a measurement of
     this machine (``python -m portattn tune``) chose another kernel."""
@@ -187,7 +191,7 @@ class Kernel:
         return None
 
     @classmethod
-    def target_reasons(cls, inputs: AttentionInputs) -> list[str]:
+    def target_reasons(cls, inputs: AttentionInputs | PagedInputs) -> list[str]:
         """Why the call's library or device is not one this kernel declares (dispatch
         asks a kernel nothing else, not even its availability, until this is empty).
 
@@ -332,6 +336,39 @@ class Kernel:
             ``(out, lse, weights)``, with None for what was not asked: ``out``
             ``(..., Hq, Lq, Dv)`` in the input dtype, ``lse`` ``(..., Hq, Lq)``,
             ``weights`` ``(..., Hq, Lq, Lk)``.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def paged_reasons(cls, call: PagedInputs) -> list[str]:
+        """Why this kernel cannot run the paged call ``call`` (empty when it can): from
+        :attr:`paged` and the declared libraries, devices and dtypes. Plugins extend it
+        with what their paged loop takes (mask structure, options, queries per
+        sequence); like :meth:`not_supported_reasons`, it reads the description alone
+        (its lengths and table are host copies).
+
+        Args:
+            call: the paged call's description.
+
+        Returns:
+            One short lower-case fact per reason.
+        """
+        if not cls.paged:
+            return ["paged calls not supported"]
+        reasons = cls.target_reasons(call)
+        if call.dtype not in cls.dtypes:
+            reasons.append(f"dtype={call.dtype} (supported: {_listed(cls.dtypes)})")
+        return reasons
+
+    def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:
+        """Compute the paged call ``call``.
+
+        Args:
+            call: the paged call's description.
+
+        Returns:
+            ``(out, lse)``: ``out`` ``(T, Hq, Dv)`` in the query's dtype and ``lse``
+            ``(Hq, T)``, as :func:`portattn.paged_attention` returns them.
         """
         raise NotImplementedError
 

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from array_api_compat import array_namespace
 
 from . import masks
-from ._kernels import PagedCall, attend_pages, attend_pages_cascading
+from ._dispatch import paged_kernel
+from ._inputs import PagedInputs
+from ._kernels import attend_pages, attend_pages_cascading
 from ._lib import check_like, dtype_name, host_values, safe_device
 from ._models import host_ints, integer_array
 
@@ -105,14 +107,19 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
     """
     call = _checked(query, key_pages, value_pages, block_table, key_lengths, query_starts,
                     mask, scale, softcap, alibi_slopes, sinks, layout)
-    out, lse = attend_pages_cascading(call) if cascade else attend_pages(call)
+    kernel = paged_kernel(call)
+    attend = None if kernel is None else kernel.run_paged
+    if cascade:
+        out, lse = attend_pages_cascading(call, attend)
+    else:
+        out, lse = (attend or attend_pages)(call)
     return (out, lse) if return_lse else out
 
 
 def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
              key_lengths: Any, query_starts: Any, mask: Mask | None, scale: float | None,
              softcap: float | None, alibi_slopes: Any, sinks: Any,
-             layout: str) -> PagedCall:
+             layout: str) -> PagedInputs:
     xp = array_namespace(query)
     dev = safe_device(query)
     if layout not in LAYOUTS:
@@ -157,8 +164,8 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
     if softcap is not None and not softcap > 0:
         msg = f"softcap must be > 0 or None; got softcap={softcap!r}"
         raise ValueError(msg)
-    return PagedCall(
-        xp=xp, device=dev, query=query, key_pages=key_pages, value_pages=value_pages,
+    return PagedInputs(
+        xp=xp, device_obj=dev, query=query, key_pages=key_pages, value_pages=value_pages,
         head_major=head_major, block_table=xp.astype(table, xp.int32),
         host_table=host_table, query_starts=starts, key_lengths=lengths,
         key_counts=xp.asarray(lengths, dtype=xp.int32, device=dev), mask=mask,

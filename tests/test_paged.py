@@ -221,10 +221,11 @@ def test_a_shared_prompt_is_read_once_with_cascade(backend, mask, monkeypatch):
     window might hide some of them: no cascade), and every row equals the oracle."""
     import portattn._kernels._cascade as cascade
 
-    passes = []
-    attend = cascade.attend_pages
-    monkeypatch.setattr(cascade, "attend_pages",
-                        lambda call: passes.append(call.key_lengths) or attend(call))
+    groups, merges = [], []
+    find, merge = cascade.shared_prefixes, cascade.merge
+    monkeypatch.setattr(cascade, "shared_prefixes",
+                        lambda call: groups.append(find(call)) or groups[-1])
+    monkeypatch.setattr(cascade, "merge", lambda *a: merges.append(1) or merge(*a))
     rng = np.random.default_rng(8)
     cache = portattn.PagedKVCache.empty(4, HKV, D, value_head_dim=DV, xp=backend.xp,
                                         device=backend.device)
@@ -248,11 +249,14 @@ def test_a_shared_prompt_is_read_once_with_cascade(backend, mask, monkeypatch):
         k, v, q = normal(sum(counts), HKV, D), normal(sum(counts), HKV, DV), \
             normal(sum(counts), HQ, D)
         cache.append(order, backend.asarray(k), backend.asarray(v), counts)
-        passes.clear()
+        groups.clear()
+        merges.clear()
         got = cache.attention(backend.asarray(q), order, counts, cascade=True, **options)
-        # the prompt's 9 full pages (the partial 10th was copied on write) in one pass
-        assert ([36] in passes) == (mask == "causal")
-        assert len(passes) == (2 if mask == "causal" else 1)
+        # the prompt's 9 full pages (the partial 10th was copied on write), shared by
+        # the four samples, read in a pass of their own and merged where a window
+        # cannot hide them
+        assert groups == [[([0, 1, 2, 3], 9)]]  # the samples, first in the call
+        assert len(merges) == (mask == "causal")
         want, start = [], 0
         for s, n in zip(order, counts, strict=True):
             keys, values = mine[s]

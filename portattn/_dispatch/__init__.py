@@ -1,7 +1,7 @@
 """Which kernel runs a call: the registry of installed kernels (entry points, built-in
 ones, disabled and forced ones), the choice and its report (:class:`Plan`,
-``explain``), the overrides callers set, measurements from ``python -m portattn tune``
-and the decisions remembered per call signature.
+``explain``), the kernel of a paged call, the overrides callers set, measurements
+from ``python -m portattn tune`` and the decisions remembered per call signature.
 
 It may import :mod:`portattn._kernels` (the built-in kernels), :mod:`portattn.kernel`,
 :mod:`portattn._inputs`, :mod:`portattn.masks`, :mod:`portattn._lib` and
@@ -11,6 +11,7 @@ It may import :mod:`portattn._kernels` (the built-in kernels), :mod:`portattn.ke
 from __future__ import annotations
 
 from ._call_cache import described_and_chosen
+from ._paged import paged_kernel
 from ._registry import (
     CORE,
     DISABLE_ENV,
@@ -46,4 +47,4 @@ __all__ = ["BAND_SIZES", "CORE", "DISABLE_ENV", "FORCE_ENV", "FORMAT", "TUNE_ENV
            "KernelEntry", "Plan", "TuneWarning", "availability", "check_result", "choose",
            "compiling", "current_overrides", "default_path", "described_and_chosen",
            "disable_kernels", "forced_by_environment", "installed_version", "kernels",
-           "machine", "refresh", "refresh_kernels", "select", "use_kernel"]
+           "machine", "paged_kernel", "refresh", "refresh_kernels", "select", "use_kernel"]

@@ -9,20 +9,28 @@ are exact attention over disjoint keys, joined by log-sum-exp (:func:`merge`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._inputs import PagedInputs
 from ._merge import merge
-from ._paged import PagedCall, attend_pages
+from ._paged import attend_pages
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
-def attend_pages_cascading(call: PagedCall) -> tuple[Any, Any]:
-    """:func:`attend_pages`, with shared leading pages read once per group of
-    sequences; the plain call where no group shares a page or the mask or ALiBi could
-    hide a shared key from one of the group's queries."""
+def attend_pages_cascading(call: PagedInputs,
+                           attend: Callable[[PagedInputs], tuple[Any, Any]] | None = None
+                           ) -> tuple[Any, Any]:
+    """``attend(call)`` (a paged kernel; :func:`attend_pages` when None), with shared
+    leading pages read once per group of sequences; the plain call where no group
+    shares a page or the mask or ALiBi could hide a shared key from one of the group's
+    queries."""
+    attend = attend or attend_pages
     groups = shared_prefixes(call)
     if not groups or call.alibi_slopes is not None or not _sees_all_before(call):
-        return attend_pages(call)
-    xp, dev = call.xp, call.device
+        return attend(call)
+    xp, dev = call.xp, call.device_obj
     page = call.page_size
     table = [list(map(int, row)) for row in call.host_table]
     lengths = list(call.key_lengths)
@@ -50,8 +58,8 @@ def attend_pages_cascading(call: PagedCall) -> tuple[Any, Any]:
         key_counts=ints(shared_lengths), mask=None, sinks=None)
     rest = call._replace(block_table=ints(table), host_table=table, key_lengths=lengths,
                          key_counts=ints(lengths))
-    out, lse = attend_pages(rest)
-    part, part_lse = attend_pages(shared)
+    out, lse = attend(rest)
+    part, part_lse = attend(shared)
     # The shared pass's rows in the order of the call; rows it did not compute get the
     # lse of no key (weight 0 in the merge).
     total = call.query.shape[0]
@@ -69,7 +77,7 @@ def attend_pages_cascading(call: PagedCall) -> tuple[Any, Any]:
     return merged, xp.permute_dims(merged_lse, (1, 0))
 
 
-def shared_prefixes(call: PagedCall) -> list[tuple[list[int], int]]:
+def shared_prefixes(call: PagedInputs) -> list[tuple[list[int], int]]:
     """Groups of two or more sequences whose tables begin with the same pages, as
     ``(sequences, pages)``: the shared pages are full and lie before every query of
     the group."""
@@ -96,7 +104,7 @@ def shared_prefixes(call: PagedCall) -> list[tuple[list[int], int]]:
     return groups
 
 
-def _sees_all_before(call: PagedCall) -> bool:
+def _sees_all_before(call: PagedInputs) -> bool:
     """Whether every query sees every key before its sequence's first query: no mask,
     or a causal one."""
     from ..masks import causal

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .._inputs import PagedInputs
 from .._lib import values_readable
 from ._portable import (
     Scores,
@@ -37,47 +38,6 @@ CHUNK_KEYS = 256
 MAX_TILE_QUERIES = 64
 
 
-class PagedCall(NamedTuple):
-    """One paged call, checked (see :func:`portattn.paged_attention`).
-
-    ``query`` is ``(T, Hq, D)``; the pools ``(P, page, Hkv, D)``, or ``(P, Hkv, page,
-    D)`` when ``head_major``; ``block_table`` ``(S, W)`` on the device and
-    ``host_table`` its NumPy copy; ``query_starts`` (``S + 1`` ints) and
-    ``key_lengths`` (``S`` ints) are host copies, ``key_counts`` the key lengths on the
-    device. ``alibi_slopes`` and ``sinks`` are ``(S, Hq)``.
-    """
-
-    xp: Any
-    device: Any
-    query: Any
-    key_pages: Any
-    value_pages: Any
-    head_major: bool
-    block_table: Any
-    host_table: Any
-    query_starts: list[int]
-    key_lengths: list[int]
-    key_counts: Any
-    mask: Mask | None
-    scale: float
-    softcap: float | None
-    alibi_slopes: Any
-    sinks: Any
-
-    @property
-    def page_size(self) -> int:
-        return self.key_pages.shape[2 if self.head_major else 1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key_pages.shape[1 if self.head_major else 2]
-
-    @property
-    def compute_dtype(self) -> Any:
-        xp, dtype = self.xp, self.query.dtype
-        return dtype if dtype in (xp.float32, xp.float64) else xp.float32
-
-
 class Tiles(NamedTuple):
     """Query tiles of one size: for each, its sequence, the position of its first
     query within the sequence, its queries in the packed batch, and the chunks of keys
@@ -92,15 +52,15 @@ class Tiles(NamedTuple):
     stop: list[int]
 
 
-def attend_pages(call: PagedCall) -> tuple[Any, Any]:
+def attend_pages(call: PagedInputs) -> tuple[Any, Any]:
     """``(out (T, Hq, Dv), lse (Hq, T))``; a query that sees no key gives 0 and an lse
     of ``-inf`` (its head's sink with sinks)."""
     xp = call.xp
     total, heads = call.query.shape[:2]
     if total == 0:
         out = xp.zeros((0, heads, call.value_pages.shape[-1]), dtype=call.query.dtype,
-                       device=call.device)
-        return out, xp.zeros((heads, 0), dtype=call.compute_dtype, device=call.device)
+                       device=call.device_obj)
+        return out, xp.zeros((heads, 0), dtype=call.compute_dtype, device=call.device_obj)
     outs, lses, order = [], [], []
     for tiles in plan(call):
         out, lse = _tiles(call, tiles)
@@ -116,12 +76,12 @@ def attend_pages(call: PagedCall) -> tuple[Any, Any]:
             where[row] = index
     out = xp.concat(outs, axis=0) if len(outs) > 1 else outs[0]
     lse = xp.concat(lses, axis=0) if len(lses) > 1 else lses[0]
-    pick = xp.asarray(where, dtype=xp.int32, device=call.device)
+    pick = xp.asarray(where, dtype=xp.int32, device=call.device_obj)
     out = cast(xp, xp.take(out, pick, axis=0), call.query.dtype)
     return out, xp.permute_dims(xp.take(lse, pick, axis=0), (1, 0))
 
 
-def plan(call: PagedCall) -> list[Tiles]:
+def plan(call: PagedInputs) -> list[Tiles]:
     """The query tiles of a call, grouped by size (host work, one pass over the
     sequences)."""
     groups: dict[int, Tiles] = {}
@@ -163,9 +123,9 @@ def _key_range(mask: Mask | None, p0: int, p1: int, length: int) -> tuple[int, i
     return max(0, lo), min(length, hi)
 
 
-def _tiles(call: PagedCall, tiles: Tiles) -> tuple[Any, Any]:
+def _tiles(call: PagedInputs, tiles: Tiles) -> tuple[Any, Any]:
     """``(out (N, size, Hq, Dv), lse (N, size, Hq))`` of tiles of one size."""
-    xp, dev, ct = call.xp, call.device, call.compute_dtype
+    xp, dev, ct = call.xp, call.device_obj, call.compute_dtype
     size, n = tiles.size, len(tiles.sequence)
     hkv = call.num_kv_heads
     hq, dim = call.query.shape[1], call.query.shape[2]
@@ -239,7 +199,7 @@ def _per_head(xp: Any, values: Any, hkv: int, dtype: Any) -> Any:
     return xp.reshape(cast(xp, values, dtype), (n, hkv, hq // hkv, 1, 1))
 
 
-def _chunk(call: PagedCall, table: Any, chunk: int, dtype: Any) -> tuple[Any, Any, Any]:
+def _chunk(call: PagedInputs, table: Any, chunk: int, dtype: Any) -> tuple[Any, Any, Any]:
     """Keys ``(N, Hkv, 1, tk, D)`` and values ``(N, Hkv, 1, tk, Dv)`` of one chunk for
     each tile (read through its block table rows ``table``), and the chunk's key
     positions ``(tk,)``."""
@@ -251,7 +211,7 @@ def _chunk(call: PagedCall, table: Any, chunk: int, dtype: Any) -> tuple[Any, An
     short = per_chunk - pages.shape[1]
     if short > 0:  # past the table's width: page 0, hidden by the sequence's length
         pages = xp.concat([pages, xp.zeros((pages.shape[0], short), dtype=pages.dtype,
-                                           device=call.device)], axis=1)
+                                           device=call.device_obj)], axis=1)
     pages = xp.where(pages < 0, 0, pages)  # unused entries (-1): hidden likewise
     n, keys = pages.shape[0], per_chunk * page
     flat = xp.reshape(pages, (-1,))
@@ -268,7 +228,7 @@ def _chunk(call: PagedCall, table: Any, chunk: int, dtype: Any) -> tuple[Any, An
             x = xp.permute_dims(x, (0, 2, 1, 3))
         return xp.expand_dims(cast(xp, x, dtype), axis=2)
 
-    slot = xp.arange(chunk * keys, (chunk + 1) * keys, dtype=xp.int32, device=call.device)
+    slot = xp.arange(chunk * keys, (chunk + 1) * keys, dtype=xp.int32, device=call.device_obj)
     return read(call.key_pages), read(call.value_pages), slot
 
 
