@@ -108,11 +108,8 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
     call = _checked(query, key_pages, value_pages, block_table, key_lengths, query_starts,
                     mask, scale, softcap, alibi_slopes, sinks, layout)
     kernel = paged_kernel(call)
-    attend = None if kernel is None else kernel.run_paged
-    if cascade:
-        out, lse = attend_pages_cascading(call, attend)
-    else:
-        out, lse = (attend or attend_pages)(call)
+    attend = attend_pages if kernel is None else kernel.run_paged
+    out, lse = attend_pages_cascading(call, attend) if cascade else attend(call)
     return (out, lse) if return_lse else out
 
 
@@ -125,6 +122,9 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
     if layout not in LAYOUTS:
         msg = f"layout must be one of {LAYOUTS}; got layout={layout!r}"
         raise ValueError(msg)
+    if not xp.isdtype(query.dtype, "real floating"):
+        msg = f"query must hold real floating values; got query.dtype={dtype_name(query.dtype)}"
+        raise TypeError(msg)
     for name, a in (("key_pages", key_pages), ("value_pages", value_pages)):
         check_like(xp, dev, a, name, "query")
         if a.dtype != query.dtype:

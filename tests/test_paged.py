@@ -381,6 +381,9 @@ def test_a_pool_of_another_dtype_is_refused():
     with pytest.raises(TypeError, match=re.escape("key_pages.dtype=float64 differs from "
                                                   "query.dtype=float32")):
         _call(key_pages=np.zeros((4, 2, 2, 8)))
+    with pytest.raises(TypeError, match=re.escape("query must hold real floating values; "
+                                                  "got query.dtype=int64")):
+        _call(query=np.zeros((3, 4, 8), dtype=np.int64))
 
 
 @pytest.mark.parametrize(("action", "text"), [

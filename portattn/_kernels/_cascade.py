@@ -20,13 +20,12 @@ if TYPE_CHECKING:
 
 
 def attend_pages_cascading(call: PagedInputs,
-                           attend: Callable[[PagedInputs], tuple[Any, Any]] | None = None
+                           attend: Callable[[PagedInputs], tuple[Any, Any]] = attend_pages
                            ) -> tuple[Any, Any]:
-    """``attend(call)`` (a paged kernel; :func:`attend_pages` when None), with shared
+    """``attend(call)`` (a paged kernel's loop, or :func:`attend_pages`), with shared
     leading pages read once per group of sequences; the plain call where no group
     shares a page or the mask or ALiBi could hide a shared key from one of the group's
     queries."""
-    attend = attend or attend_pages
     groups = shared_prefixes(call)
     if not groups or call.alibi_slopes is not None or not _sees_all_before(call):
         return attend(call)
