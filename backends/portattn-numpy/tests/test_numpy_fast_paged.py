@@ -87,3 +87,16 @@ def test_a_kernel_takes_paged_calls_only_when_it_says_so():
 
     assert TorchOnly.paged_reasons(call) == ["namespace=numpy (supported: torch)"]
     assert NumpyFastKernel.paged_reasons(call) == []
+
+
+def test_paged_calls_from_several_threads_at_once():
+    """A server may attend from several threads: the compiled loop runs on the
+    package's thread pool, which takes calls from any thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [_decode(2, seed=seed) for seed in range(4)]
+    alone = [portattn.paged_attention(*arrays, **options) for arrays, options in calls]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda c: portattn.paged_attention(*c[0], **c[1]), calls))
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a, b)
