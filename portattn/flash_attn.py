@@ -348,11 +348,6 @@ def _attend(xp: Any, dev: Any, query: Any, key_pages: Any, value_pages: Any, tab
     def ints(values: list[int]) -> Any:
         return xp.asarray(values, dtype=xp.int32, device=dev)
 
-    if not query.shape[0]:  # nothing to attend (paged attention wants a query)
-        wide = query.dtype if query.dtype in (xp.float32, xp.float64) else xp.float32
-        return (xp.zeros((0, query.shape[1], value_pages.shape[-1]), dtype=query.dtype,
-                         device=dev),
-                xp.zeros((query.shape[1], 0), dtype=wide, device=dev))
     if not over:
         return paged_attention(query, key_pages, value_pages, block_table=table,
                                key_lengths=ints(lengths), query_starts=ints(starts),

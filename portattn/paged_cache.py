@@ -23,6 +23,7 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
+from ._kernels import with_rows
 from ._lib import check_like, dtype_name, namespace, resolve_dtype, safe_device
 from ._models import int_at_least
 from .paged import LAYOUTS, paged_attention
@@ -369,14 +370,8 @@ def _put(xp: Any, whole: Any, rows: list[int], new: Any) -> Any:
     library writes through an index array, else (array-api-strict) by a gather."""
     from array_api_extra import at
 
-    dev = safe_device(whole)
-    index = xp.asarray(rows, dtype=xp.int32, device=dev)
+    index = xp.asarray(rows, dtype=xp.int32, device=safe_device(whole))
     try:
         return at(whole)[index].set(new)
     except IndexError:  # no assignment through an index array
-        where = list(range(whole.shape[0]))
-        for i, row in enumerate(rows):
-            where[row] = whole.shape[0] + i
-        return xp.take(xp.concat([whole, new], axis=0),
-                       xp.asarray(where, dtype=xp.int32, device=dev), axis=0)
-
+        return with_rows(xp, whole, rows, new)

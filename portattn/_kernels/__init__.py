@@ -31,10 +31,12 @@ from ._finite import distrust
 from ._flash_backward import Gradients, flash_backward
 from ._merge import merge
 from ._paged import attend_pages
+from ._portable import with_rows
 from ._reference import ReferenceKernel, reference_attention
 from ._tiled import TiledKernel, tiled_attention
 
 __all__ = ["KEEP_BITS", "KEY", "M1", "M2", "QUERY", "ROW", "Gradients",
            "ReferenceKernel", "TiledKernel", "attend_pages", "attend_pages_cascading",
            "distrust", "flash_backward", "kept", "merge", "mix", "reference_attention",
-           "rows", "seed_word", "seed_words", "threshold", "tile", "tiled_attention"]
+           "rows", "seed_word", "seed_words", "threshold", "tile", "tiled_attention",
+           "with_rows"]

@@ -27,6 +27,7 @@ from ._portable import (
     finite_or_zero,
     lowest,
     with_empty_rows,
+    with_rows,
 )
 
 if TYPE_CHECKING:
@@ -265,22 +266,6 @@ def _merged(xp: Any, state: tuple[Any, Any, Any], step: tuple[Any, Any, Any], pi
     joined = (acc * alpha + s_acc * beta, top, denom * alpha + s_denom * beta)
     if pick is None:
         return joined
-    return tuple(_put(xp, whole, part, active) for whole, part in zip(state, joined,
-                                                                       strict=True))
+    return tuple(with_rows(xp, whole, active, part) for whole, part in zip(state, joined,
+                                                                            strict=True))
 
-
-def _put(xp: Any, whole: Any, part: Any, active: list[int]) -> Any:
-    """``whole`` with rows ``active`` replaced by ``part`` (a gather, so immutable
-    arrays work too)."""
-    n = whole.shape[0]
-    where = list(range(n))
-    for index, t in enumerate(active):
-        where[t] = n + index
-    joined = xp.concat([whole, part], axis=0)
-    return xp.take(joined, xp.asarray(where, dtype=xp.int32, device=_device(whole)), axis=0)
-
-
-def _device(x: Any) -> Any:
-    from array_api_compat import device
-
-    return device(x)

@@ -16,6 +16,7 @@ import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_extra as xpx
+from array_api_compat import device as array_device
 
 from .._lib import values_readable
 from ..kernel import ANY, Kernel
@@ -66,6 +67,18 @@ def add_rows(xp: Any, acc: Any, start: int, stop: int, part: Any) -> Any:
         acc += part  # in place on mutable arrays; a new array on JAX
         return acc
     return xpx.at(acc)[..., start:stop, :].add(part)
+
+
+def with_rows(xp: Any, whole: Any, rows: list[int], new: Any) -> Any:
+    """``whole`` with ``new[i]`` as its row ``rows[i]`` (axis 0), made by a gather: no
+    write through an index array, which some libraries lack (array-api-strict) and
+    others cannot take on arrays they hold immutable (JAX)."""
+    n = whole.shape[0]
+    where = list(range(n))
+    for i, row in enumerate(rows):
+        where[row] = n + i
+    index = xp.asarray(where, dtype=xp.int32, device=array_device(whole))
+    return xp.take(xp.concat([whole, new], axis=0), index, axis=0)
 
 
 def group_queries(xp: Any, x: Any, num_kv_heads: int) -> Any:
