@@ -11,8 +11,10 @@ import json
 import os
 import sys
 
+from jaxcases import with_host_devices
+
 DEVICES = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -11,6 +11,14 @@ from portattn import masks
 from portattn.testing.plugin import require_backend
 
 
+def with_host_devices(flags: str, count: int) -> str:
+    """``XLA_FLAGS`` for a JAX process with ``count`` host devices: the other flags of
+    ``flags`` kept (the suite's env sets some to compile faster), its device count
+    replaced."""
+    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
+
+
 def jax_backend() -> Any:
     """The test backend ``jax`` (x64 enabled), by the harness's rule: skips when JAX is
     unselected (or absent with no selection), fails when selected but absent."""

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jaxcases import with_host_devices
 
 pytest.importorskip("jax")
 
@@ -29,14 +30,13 @@ CURVE_RTOL, FIRST_RTOL = 2e-4, 1e-5
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory):
     folder = tmp_path_factory.mktemp("context_parallel_jax")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     started = {}
     for name, (devices, options) in RUNS.items():
-        flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        flags = {"XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), devices)}
         with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
             started[name] = subprocess.Popen(
                 [sys.executable, os.fspath(EXAMPLE), "--json", *options],
-                stdout=out, stderr=err, env={**env, **flags})
+                stdout=out, stderr=err, env={**os.environ, **flags})
     try:
         codes = {name: process.wait(timeout=600) for name, process in started.items()}
     finally:
