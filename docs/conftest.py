@@ -27,10 +27,12 @@ PARSERS = [PythonCodeBlockParser(
 # page -> the modules its examples import
 NEEDS: dict[str, tuple[str, ...]] = {
     "training.md": ("torch",),
+    "scores.md": ("torch",),
     "distributed.md": ("dask", "distributed", "portattn_dask"),
     "recipes/nanogpt.md": ("torch",),
     "recipes/transformers.md": ("torch", "transformers", "portattn_torch"),
     "recipes/serving.md": ("torch", "transformers", "portattn_torch"),
+    "recipes/t5.md": ("torch", "transformers"),
     "recipes/flax.md": ("jax", "flax", "portattn_jax"),
     "backends/torch.md": ("torch", "portattn_torch"),
     "backends/jax.md": ("jax", "portattn_jax"),

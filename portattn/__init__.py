@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from . import distributed, errors, masks
+from . import distributed, errors, masks, scores
 from ._call import attention, explain, scaled_dot_product_attention
 from ._dispatch import KernelEntry, Plan, disable_kernels, kernels, refresh_kernels, use_kernel
 from ._kernels import merge
@@ -46,5 +46,6 @@ __all__ = [
     "paged_attention",
     "refresh_kernels",
     "scaled_dot_product_attention",
+    "scores",
     "use_kernel",
 ]

@@ -91,6 +91,9 @@ class Kernel:
     """Takes ``softcap``."""
     alibi: ClassVar[bool] = False
     """Takes ``alibi_slopes`` (a linear bias by distance, computed per tile)."""
+    score_mod: ClassVar[bool] = False
+    """Takes ``score_mod`` (a :mod:`portattn.scores` change, computed per tile), with
+    its tables' gradients when the kernel declares ``grad``."""
     sinks: ClassVar[bool] = False
     """Takes ``sinks`` (a logit per head in each row's softmax denominator), with its
     gradient when the kernel declares ``grad``."""
@@ -139,7 +142,7 @@ class Kernel:
     #: conformance kit.
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "alibi",
-        "sinks", "gqa", "value_head_dim", "empty", "returns_lse", "returns_weights",
+        "score_mod", "sinks", "gqa", "value_head_dim", "empty", "returns_lse", "returns_weights",
         "dropout", "dropout_seed", "grad", "deterministic", "finite_inputs_only", "priority",
     )
 
@@ -250,6 +253,8 @@ class Kernel:
             reasons.append("softcap not supported")
         if inputs.alibi_slopes is not None and not cls.alibi:
             reasons.append("alibi_slopes not supported")
+        if inputs.score_mod is not None and not cls.score_mod:
+            reasons.append("score_mod not supported")
         if inputs.sinks is not None and not cls.sinks:
             reasons.append("sinks not supported")
         if inputs.num_heads != inputs.num_kv_heads and not cls.gqa:

@@ -15,6 +15,7 @@ from .._lib import dtype_name, namespace_name
 if TYPE_CHECKING:
     from .._inputs import AttentionInputs
     from ..masks import Mask
+    from ..scores import ScoreChange
 
 __all__ = ["attention", "explain", "scaled_dot_product_attention"]
 
@@ -23,8 +24,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               bias: Any = None, scale: float | None = None, softcap: float | None = None,
               return_lse: bool = False, return_weights: bool = False,
               dropout_p: float = 0.0, dropout_seed: Any = None, alibi_slopes: Any = None,
-              sinks: Any = None, layout: str = "bhld", assume_finite: bool = False,
-              kernel: str | None = None) -> Any:
+              sinks: Any = None, score_mod: ScoreChange | None = None, layout: str = "bhld",
+              assume_finite: bool = False, kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
     The namespace of the arrays decides which library runs; the best installed kernel
@@ -63,6 +64,10 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
             denominator gains ``exp(sinks[h])``, a logit that attends no value (gpt-oss).
             The lse includes it (so a fully masked row gives 0 and an lse of ``sinks``);
             gradients flow to it.
+        score_mod: a :mod:`portattn.scores` change (T5's relative positions, a pair
+            table, their sums): entries from small learned tables join the scores
+            (after softcap, with the bias), computed per tile, never as an
+            ``Lq x Lk`` array; its tables get gradients.
         layout: ``"bhld"`` for the shapes above, ``"blhd"`` for arrays held as
             ``(..., length, heads, head_dim)`` (flash-attn's and JAX's layout): the
             output is then ``(..., Lq, Hq, Dv)``, a transposed view of the kernel's
@@ -116,6 +121,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
                "return_lse": return_lse, "return_weights": return_weights,
                "dropout_p": dropout_p, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "layout": layout, "assume_finite": assume_finite}
+    if score_mod is not None:  # kept out of the remembered signature otherwise
+        options["score_mod"] = score_mod
     if dropout_seed is not None:  # kept out of the remembered signature otherwise
         options["dropout_seed"] = dropout_seed
     query, key, value = to_kernel_layout(layout, query, key, value)

@@ -15,6 +15,7 @@ from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
 from .. import masks as _masks
+from .. import scores as _scores
 from .._lib import (
     check_beside,
     check_seed,
@@ -112,6 +113,9 @@ class AttentionInputs(NamedTuple):
     dropout_seed: Any = None
     """With ``dropout_p > 0``: an int or an integer array (see
     :mod:`portattn.dropout`), or None to draw one from the library's generator."""
+    score_mod: Any = None
+    """A :class:`portattn.scores.ScoreChange` bound to the call, or None: its entries
+    join the scores (after softcap, beside the bias)."""
 
     @property
     def compute_dtype(self) -> Any:
@@ -151,6 +155,8 @@ class AttentionInputs(NamedTuple):
         for name in ("alibi_slopes", "sinks"):
             if getattr(self, name) is not None:
                 lines.append(f"    {name}: shape={tuple(getattr(self, name).shape)}")
+        if self.score_mod is not None:
+            lines.append(f"    score_mod={self.score_mod!r}")
         flags = [f for f in ("return_lse", "return_weights", "requires_grad") if getattr(self, f)]
         if self.dropout_p:
             flags.append(f"dropout_p={self.dropout_p}")
@@ -164,7 +170,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              return_lse: bool = False, return_weights: bool = False,
              dropout_p: float = 0.0, alibi_slopes: Any = None,
              sinks: Any = None, layout: str = "bhld",
-             assume_finite: bool = False, dropout_seed: Any = None) -> AttentionInputs:
+             assume_finite: bool = False, dropout_seed: Any = None,
+             score_mod: Any = None) -> AttentionInputs:
     """Validate one call's arguments and describe it: the :class:`AttentionInputs` a
     kernel's ``run`` and ``not_supported_reasons`` receive (what
     :func:`portattn.attention` builds before dispatch), for testing a kernel directly.
@@ -172,7 +179,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     Args:
         query, key, value: The arrays, in the kernels' layout ``(*batch, H, L, D)``.
         mask, bias, scale, softcap, return_lse, return_weights, dropout_p,
-            dropout_seed, alibi_slopes, sinks, assume_finite: As for
+            dropout_seed, alibi_slopes, sinks, assume_finite, score_mod: As for
             :func:`portattn.attention`.
         layout: The caller's layout, named in error messages only.
 
@@ -223,6 +230,12 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         alibi_slopes = _per_head(xp, dev, alibi_slopes, "alibi_slopes", batch, hq)
     if sinks is not None:
         sinks = _per_head(xp, dev, sinks, "sinks", batch, hq)
+    if score_mod is not None:
+        if not isinstance(score_mod, _scores.ScoreChange):
+            msg = ("score_mod must be a portattn.scores change (scores.relative_position, "
+                   f"scores.pair_table, ...); got {type(score_mod).__name__}")
+            raise TypeError(msg)
+        score_mod = score_mod.bind(xp, dev, batch, hq, lq, lk)
 
     scale = _check_scale(scale, default=1.0 / math.sqrt(d) if d else 1.0)
     if softcap is not None:
@@ -240,12 +253,19 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         dtype=dtype_name(query.dtype),
         batch_shape=batch, num_heads=hq, num_kv_heads=hkv, q_len=lq, kv_len=lk,
         head_dim=d, value_head_dim=dv,
-        requires_grad=needs_grad((query, key, value, bias, sinks)),
+        requires_grad=needs_grad((query, key, value, bias, sinks, *_trained(score_mod))),
         mask_kinds=mask.kinds if mask is not None else frozenset(),
         alibi_slopes=alibi_slopes, sinks=sinks,
         assume_finite=_check_flag("assume_finite", assume_finite),
-        dropout_seed=dropout_seed,
+        dropout_seed=dropout_seed, score_mod=score_mod,
     )
+
+
+def _trained(score_mod: Any) -> tuple[Any, ...]:
+    """The arrays of a score change that get gradients."""
+    if score_mod is None:
+        return ()
+    return tuple(a for a, t in zip(score_mod.arrays, score_mod.trainable, strict=True) if t)
 
 
 def _check_dropout_p(xp: Any, value: Any) -> float:

@@ -8,6 +8,10 @@ instead of the O(Lq * Lk) that recording every tile would keep. Per tile, with
     dV += P^T dO        dP = dO V^T        dS = P * (dP - Delta)
     dQ += dS K          dK += dS^T Q       dBias += dS
 
+A score change's tables (:mod:`portattn.scores`) get ``dS`` reduced into their entries
+tile by tile, by products with one-hot matrices rather than a scatter, summed in the
+order the tiles are visited: the same sums on every run.
+
 (``dlse`` is the gradient of the returned log-sum-exp: ``d lse / d s = P``.) With
 dropout, ``Z`` the tile's kept pairs over ``1 - p`` (regenerated from the seed, see
 :mod:`portattn.dropout`): ``dV += (P * Z)^T dO`` and ``dS = P * (dP * Z - Delta)``,
@@ -63,6 +67,9 @@ class Gradients(NamedTuple):
     """None unless asked for (``bias_grad``)."""
     sinks: Any
     """None without ``inputs.sinks``."""
+    score_mod: Any = None
+    """Without ``inputs.score_mod`` None; else a gradient per array of the change
+    (:attr:`~portattn.scores.ScoreChange.arrays`), None for those that get none."""
 
 
 def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
@@ -107,6 +114,7 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
     else:
         dq, dk, dv = into
     bias = _BiasGrad(inputs, block_q, block_k) if bias_grad else None
+    tables = None if inputs.score_mod is None else _TableGrads(inputs)
     dsinks = None
     blocks = inputs.blocks(block_q, block_k)
     word = seed_word(inputs) if inputs.dropout_p else None
@@ -135,6 +143,8 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
             ds = p * (dp - d)
             if bias is not None:
                 bias.add(ds, q0, q1, k0, k1)
+            if tables is not None:
+                tables.add(ds, q0, q1, k0, k1)
             if t is not None:
                 ds = ds * (1 - t * t)
             dq_tile = xp.matmul(ds, rows(k, k0, k1))
@@ -151,7 +161,8 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
         dq, dk, dv = (cast(xp, g, a.dtype) for g, a in zip(
             (dq, dk, dv), (inputs.query, inputs.key, inputs.value), strict=True))
     return Gradients(dq, dk, dv, None if bias is None else bias.result(),
-                     None if dsinks is None else _per_head_grad(inputs, dsinks))
+                     None if dsinks is None else _per_head_grad(inputs, dsinks),
+                     None if tables is None else tables.result())
 
 
 def _clean(xp: Any, x: Any, ct: Any) -> Any:
@@ -227,6 +238,40 @@ class _BiasGrad:
         return cast(xp, total, inputs.bias.dtype)
 
 
+class _TableGrads:
+    """Sums a score change's table gradients over the tiles, in the compute dtype."""
+
+    def __init__(self, inputs: AttentionInputs) -> None:
+        self.inputs = inputs
+        self.sums: list[Any] | None = None
+
+    def add(self, ds: Any, q0: int, q1: int, k0: int, k1: int) -> None:
+        inputs, xp = self.inputs, self.inputs.xp
+        parts = inputs.score_mod.table_gradients(xp, ungroup(xp, ds), q0, q1, k0, k1,
+                                                 inputs.q_len, inputs.kv_len,
+                                                 inputs.compute_dtype)
+        if self.sums is None:
+            self.sums = list(parts)
+        else:
+            self.sums = [s if p is None else s + p for s, p in zip(self.sums, parts,
+                                                                    strict=True)]
+
+    def result(self) -> tuple[Any, ...]:
+        change = self.inputs.score_mod
+        if self.sums is None:  # the mask hides every pair
+            return _zero_tables(self.inputs)
+        return tuple(None if s is None else cast(self.inputs.xp, s, a.dtype)
+                     for s, a in zip(self.sums, change.arrays, strict=True))
+
+
+def _zero_tables(inputs: AttentionInputs) -> tuple[Any, ...] | None:
+    change = inputs.score_mod
+    if change is None:
+        return None
+    return tuple(inputs.xp.zeros_like(a) if t else None
+                 for a, t in zip(change.arrays, change.trainable, strict=True))
+
+
 def _grid(length: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(length, s + block)) for s in range(0, length, block)]
 
@@ -244,5 +289,5 @@ def _zero_grads(inputs: AttentionInputs, bias_grad: bool, dlse: Any) -> Gradient
             rows = xp.sum(cast(xp, dlse, inputs.compute_dtype), axis=-1)
             dsinks = _per_head_grad(inputs, xp.reshape(rows, (*rows.shape[:-1],
                                                               inputs.num_kv_heads, -1)))
-    return Gradients(*grads, dbias, dsinks)
+    return Gradients(*grads, dbias, dsinks, _zero_tables(inputs))
 

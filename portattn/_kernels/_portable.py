@@ -34,7 +34,7 @@ class PortableKernel(Kernel):
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
     masks = frozenset(KINDS)
-    bias = softcap = alibi = sinks = gqa = value_head_dim = empty = True
+    bias = softcap = alibi = score_mod = sinks = gqa = value_head_dim = empty = True
     returns_lse = grad = dropout = dropout_seed = True
 
 
@@ -152,6 +152,8 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
         s = s + group_tile(xp, cast(xp, b, s.dtype), inputs.num_kv_heads)
     if inputs.alibi_slopes is not None:
         s = s + alibi_tile(inputs, q0, q1, k0, k1, s.dtype)
+    if inputs.score_mod is not None:
+        s = s + score_mod_tile(inputs, q0, q1, k0, k1, s)
     mask = inputs.mask
     if mask is None or not masked:
         return Scores(s, None, t)
@@ -216,6 +218,17 @@ def alibi_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int,
     slopes = cast(xp, inputs.alibi_slopes, dtype)[..., None, None]
     distance = xp.reshape(distance, (1,) * (len(slopes.shape) - 2) + tuple(distance.shape))
     return group_tile(xp, -slopes * cast(xp, distance, dtype), inputs.num_kv_heads)
+
+
+def score_mod_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int,
+                   s: Any) -> Any:
+    """The score change's entries over one tile, in grouped layout at the rank and
+    dtype of the scores ``s``."""
+    xp = inputs.xp
+    rank = len(inputs.batch_shape) + 3
+    entries = inputs.score_mod.entries(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, rank)
+    grouped = group_tile(xp, cast(xp, entries, s.dtype), inputs.num_kv_heads)
+    return xp.reshape(grouped, (1,) * (s.ndim - grouped.ndim) + tuple(grouped.shape))
 
 
 def per_head_column(inputs: AttentionInputs, values: Any, dtype: Any) -> Any:

@@ -58,6 +58,9 @@ class Case:
     softcap: float | None = None
     alibi: str | None = None  # None, "heads" (Hq,) or "batch_heads" (*batch, Hq)
     sinks: bool = False
+    score_mod: str | None = None
+    """None, ``"buckets"`` (T5's bidirectional relative positions) or
+    ``"buckets_and_pairs"`` (one-directional ones plus a pair table)."""
     scale: float | None = None
     lse: bool = False
     weights: bool = False
@@ -118,7 +121,25 @@ class Case:
         if self.mask:
             kwargs["mask"] = self._mask(backend.asarray)
             np_kwargs["mask"] = self._mask(np.asarray)
+        if self.score_mod is not None:
+            tables = (rng.standard_normal((16, self.hq)),
+                      rng.standard_normal((3, 4, self.hq)))
+            classes = (rng.integers(0, 3, (*self.batch, self.lq)),
+                       rng.integers(0, 4, (*self.batch, self.lk)))
+            on_backend = [backend.asarray(t, self.dtype) for t in tables]
+            as_given = [np.asarray(backend.to_numpy(t), dtype=np.float64) for t in on_backend]
+            kwargs["score_mod"] = self._score_mod(on_backend, [backend.asarray(c)
+                                                               for c in classes])
+            np_kwargs["score_mod"] = self._score_mod(as_given, list(classes))
         return arrays, kwargs, np_arrays, np_kwargs
+
+    def _score_mod(self, tables: list[Any], classes: list[Any]) -> Any:
+        from .. import scores
+
+        if self.score_mod == "buckets":
+            return scores.relative_position(tables[0], max_distance=24)
+        return (scores.relative_position(tables[0], bidirectional=False, max_distance=24)
+                + scores.pair_table(tables[1], *classes))
 
     def _mask(self, convert: Any) -> masks.Mask:
         import numpy as np
@@ -251,6 +272,13 @@ def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
                   replace(base, name="alibi_per_batch_cross", alibi="batch_heads", lq=9, lk=30)]
         if "causal" in k.masks:
             cases.append(replace(base, name="alibi_causal", alibi="heads",
+                                 mask=(("causal", "bottom_right"),)))
+    if k.score_mod:
+        cases.append(replace(base, name="score_mod_buckets", score_mod="buckets", lq=9,
+                             lk=30))
+        if "causal" in k.masks:
+            cases.append(replace(base, name="score_mod_causal_pairs",
+                                 score_mod="buckets_and_pairs",
                                  mask=(("causal", "bottom_right"),)))
     if k.sinks:
         cases.append(replace(base, name="sinks", sinks=True))

@@ -3,8 +3,8 @@
 
 :func:`attach_autograd` runs the core's tiled forward inside a ``jax.custom_vjp``
 whose backward is the core's portable FlashAttention-2 backward, so JAX saves only
-``query, key, value, bias, sinks, out, lse`` (and the mask) instead of recording every
-tile.
+``query, key, value, bias, sinks, out, lse`` (and the mask, and a score change's
+arrays) instead of recording every tile.
 The mask's arrays, the ALiBi slopes and dropout's seed words are arguments (they get no
 cotangent); the mask's structure is static.
 """
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["attach_autograd"]
 
-_ARRAYS = ("query", "key", "value", "bias", "sinks", "alibi_slopes", "dropout_seed", "mask")
+_ARRAYS = ("query", "key", "value", "bias", "sinks", "alibi_slopes", "dropout_seed", "mask",
+           "score_mod")
 
 
 def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
@@ -33,16 +34,22 @@ def attach_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
     # description is held aside, the arrays are its arguments. The mask goes in as
     # its leaves (the rule's own leaf wrappers would not rebuild a mask).
     leaves, treedef = tree_util.tree_flatten(inputs.mask)
-    static = (inputs._replace(**dict.fromkeys(_ARRAYS)), treedef)
+    # A score change goes in as its arrays, its structure held aside with the mask's.
+    change = inputs.score_mod
+    tables = () if change is None else tuple(change.arrays)
+    shape_only = None if change is None else change.with_arrays((None,) * len(tables))
+    static = (inputs._replace(**dict.fromkeys(_ARRAYS)), treedef, shape_only)
     return _wired()(static, inputs.query, inputs.key, inputs.value, inputs.bias,
-                    inputs.sinks, inputs.alibi_slopes, inputs.dropout_seed, tuple(leaves))
+                    inputs.sinks, inputs.alibi_slopes, inputs.dropout_seed, tuple(leaves),
+                    tables)
 
 
-def _with(static: tuple[AttentionInputs, Any], arrays: tuple[Any, ...]) -> AttentionInputs:
-    inputs, treedef = static
-    *tensors, leaves = arrays
+def _with(static: tuple[AttentionInputs, Any, Any], arrays: tuple[Any, ...]) -> AttentionInputs:
+    inputs, treedef, change = static
+    *tensors, leaves, tables = arrays
     mask = treedef.unflatten(leaves)
-    return inputs._replace(**dict(zip(_ARRAYS, (*tensors, mask), strict=True)))
+    change = None if change is None else change.with_arrays(tables)
+    return inputs._replace(**dict(zip(_ARRAYS, (*tensors, mask, change), strict=True)))
 
 
 _cache: list[Any] = []
@@ -60,9 +67,9 @@ def _wired() -> Any:
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
     def wired(static, query, key, value, bias, sinks, alibi_slopes, dropout_seed,
-              mask_leaves):
+              mask_leaves, tables):
         return flash_forward(_with(static, (query, key, value, bias, sinks, alibi_slopes,
-                                            dropout_seed, mask_leaves)))
+                                            dropout_seed, mask_leaves, tables)))
 
     def fwd(static, *arrays):
         bias = arrays[3]
@@ -79,8 +86,10 @@ def _wired() -> Any:
             dout = jnp.zeros_like(out)
         grads = flash_backward(_with(static, arrays), out, lse, dout, dlse,
                                bias_grad=bias_grad is not None)
-        # ALiBi slopes, the seed and the mask are constants
-        return *grads, None, None, tuple(None for _ in arrays[7])
+        *tensors, table_grads = grads
+        # ALiBi slopes, the seed and the mask are constants; so are a change's indices
+        return (*tensors, None, None, tuple(None for _ in arrays[7]),
+                tuple(table_grads or ()))
 
     wired.defvjp(fwd, bwd, symbolic_zeros=True)
     _cache.append(wired)

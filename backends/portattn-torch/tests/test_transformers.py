@@ -212,3 +212,21 @@ def test_importing_the_plugin_does_not_import_transformers():
     code = ("import sys, portattn_torch; import portattn_torch._sdpa_kernel; "
             "assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
+@pytest.mark.parametrize(("buckets", "max_distance"), [(32, 128), (64, 256), (8, 20)])
+def test_t5_buckets_are_t5s_own(bidirectional, buckets, max_distance):
+    from array_api_compat import array_namespace
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from portattn import scores
+
+    relative = torch.arange(-3000, 3000)
+    theirs = T5Attention._relative_position_bucket(relative, bidirectional=bidirectional,
+                                                   num_buckets=buckets,
+                                                   max_distance=max_distance)
+    ours = scores.t5_buckets(array_namespace(relative), relative,
+                             bidirectional=bidirectional, num_buckets=buckets,
+                             max_distance=max_distance)
+    assert torch.equal(ours.long(), theirs)
