@@ -37,7 +37,7 @@ from typing import Any
 
 from ._lib import check_beside, dtype_name, to_host, values_readable
 
-__all__ = ["ScoreChange", "alibi", "pair_table", "relative_position", "t5_buckets",
+__all__ = ["ScoreChange", "alibi", "pair_table", "relative_position", "show", "t5_buckets",
            "window_table"]
 
 
@@ -106,10 +106,11 @@ def t5_buckets(xp: Any, relative: Any, *, bidirectional: bool, num_buckets: int,
                max_distance: int) -> Any:
     """T5's bucket of each relative position ``key - query`` (an integer array).
 
-    Half the buckets (all, one-directional) hold distances one each; the rest grow
-    logarithmically up to ``max_distance``, past which all share the last bucket.
-    Bidirectional: keys after the query take the upper half of the buckets.
-    One-directional: keys after the query fall in bucket 0 (a causal mask hides them).
+    Bidirectional, keys before the query take the lower half of the buckets and keys
+    after it the upper half; one-directional, keys before it take them all and keys
+    after it fall in bucket 0 (a causal mask hides them). In each such range the first
+    half of the buckets hold one distance each, the rest distances growing
+    logarithmically up to ``max_distance``, from which all share the last bucket.
     The logarithm is taken in float32, as T5's implementations do, so a table trained
     with them meets the same bucket at every distance.
 
@@ -556,6 +557,75 @@ def pair_table(table: Any, query_classes: Any, key_classes: Any) -> ScoreChange:
         [[1.0, 1.0, 0.0], [3.0, 3.0, 2.0]]
     """
     return _PairTable(table, query_classes, key_classes)
+
+
+def show(change: ScoreChange, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0,
+         ax: Any = None) -> Any:
+    """Draw the entries ``change`` adds to the scores of a call of ``q_len`` queries and
+    ``kv_len`` keys, for one batch element and head (a mask is drawn by
+    :func:`portattn.masks.show`).
+
+    Args:
+        change: A :class:`ScoreChange` (its tables as they are now).
+        q_len: Number of queries (``Lq``), at least 1.
+        kv_len: Number of keys (``Lk``), at least 1; ``q_len * kv_len`` at most 2**24.
+        batch: Flat batch index, for changes that vary per batch element (pair tables);
+            any index draws the same picture for those that do not.
+        head: Query head.
+        ax: A matplotlib Axes to draw on; None makes a new figure.
+
+    Returns:
+        The matplotlib Axes drawn on; its first image holds the entries.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install "portattn[plot]"``).
+        ValueError: a length or index out of range, or a change that does not fit.
+
+    Example:
+        >>> import numpy as np
+        >>> from matplotlib.figure import Figure
+        >>> from portattn import scores
+        >>> change = scores.relative_position(np.linspace(-1, 1, 32)[:, None] * [1, 2])
+        >>> ax = scores.show(change, 48, 48, head=1, ax=Figure().subplots())
+        >>> print(ax.get_title())
+        relative_position(table(32, 2), bidirectional=True, max_distance=128)
+        head 1: entries from -2 to 1.74
+    """
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            msg = f"{name} must be an int of at least 1; got {name}={value!r}"
+            raise ValueError(msg)
+    if q_len * kv_len > 1 << 24:
+        msg = f"show draws at most 2**24 pairs; got {q_len}x{kv_len}: draw a shorter call"
+        raise ValueError(msg)
+    try:
+        import matplotlib  # noqa: F401  (is it installed?)
+    except ImportError as e:
+        msg = 'portattn.scores.show needs matplotlib; install it with pip install "portattn[plot]"'
+        raise ImportError(msg) from e
+    entries = to_host(change.dense(q_len, kv_len))
+    per_batch = entries.reshape(-1, *entries.shape[-3:])
+    heads = per_batch.shape[1]
+    if not 0 <= head < heads:
+        msg = f"head must lie in [0, {heads}); got head={head!r}"
+        raise ValueError(msg)
+    if not isinstance(batch, int) or batch < 0 or (
+            per_batch.shape[0] > 1 and batch >= per_batch.shape[0]):
+        msg = f"batch must lie in [0, {per_batch.shape[0]}); got batch={batch!r}"
+        raise ValueError(msg)
+    drawn = per_batch[min(batch, per_batch.shape[0] - 1), head]
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        _, ax = plt.subplots(figsize=(6.4, 6.4), layout="constrained")
+    reach = float(abs(drawn).max()) or 1.0
+    image = ax.imshow(drawn, cmap="RdBu_r", vmin=-reach, vmax=reach, interpolation="nearest")
+    ax.figure.colorbar(image, ax=ax, shrink=0.8)
+    ax.set_title(f"{change!r}\nhead {head}: entries from {drawn.min():.3g} to "
+                 f"{drawn.max():.3g}", fontsize="medium")
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    return ax
 
 
 def _check_table(xp: Any, device: Any, table: Any, what: str) -> None:

@@ -2,7 +2,8 @@
 
 The oracle is the plain attention formula differentiated by hand in float64 NumPy
 (softmax of the masked scores, K/V repeated per query head); it shares no code with
-the kernels but the mask's own dense tile.
+the kernels but the mask's own dense tile and a score change's dense entries (which
+``test_scores.py`` checks against entries written out pair by pair).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CASES += [replace(CASES[0], name="long_gqa_softcap_bias", dtype="float64", hq=4,
 
 
 def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slopes=None,
-                   sinks=None, dropped=None):
+                   sinks=None, dropped=None, entries=None):
     """``(dq, dk, dv, dbias, dsinks)`` of ``sum(out * dout) + sum(lse * dlse)``, by hand
     (ALiBi: ``-slope * |i + Lk - Lq - j|`` added to the scores; a sink: one more logit
     in each row's denominator; ``dropped``: the kept pairs over ``1 - p``, which
@@ -50,6 +51,8 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slo
     if alibi_slopes is not None:
         distance = np.abs(np.arange(lq)[:, None] + lk - lq - np.arange(lk)[None, :])
         s = s - alibi_slopes[..., None, None] * distance
+    if entries is not None:  # a score change's, added like a bias
+        s = s + entries
     allowed = np.ones(s.shape, dtype=bool)
     if mask is not None:
         bound = mask.bind(np, q.shape[:-3], q.shape[-3], lq, lk)
@@ -83,6 +86,12 @@ def textbook_grads(q, k, v, dout, dlse, *, mask, bias, scale, softcap, alibi_slo
         dsinks = -(np.exp(sink - m) / total * delta).sum(axis=(-2, -1))
         dsinks = dsinks.sum(axis=tuple(range(dsinks.ndim - sinks.ndim)))
     return dq, dk, dv, dbias, dsinks
+
+
+def _entries(np_args, np_kwargs):
+    """The dense entries of a case's score change (None without one)."""
+    change = np_kwargs.get("score_mod")
+    return None if change is None else change.dense(np_args[0].shape[-2], np_args[1].shape[-2])
 
 
 def _dropped(np_args, np_kwargs):
@@ -122,7 +131,8 @@ def test_flash_backward_matches_textbook(case, backend):
                           mask=np_kwargs.get("mask"), bias=np_kwargs.get("bias"),
                           scale=case.scale, softcap=case.softcap,
                           alibi_slopes=np_kwargs.get("alibi_slopes"),
-                          sinks=np_kwargs.get("sinks"), dropped=_dropped(np_args, np_kwargs))
+                          sinks=np_kwargs.get("sinks"), dropped=_dropped(np_args, np_kwargs),
+                          entries=_entries(np_args, np_kwargs))
     for name, got, expected, source in zip(("dq", "dk", "dv"), grads, want, args,
                                            strict=False):
         assert got.dtype == source.dtype, f"{name} dtype {got.dtype} != {source.dtype}"

@@ -134,7 +134,9 @@ def test_bad_alibi_and_sinks_are_named(arrays, options, error, message):
 def test_alibi_slopes_take_no_gradient():
     torch = pytest.importorskip("torch")
     q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(ValueError, match=r"alibi_slopes are constants .* alibi_slopes.detach"):
+    says = (r"alibi_slopes are constants .* alibi_slopes.detach\(\), or learn them with "
+            r"score_mod=portattn.scores.alibi\(slopes\)")
+    with pytest.raises(ValueError, match=says):
         portattn.attention(q, q, q, alibi_slopes=torch.ones(2, requires_grad=True))
 
 

@@ -320,3 +320,19 @@ def test_swin_window_table_matches_the_textbook(backend):
     with pytest.raises(ValueError, match="needs Lq = Lk = Wh \\* Ww = 12"):
         portattn.attention(*(backend.asarray(a[..., :5, :], "float64") for a in (q, k, v)),
                            score_mod=change)
+
+
+def test_show_draws_the_entries_of_one_head():
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    case = CASES[-1]
+    numpy_backend = require_backend("numpy")
+    change = case.change(numpy_backend)
+    ax = scores.show(change, LQ, LK, batch=1, head=2, ax=Figure().subplots())
+    drawn = ax.get_images()[0].get_array()
+    np.testing.assert_allclose(np.asarray(drawn), case.entries()[1, 2])
+    with pytest.raises(ValueError, match=r"head must lie in \[0, 4\); got head=4"):
+        scores.show(change, LQ, LK, head=4, ax=Figure().subplots())
+    with pytest.raises(ValueError, match=r"batch must lie in \[0, 2\); got batch=2"):
+        scores.show(change, LQ, LK, batch=2, ax=Figure().subplots())

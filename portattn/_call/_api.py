@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .. import masks
 from .._dispatch import Plan, check_result, described_and_chosen, select
 from .._inputs import describe, from_kernel_layout, to_kernel_layout
-from .._kernels import distrust
+from .._kernels import distrust, max_scores
 from .._lib import dtype_name, namespace_name
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
               return_lse: bool = False, return_weights: bool = False,
               dropout_p: float = 0.0, dropout_seed: Any = None, alibi_slopes: Any = None,
               sinks: Any = None, score_mod: ScoreChange | None = None, layout: str = "bhld",
-              assume_finite: bool = False, kernel: str | None = None) -> Any:
+              assume_finite: bool = False, return_max_scores: bool = False,
+              kernel: str | None = None) -> Any:
     """Exact scaled-dot-product attention on any Array API library.
 
     The namespace of the arrays decides which library runs; the best installed kernel
@@ -78,12 +79,18 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
             inputs (a pass over the inputs or the output, and on an accelerator or
             under ``torch.compile`` a copy of the keys and values); with a non-finite
             input anyway, rows the mask would have kept finite may come out NaN.
+        return_max_scores: also return each query row's largest score after every
+            change (scale, softcap, bias, ALiBi, ``score_mod``) over the keys it sees,
+            ``(..., Hq, Lq)`` in the dtype of the lse, ``-inf`` where it sees none (for
+            checks such as QK-clip). A constant (no gradient flows through it),
+            computed in one more pass over the scores' products, not from the
+            kernel's own.
         kernel: run this kernel by name instead of choosing one.
 
     Returns:
-        ``out`` ``(..., Hq, Lq, Dv)`` in the dtype of ``query``; with ``return_lse`` or
-        ``return_weights``, a tuple ``(out, lse, weights)`` holding only the requested
-        parts, in that order.
+        ``out`` ``(..., Hq, Lq, Dv)`` in the dtype of ``query``; with ``return_lse``,
+        ``return_weights`` or ``return_max_scores``, a tuple ``(out, lse, weights,
+        max_scores)`` holding only the requested parts, in that order.
 
     Raises:
         TypeError: an argument has the wrong type or dtype, or the arrays come from
@@ -123,6 +130,8 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
                "layout": layout, "assume_finite": assume_finite}
     if score_mod is not None:  # kept out of the remembered signature otherwise
         options["score_mod"] = score_mod
+    if return_max_scores is not False:
+        options["return_max_scores"] = return_max_scores
     if dropout_seed is not None:  # kept out of the remembered signature otherwise
         options["dropout_seed"] = dropout_seed
     query, key, value = to_kernel_layout(layout, query, key, value)
@@ -136,9 +145,11 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
     if entry.kernel.finite_inputs_only and (why := distrust(inputs, out)) is not None:
         out, lse, weights = _exactly(inputs, kernel, why)
     out = from_kernel_layout(inputs.xp, layout, out)
-    if not (return_lse or return_weights):
+    if not (return_lse or return_weights or inputs.return_max_scores):
         return out
     extras = ((lse,) if return_lse else ()) + ((weights,) if return_weights else ())
+    if inputs.return_max_scores:
+        extras += (max_scores(inputs),)
     return (out, *extras)
 
 

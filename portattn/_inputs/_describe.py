@@ -116,6 +116,9 @@ class AttentionInputs(NamedTuple):
     score_mod: Any = None
     """A :class:`portattn.scores.ScoreChange` bound to the call, or None: its entries
     join the scores (after softcap, beside the bias)."""
+    return_max_scores: bool = False
+    """The caller asks for each row's largest score; dispatch computes it in a pass of
+    its own, whichever kernel runs the call."""
 
     @property
     def compute_dtype(self) -> Any:
@@ -157,7 +160,8 @@ class AttentionInputs(NamedTuple):
                 lines.append(f"    {name}: shape={tuple(getattr(self, name).shape)}")
         if self.score_mod is not None:
             lines.append(f"    score_mod={self.score_mod!r}")
-        flags = [f for f in ("return_lse", "return_weights", "requires_grad") if getattr(self, f)]
+        flags = [f for f in ("return_lse", "return_weights", "return_max_scores",
+                             "requires_grad") if getattr(self, f)]
         if self.dropout_p:
             flags.append(f"dropout_p={self.dropout_p}")
         if flags:
@@ -171,7 +175,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
              dropout_p: float = 0.0, alibi_slopes: Any = None,
              sinks: Any = None, layout: str = "bhld",
              assume_finite: bool = False, dropout_seed: Any = None,
-             score_mod: Any = None) -> AttentionInputs:
+             score_mod: Any = None, return_max_scores: bool = False) -> AttentionInputs:
     """Validate one call's arguments and describe it: the :class:`AttentionInputs` a
     kernel's ``run`` and ``not_supported_reasons`` receive (what
     :func:`portattn.attention` builds before dispatch), for testing a kernel directly.
@@ -179,7 +183,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     Args:
         query, key, value: The arrays, in the kernels' layout ``(*batch, H, L, D)``.
         mask, bias, scale, softcap, return_lse, return_weights, dropout_p,
-            dropout_seed, alibi_slopes, sinks, assume_finite, score_mod: As for
+            dropout_seed, alibi_slopes, sinks, assume_finite, score_mod,
+            return_max_scores: As for
             :func:`portattn.attention`.
         layout: The caller's layout, named in error messages only.
 
@@ -225,7 +230,8 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
     if alibi_slopes is not None:
         if getattr(alibi_slopes, "requires_grad", False) is True:
             msg = ("alibi_slopes are constants (no gradient flows to them, as in "
-                   "flash-attn); pass alibi_slopes.detach()")
+                   "flash-attn); pass alibi_slopes.detach(), or learn them with "
+                   "score_mod=portattn.scores.alibi(slopes)")
             raise ValueError(msg)
         alibi_slopes = _per_head(xp, dev, alibi_slopes, "alibi_slopes", batch, hq)
     if sinks is not None:
@@ -258,6 +264,7 @@ def describe(query: Any, key: Any, value: Any, *, mask: Mask | None = None, bias
         alibi_slopes=alibi_slopes, sinks=sinks,
         assume_finite=_check_flag("assume_finite", assume_finite),
         dropout_seed=dropout_seed, score_mod=score_mod,
+        return_max_scores=_check_flag("return_max_scores", return_max_scores),
     )
 
 

@@ -29,6 +29,7 @@ from ._dropout import (
 )
 from ._finite import distrust
 from ._flash_backward import Gradients, flash_backward
+from ._max_scores import max_scores
 from ._merge import merge
 from ._paged import attend_pages
 from ._portable import with_rows
@@ -37,6 +38,6 @@ from ._tiled import TiledKernel, tiled_attention
 
 __all__ = ["KEEP_BITS", "KEY", "M1", "M2", "QUERY", "ROW", "Gradients",
            "ReferenceKernel", "TiledKernel", "attend_pages", "attend_pages_cascading",
-           "distrust", "flash_backward", "kept", "merge", "mix", "reference_attention",
-           "rows", "seed_word", "seed_words", "threshold", "tile", "tiled_attention",
-           "with_rows"]
+           "distrust", "flash_backward", "kept", "max_scores", "merge", "mix",
+           "reference_attention", "rows", "seed_word", "seed_words", "threshold", "tile",
+           "tiled_attention", "with_rows"]

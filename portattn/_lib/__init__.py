@@ -40,7 +40,7 @@ from ._plugins import (
     run_import_hooks,
     seeds_for,
 )
-from ._probes import jax_tracer_type, needs_grad, torch_compiling, values_readable
+from ._probes import jax_tracer_type, needs_grad, torch_compiling, values_readable, without_grad
 from ._seeds import MAX_WORDS, SEED_BITS, check_seed
 from ._tuned import install as install_tuned_reader
 from ._tuned import trying as trying_tuned
@@ -85,4 +85,5 @@ __all__ = [
     "trying_tuned",
     "tuned_value",
     "values_readable",
+    "without_grad",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["jax_tracer_type", "needs_grad", "torch_compiling", "values_readable"]
+__all__ = ["jax_tracer_type", "needs_grad", "torch_compiling", "values_readable", "without_grad"]
 
 
 def jax_tracer_type() -> type | None:
@@ -96,3 +96,23 @@ def needs_grad(arrays: tuple[Any, ...]) -> bool:
         return "torch" in sys.modules and sys.modules["torch"].is_grad_enabled()
     tracer = jax_tracer_type()
     return tracer is not None and any(isinstance(a, tracer) for a in arrays)
+
+
+def without_grad(a: Any) -> Any:
+    """``a`` as a constant of its library's autograd: torch's ``detach()``, JAX's
+    ``stop_gradient``; itself for libraries without autograd.
+
+    Example:
+        >>> import numpy as np
+        >>> from portattn._lib import without_grad
+        >>> x = np.ones(2)
+        >>> without_grad(x) is x
+        True
+    """
+    detach = getattr(a, "detach", None)
+    if detach is not None and getattr(a, "requires_grad", None) is not None:
+        return detach()  # torch
+    tracer = jax_tracer_type()
+    if tracer is not None and isinstance(a, tracer):
+        return sys.modules["jax"].lax.stop_gradient(a)
+    return a
