@@ -2,8 +2,10 @@
 
 Masks say which pairs a query sees; a score change adds to the scores of the pairs it
 sees, from a table a model learns: T5's relative-position buckets
-(:func:`relative_position`), a pair bias gathered by the classes of the two tokens
-(:func:`pair_table`), and their sums (``a + b``). Pass one as
+(:func:`relative_position`), Swin's table of offsets inside a window
+(:func:`window_table`), a pair bias gathered by the classes of the two tokens
+(:func:`pair_table`), ALiBi with learned slopes (:func:`alibi`), and their sums
+(``a + b``); :func:`show` draws one. Pass one as
 ``portattn.attention(..., score_mod=...)``. The kernels that take them
 (``Kernel.score_mod``: the portable ``tiled`` and ``reference``) compute each tile's
 entries from the table, never an ``Lq x Lk`` array, and the flash backward reduces

@@ -65,10 +65,11 @@ def attention(query: Any, key: Any, value: Any, /, *, mask: Mask | None = None,
             denominator gains ``exp(sinks[h])``, a logit that attends no value (gpt-oss).
             The lse includes it (so a fully masked row gives 0 and an lse of ``sinks``);
             gradients flow to it.
-        score_mod: a :mod:`portattn.scores` change (T5's relative positions, a pair
-            table, their sums): entries from small learned tables join the scores
-            (after softcap, with the bias), computed per tile, never as an
-            ``Lq x Lk`` array; its tables get gradients.
+        score_mod: a :mod:`portattn.scores` change (T5's relative positions, Swin's
+            window table, a pair table, learned ALiBi slopes, their sums): entries
+            from small learned tables join the scores (after softcap, with the bias),
+            computed per tile, never as an ``Lq x Lk`` array; its tables get
+            gradients.
         layout: ``"bhld"`` for the shapes above, ``"blhd"`` for arrays held as
             ``(..., length, heads, head_dim)`` (flash-attn's and JAX's layout): the
             output is then ``(..., Lq, Hq, Dv)``, a transposed view of the kernel's
