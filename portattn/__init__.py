@@ -17,13 +17,21 @@ from __future__ import annotations
 
 from . import distributed, errors, masks, scores
 from ._call import attention, explain, scaled_dot_product_attention
-from ._dispatch import KernelEntry, Plan, disable_kernels, kernels, refresh_kernels, use_kernel
+from ._dispatch import (
+    KernelEntry,
+    PagedPlan,
+    Plan,
+    disable_kernels,
+    kernels,
+    refresh_kernels,
+    use_kernel,
+)
 from ._kernels import merge
 from ._lib import VERSION as __version__
 from .kv_cache import KVCache
 from .linear import linear_attention
 from .multihead import MultiHeadAttention, multi_head_attention
-from .paged import paged_attention
+from .paged import explain_paged, paged_attention
 from .paged_cache import PagedKVCache
 
 __all__ = [
@@ -31,6 +39,7 @@ __all__ = [
     "KernelEntry",
     "MultiHeadAttention",
     "PagedKVCache",
+    "PagedPlan",
     "Plan",
     "__version__",
     "attention",
@@ -38,6 +47,7 @@ __all__ = [
     "distributed",
     "errors",
     "explain",
+    "explain_paged",
     "kernels",
     "linear_attention",
     "masks",

@@ -92,8 +92,13 @@ class Kernel:
     alibi: ClassVar[bool] = False
     """Takes ``alibi_slopes`` (a linear bias by distance, computed per tile)."""
     score_mod: ClassVar[bool] = False
-    """Takes ``score_mod`` (a :mod:`portattn.scores` change, computed per tile), with
-    its tables' gradients when the kernel declares ``grad``."""
+    """Takes ``score_mod`` changes that add entries from tables (a :mod:`portattn.scores`
+    change, computed per tile), with the tables' gradients when the kernel declares
+    ``grad``."""
+    score_functions: ClassVar[bool] = False
+    """Takes ``score_mod`` changes that map each score (:func:`portattn.scores.function`,
+    :func:`portattn.scores.softcap`), with their arrays' gradients when the kernel
+    declares ``grad``."""
     sinks: ClassVar[bool] = False
     """Takes ``sinks`` (a logit per head in each row's softmax denominator), with its
     gradient when the kernel declares ``grad``."""
@@ -142,8 +147,9 @@ class Kernel:
     #: conformance kit.
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "namespaces", "devices", "dtypes", "head_dim", "masks", "bias", "softcap", "alibi",
-        "score_mod", "sinks", "gqa", "value_head_dim", "empty", "returns_lse", "returns_weights",
-        "dropout", "dropout_seed", "grad", "deterministic", "finite_inputs_only", "priority",
+        "score_mod", "score_functions", "sinks", "gqa", "value_head_dim", "empty", "returns_lse",
+        "returns_weights", "dropout", "dropout_seed", "grad", "deterministic",
+        "finite_inputs_only", "priority",
     )
 
     @classmethod
@@ -253,8 +259,12 @@ class Kernel:
             reasons.append("softcap not supported")
         if inputs.alibi_slopes is not None and not cls.alibi:
             reasons.append("alibi_slopes not supported")
-        if inputs.score_mod is not None and not cls.score_mod:
-            reasons.append("score_mod not supported")
+        if inputs.score_mod is not None:
+            if inputs.score_mod.additive and not cls.score_mod:
+                reasons.append("score_mod not supported")
+            elif not inputs.score_mod.additive and not cls.score_functions:
+                reasons.append(f"score_mod {inputs.score_mod!r} (a score function) not "
+                               "supported")
         if inputs.sinks is not None and not cls.sinks:
             reasons.append("sinks not supported")
         if inputs.num_heads != inputs.num_kv_heads and not cls.gqa:

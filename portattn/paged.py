@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 from array_api_compat import array_namespace
 
 from . import masks
-from ._dispatch import paged_kernel
+from ._dispatch import PagedPlan, paged_kernel, paged_plan
 from ._inputs import PagedInputs
-from ._kernels import attend_pages, attend_pages_cascading
+from ._kernels import attend_pages, attend_pages_cascading, cascade_summary
 from ._lib import check_like, dtype_name, host_values, safe_device
 from ._models import host_ints, integer_array
 
 if TYPE_CHECKING:
     from .masks import Mask
 
-__all__ = ["paged_attention"]
+__all__ = ["explain_paged", "paged_attention"]
 
 LAYOUTS = ("blhd", "bhld")
 
@@ -111,6 +111,51 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
     attend = attend_pages if kernel is None else kernel.run_paged
     out, lse = attend_pages_cascading(call, attend) if cascade else attend(call)
     return (out, lse) if return_lse else out
+
+
+def explain_paged(query: Any, key_pages: Any, value_pages: Any, /, **kwargs: Any) -> PagedPlan:
+    """What :func:`paged_attention` would do with the same arguments (``return_lse``
+    and ``cascade`` are taken and ignored): which kernel runs the call, or the portable
+    loop, every kernel's reasons, and what ``cascade=True`` would share. Checks the
+    arguments as the call does.
+
+    Returns:
+        A :class:`~portattn.PagedPlan`; ``str(plan)`` reads like a report.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> pool = np.zeros((8, 4, 2, 16), dtype=np.float32)
+        >>> plan = portattn.explain_paged(np.zeros((2, 2, 16), dtype=np.float32), pool,
+        ...                               pool, block_table=np.array([[0, 1], [0, 2]]),
+        ...                               key_lengths=np.array([6, 7]))
+        >>> print(str(plan).splitlines()[2].split(", keys")[0].strip())
+        2 sequences, 2 queries (2 decoding one token, 0 with more, 0 with none)
+        >>> plan.cascade
+        'read 1 page among sequences [0, 1] once'
+    """
+    kwargs.pop("return_lse", None)
+    kwargs.pop("cascade", None)
+    call = _checked(query, key_pages, value_pages, **_with_defaults(kwargs))
+    return paged_plan(call, cascade_summary(call))
+
+
+def _with_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of :func:`paged_attention` (less ``return_lse`` and ``cascade``) as
+    the keywords of :func:`_checked`, with its defaults."""
+    known = ("block_table", "key_lengths", "query_starts", "mask", "scale", "softcap",
+             "alibi_slopes", "sinks", "layout")
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        msg = f"explain_paged() got unexpected keyword arguments {unknown}"
+        raise TypeError(msg)
+    for needed in ("block_table", "key_lengths"):
+        if needed not in kwargs:
+            msg = f"explain_paged() needs {needed}= (as paged_attention does)"
+            raise TypeError(msg)
+    defaults = {"query_starts": None, "mask": None, "scale": None, "softcap": None,
+                "alibi_slopes": None, "sinks": None, "layout": "blhd"}
+    return {**defaults, **kwargs}
 
 
 def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,

@@ -1,14 +1,17 @@
-"""Score changes as data: small learned tables whose entries join the scores.
+"""Score changes as data: small learned tables whose entries join the scores, and
+functions that map each score.
 
 Masks say which pairs a query sees; a score change adds to the scores of the pairs it
 sees, from a table a model learns: T5's relative-position buckets
 (:func:`relative_position`), Swin's table of offsets inside a window
 (:func:`window_table`), a pair bias gathered by the classes of the two tokens
 (:func:`pair_table`), ALiBi with learned slopes (:func:`alibi`), and their sums
-(``a + b``); :func:`show` draws one. Pass one as
+(``a + b``); :func:`show` draws one. Or it maps each score: :func:`function` (any
+function of the score and its indices, FlexAttention's ``score_mod``, differentiated by
+the library's autodiff) and :func:`softcap` (a learned cap). Pass one as
 ``portattn.attention(..., score_mod=...)``. The kernels that take them
-(``Kernel.score_mod``: the portable ``tiled`` and ``reference``) compute each tile's
-entries from the table, never an ``Lq x Lk`` array, and the flash backward reduces
+(``Kernel.score_mod`` and ``Kernel.score_functions``) compute each tile's entries
+from the table, never an ``Lq x Lk`` array, and the flash backward reduces
 each tile's score gradient into the table: tile by tile in a fixed order, so the
 table's gradient is the same on every run, and never a dense ``(Lq, Lk)`` gradient.
 
@@ -37,10 +40,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._lib import check_beside, dtype_name, to_host, values_readable
+from ._lib import check_beside, dtype_name, namespace_name, to_host, values_readable, vjp
 
-__all__ = ["ScoreChange", "alibi", "pair_table", "relative_position", "show", "t5_buckets",
-           "window_table"]
+__all__ = ["ScoreChange", "alibi", "function", "pair_table", "relative_position", "show",
+           "softcap", "t5_buckets", "window_table"]
 
 
 class ScoreChange:
@@ -55,6 +58,9 @@ class ScoreChange:
     arrays: tuple[Any, ...] = ()
     #: Per array of :attr:`arrays`: whether it gets a gradient (tables do, indices not).
     trainable: tuple[bool, ...] = ()
+    #: Whether the change adds :meth:`entries` to the scores (the tables and their sums);
+    #: a change that maps each score (:func:`function`, :func:`softcap`) says False.
+    additive: bool = True
 
     def with_arrays(self, arrays: tuple[Any, ...]) -> ScoreChange:
         """The same change reading ``arrays`` (as many as :attr:`arrays`, in order):
@@ -84,12 +90,27 @@ class ScoreChange:
         of one tile, in ``dtype`` (None for an array that gets none)."""
         raise NotImplementedError
 
+    def by_distance(self, xp: Any, q_len: int, kv_len: int) -> Any:
+        """None, or the entries as a function of the distance alone: ``(Hq, Lq + Lk -
+        1)``, the entry of query ``i`` and key ``j`` at ``j - i + Lq - 1`` (T5's
+        buckets, ALiBi and their sums): what a kernel spreads over a tile's diagonals."""
+        return None
+
+    def distance_gradients(self, xp: Any, g: Any, q_len: int, kv_len: int,
+                           dtype: Any) -> tuple[Any, ...]:
+        """:meth:`table_gradients` from ``g``, the gradient of the :meth:`by_distance`
+        array ``(Hq, Lq + Lk - 1)`` (summed over the batch), in ``dtype``."""
+        raise NotImplementedError
+
     def dense(self, q_len: int, kv_len: int) -> Any:
         """Every entry at once, ``(*batch | 1, Hq, Lq, Lk)``, in the library of the
         tables: for checks and drawings, not for kernels (it is the ``Lq x Lk`` array
         they avoid)."""
         from array_api_compat import array_namespace
 
+        if not self.additive:
+            msg = f"{self!r} maps each score: it has no entries of its own to show"
+            raise TypeError(msg)
         xp = array_namespace(*self.arrays)
         return self.entries(xp, 0, q_len, 0, kv_len, q_len, kv_len, self.rank)
 
@@ -101,7 +122,28 @@ class ScoreChange:
     def __add__(self, other: ScoreChange) -> ScoreChange:
         if not isinstance(other, ScoreChange):
             return NotImplemented
+        for change in (self, other):
+            if not change.additive:
+                msg = (f"{change!r} maps each score, it adds no entries: it cannot be "
+                       "summed with another change; write one score function that does "
+                       "both (it may read the tables)")
+                raise TypeError(msg)
         return _Sum(self, other)
+
+    # Changes that map each score (``additive`` False) implement these two instead of
+    # entries and table_gradients, and hold the map as a score function ``fn(score, b,
+    # h, q_idx, kv_idx, *arrays)`` (what FlexAttention's score_mod is).
+
+    def apply(self, xp: Any, s: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+        """The scores ``s`` ``(*batch, Hq, q1 - q0, k1 - k0)`` of queries ``q0:q1`` and
+        keys ``k0:k1``, changed."""
+        raise NotImplementedError
+
+    def score_gradients(self, xp: Any, s: Any, ds: Any, q0: int, q1: int, k0: int, k1: int,
+                        dtype: Any) -> tuple[Any, tuple[Any, ...]]:
+        """From ``ds``, the gradient of :meth:`apply`'s result at ``s``: the gradient of
+        ``s`` and each array's (in ``dtype``; None for an array that gets none)."""
+        raise NotImplementedError
 
 
 def t5_buckets(xp: Any, relative: Any, *, bidirectional: bool, num_buckets: int,
@@ -234,23 +276,30 @@ class _RelativePosition(_PositionTable):
                               num_buckets=self.table.shape[0], max_distance=self.max_distance)
         return self._made(("buckets", q_len, kv_len), make)
 
+    def by_distance(self, xp: Any, q_len: int, kv_len: int) -> Any:
+        return self._made(("entries", q_len, kv_len), lambda: xp.permute_dims(
+            xp.take(self.table, self._buckets(xp, q_len, kv_len), axis=0), (1, 0)))
+
     def entries(self, xp: Any, q0: int, q1: int, k0: int, k1: int, q_len: int,
                 kv_len: int, rank: int) -> Any:
-        per_distance = self._made(("entries", q_len, kv_len), lambda: xp.permute_dims(
-            xp.take(self.table, self._buckets(xp, q_len, kv_len), axis=0), (1, 0)))
-        tq, tk = q1 - q0, k1 - k0
-        first = k0 - q1 + q_len  # the tile's lowest distance, counted from the call's
-        spread = _toeplitz(xp, per_distance[:, first:first + tq + tk - 1], tq, tk)
-        return xp.reshape(spread, (1,) * (rank - 3) + tuple(spread.shape))
+        return _spread(xp, self.by_distance(xp, q_len, kv_len), q0, q1, k0, k1, q_len, rank)
 
     def table_gradients(self, xp: Any, ds: Any, q0: int, q1: int, k0: int, k1: int,
                         q_len: int, kv_len: int, dtype: Any) -> tuple[Any, ...]:
         per_distance = _diagonal_sums(xp, xp.astype(_summed_over_batch(xp, ds), dtype))
-        one_hot = self._made(("one hot", q_len, kv_len, dtype_name(dtype)), lambda: _one_hot(
-            xp, self._buckets(xp, q_len, kv_len), self.table.shape[0], dtype))
         first = k0 - q1 + q_len
-        part = one_hot[first:first + per_distance.shape[-1], :]
+        part = self._one_hot(xp, q_len, kv_len, dtype)[first:first + per_distance.shape[-1], :]
         return (xp.permute_dims(xp.matmul(per_distance, part), (1, 0)),)
+
+    def distance_gradients(self, xp: Any, g: Any, q_len: int, kv_len: int,
+                           dtype: Any) -> tuple[Any, ...]:
+        one_hot = self._one_hot(xp, q_len, kv_len, dtype)
+        return (xp.permute_dims(xp.matmul(xp.astype(g, dtype), one_hot), (1, 0)),)
+
+    def _one_hot(self, xp: Any, q_len: int, kv_len: int, dtype: Any) -> Any:
+        """``(Lq + Lk - 1, num_buckets)``: each distance's bucket, one-hot."""
+        return self._made(("one hot", q_len, kv_len, dtype_name(dtype)), lambda: _one_hot(
+            xp, self._buckets(xp, q_len, kv_len), self.table.shape[0], dtype))
 
 
 class _WindowTable(_PositionTable):
@@ -332,6 +381,20 @@ class _Slopes(ScoreChange):
         distance = self.distances(xp, q0, q1, k0, k1, q_len, kv_len, dtype)
         weighted = xp.astype(_summed_over_batch(xp, ds), dtype) * distance[None, :, :]
         return (-xp.sum(weighted, axis=(-2, -1)),)
+
+    def _distances(self, xp: Any, q_len: int, kv_len: int, dtype: Any) -> Any:
+        """``|Lk - 1 - d|`` for each ``d`` of :meth:`by_distance`."""
+        d = xp.arange(q_len + kv_len - 1, dtype=xp.int32, device=_device(self.slopes))
+        return xp.astype(xp.abs(kv_len - 1 - d), dtype)
+
+    def by_distance(self, xp: Any, q_len: int, kv_len: int) -> Any:
+        distance = self._distances(xp, q_len, kv_len, self.slopes.dtype)
+        return -self.slopes[:, None] * distance[None, :]
+
+    def distance_gradients(self, xp: Any, g: Any, q_len: int, kv_len: int,
+                           dtype: Any) -> tuple[Any, ...]:
+        distance = self._distances(xp, q_len, kv_len, dtype)
+        return (-xp.sum(xp.astype(g, dtype) * distance[None, :], axis=-1),)
 
 
 class _PairTable(ScoreChange):
@@ -438,17 +501,235 @@ class _Sum(ScoreChange):
 
     def entries(self, xp: Any, q0: int, q1: int, k0: int, k1: int, q_len: int,
                 kv_len: int, rank: int) -> Any:
-        first, second = (p.entries(xp, q0, q1, k0, k1, q_len, kv_len, rank)
-                         for p in self.parts)
-        if first.dtype != second.dtype:  # tables of two dtypes: added in the wider
-            wide = xp.result_type(first.dtype, second.dtype)
-            first, second = xp.astype(first, wide), xp.astype(second, wide)
-        return first + second
+        return _wide_sum(xp, *(p.entries(xp, q0, q1, k0, k1, q_len, kv_len, rank)
+                               for p in self.parts))
 
     def table_gradients(self, xp: Any, ds: Any, q0: int, q1: int, k0: int, k1: int,
                         q_len: int, kv_len: int, dtype: Any) -> tuple[Any, ...]:
         return tuple(g for p in self.parts
                      for g in p.table_gradients(xp, ds, q0, q1, k0, k1, q_len, kv_len, dtype))
+
+    def by_distance(self, xp: Any, q_len: int, kv_len: int) -> Any:
+        first, second = (p.by_distance(xp, q_len, kv_len) for p in self.parts)
+        if first is None or second is None:
+            return None
+        return _wide_sum(xp, first, second)
+
+    def distance_gradients(self, xp: Any, g: Any, q_len: int, kv_len: int,
+                           dtype: Any) -> tuple[Any, ...]:
+        return tuple(t for p in self.parts
+                     for t in p.distance_gradients(xp, g, q_len, kv_len, dtype))
+
+
+class _Function(ScoreChange):
+    """``fn(score, b, h, q_idx, kv_idx, *args)``, as :func:`function` describes."""
+
+    additive = False
+
+    def __init__(self, fn: Any, args: tuple[Any, ...], trainable: tuple[bool, ...],
+                 shape: tuple[tuple[int, ...], int] | None = None) -> None:
+        self.fn = fn
+        self.arrays = args
+        self.trainable = trainable
+        self.shape = shape  # the call's (batch, heads), once bound
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        args = ", ".join(f"shape={tuple(a.shape)}" for a in self.arrays)
+        return f"function({name}" + (f", args=({args})" if args else "") + ")"
+
+    def with_arrays(self, arrays: tuple[Any, ...]) -> ScoreChange:
+        return _Function(self.fn, tuple(arrays), self.trainable, self.shape)
+
+    def bind(self, xp: Any, device: Any, batch: tuple[int, ...], heads: int,
+             q_len: int, kv_len: int) -> ScoreChange:
+        for n, a in enumerate(self.arrays):
+            check_beside(xp, device, a, f"score function args[{n}]")
+        bound = _Function(self.fn, self.arrays, self.trainable, (tuple(batch), heads))
+        if q_len and kv_len and namespace_name(xp) != "dask":  # a clear error now
+            probe = xp.zeros((*batch, heads, 1, 1), dtype=xp.float32, device=device)
+            out = bound._call(xp, probe, self.arrays, 0, 1, 0, 1)
+            try:
+                floating = xp.isdtype(out.dtype, "real floating")
+            except TypeError:  # NumPy's isdtype refuses ml_dtypes' bfloat16
+                floating = True
+            if not floating:
+                msg = (f"a score function must return floating scores; got "
+                       f"dtype={dtype_name(out.dtype)} from {self!r}")
+                raise TypeError(msg)
+        return bound
+
+    def _call(self, xp: Any, s: Any, args: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+        batch, heads = self.shape
+        device = _device(s)
+        b = xp.reshape(xp.arange(math.prod(batch), device=device), (*batch, 1, 1, 1))
+        h = xp.reshape(xp.arange(heads, device=device), (heads, 1, 1))
+        q = xp.arange(q0, q1, device=device)[:, None]
+        k = xp.arange(k0, k1, device=device)[None, :]
+        out = self.fn(s, b, h, q, k, *args)
+        if not hasattr(out, "shape"):
+            out = xp.asarray(out, device=device)
+        try:
+            return xp.broadcast_to(out, tuple(s.shape))
+        except (ValueError, RuntimeError, TypeError) as err:
+            msg = (f"a score function must return scores that broadcast to the tile's "
+                   f"{tuple(s.shape)}; got shape {tuple(out.shape)} from {self!r}")
+            raise ValueError(msg) from err
+
+    def apply(self, xp: Any, s: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+        out = self._call(xp, s, self.arrays, q0, q1, k0, k1)
+        return out if out.dtype == s.dtype else xp.astype(out, s.dtype)
+
+    def score_gradients(self, xp: Any, s: Any, ds: Any, q0: int, q1: int, k0: int, k1: int,
+                        dtype: Any) -> tuple[Any, tuple[Any, ...]]:
+        trained = [n for n, t in enumerate(self.trainable) if t]
+
+        def change(s: Any, *tables: Any) -> Any:
+            args = list(self.arrays)
+            for n, table in zip(trained, tables, strict=True):
+                args[n] = table
+            out = self._call(xp, s, args, q0, q1, k0, k1)
+            return out if out.dtype == s.dtype else xp.astype(out, s.dtype)
+
+        ds_in, *tables = vjp(xp, change, (s, *(self.arrays[n] for n in trained)), ds)
+        grads: list[Any] = [None] * len(self.arrays)
+        for n, g in zip(trained, tables, strict=True):
+            grads[n] = xp.astype(g, dtype)
+        return ds_in, tuple(grads)
+
+
+class _Softcap(ScoreChange):
+    """``cap * tanh(score / cap)`` with a cap that gets a gradient."""
+
+    additive = False
+
+    def __init__(self, cap: Any) -> None:
+        self.cap = cap
+        self.arrays = (cap,)
+        self.trainable = (True,)
+
+    def __repr__(self) -> str:
+        return f"softcap(cap{tuple(self.cap.shape)})"
+
+    @staticmethod
+    def fn(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any, cap: Any) -> Any:
+        """The change as a score function (what FlexAttention takes)."""
+        per_head = cap if cap.ndim == 0 else cap[h]
+        x = score / per_head
+        if hasattr(x, "tanh"):  # torch: no namespace lookup inside a compiled score_mod
+            return per_head * x.tanh()
+        from array_api_compat import array_namespace
+
+        return per_head * array_namespace(x).tanh(x)
+
+    def with_arrays(self, arrays: tuple[Any, ...]) -> ScoreChange:
+        return _Softcap(arrays[0])
+
+    def bind(self, xp: Any, device: Any, batch: tuple[int, ...], heads: int,
+             q_len: int, kv_len: int) -> ScoreChange:
+        _check_table(xp, device, self.cap, "softcap cap")
+        if tuple(self.cap.shape) not in ((), (heads,)):
+            msg = (f"softcap cap must have shape () or (Hq,) = ({heads},); got "
+                   f"cap.shape={tuple(self.cap.shape)}")
+            raise ValueError(msg)
+        if values_readable(self.cap) and not bool(xp.all(self.cap > 0)):
+            msg = f"softcap cap must be positive; got cap={to_host(self.cap).tolist()}"
+            raise ValueError(msg)
+        return self
+
+    def _per_head(self, xp: Any, dtype: Any) -> Any:
+        cap = xp.astype(self.cap, dtype) if self.cap.dtype != dtype else self.cap
+        return cap if cap.ndim == 0 else cap[:, None, None]
+
+    def apply(self, xp: Any, s: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+        cap = self._per_head(xp, s.dtype)
+        return cap * xp.tanh(s / cap)
+
+    def score_gradients(self, xp: Any, s: Any, ds: Any, q0: int, q1: int, k0: int, k1: int,
+                        dtype: Any) -> tuple[Any, tuple[Any, ...]]:
+        cap = self._per_head(xp, s.dtype)
+        x = s / cap
+        t = xp.tanh(x)
+        slope = 1 - t * t
+        # d(c tanh(s / c)) / dc = tanh(x) - x (1 - tanh(x)^2), x = s / c
+        per_pair = xp.astype(ds * (t - x * slope), dtype)
+        axes = tuple(range(per_pair.ndim)) if self.cap.ndim == 0 else (
+            *range(per_pair.ndim - 3), per_pair.ndim - 2, per_pair.ndim - 1)
+        return ds * slope, (xp.sum(per_pair, axis=axes),)
+
+
+def function(fn: Any, args: tuple[Any, ...] = ()) -> ScoreChange:
+    """A score function: the score of query ``q_idx`` and key ``kv_idx`` becomes
+    ``fn(score, b, h, q_idx, kv_idx, *args)``, FlexAttention's ``score_mod``.
+
+    ``b`` is the flat batch index, ``h`` the query head, ``q_idx`` and ``kv_idx`` the
+    query and key indices of the call (as :func:`portattn.masks.function` sees them):
+    integer arrays of the call's library that broadcast against ``score`` (a tile of
+    scores). Write ``fn`` with operators and the library's functions, elementwise in
+    ``score``. It runs where a score change joins (after ``scale``, ``softcap``,
+    ``bias`` and ALiBi, before the mask).
+
+    Args:
+        fn: The function; it returns the new scores.
+        args: Arrays ``fn`` reads, of the call's library and device. Floating ones get
+            gradients, computed tile by tile by the library's autodiff (torch, JAX).
+
+    Returns:
+        A :class:`ScoreChange` for ``score_mod``. Only kernels with
+        ``Kernel.score_functions`` take it; it cannot be summed with another change.
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import scores
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal((1, 2, 4, 8)) for _ in range(3))
+        >>> bias = rng.standard_normal((2, 7))  # per head, per distance k - q + 3
+        >>> def shifted(score, b, h, q_idx, kv_idx, bias):
+        ...     return score + bias[h, kv_idx - q_idx + 3]
+        >>> out = portattn.attention(q, k, v, score_mod=scores.function(shifted, (bias,)))
+        >>> i, j = np.arange(4)[:, None], np.arange(4)[None, :]
+        >>> same = portattn.attention(q, k, v, bias=bias[:, j - i + 3][None])
+        >>> bool(np.allclose(out, same))
+        True
+    """
+    if not callable(fn):
+        msg = f"function expects a callable fn(score, b, h, q_idx, kv_idx, *args); got {fn!r}"
+        raise TypeError(msg)
+    if not isinstance(args, (tuple, list)):
+        msg = (f"function args must be a tuple of arrays fn reads; got args of type "
+               f"{type(args).__name__}")
+        raise TypeError(msg)
+    for n, a in enumerate(args):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            msg = f"function args[{n}] must be an array; got {type(a).__name__}"
+            raise TypeError(msg)
+    return _Function(fn, tuple(args), tuple(_floating(a) for a in args))
+
+
+def softcap(cap: Any) -> ScoreChange:
+    """Tanh soft-capping with a cap the model learns: each score becomes
+    ``cap * tanh(score / cap)``, where a score change joins (the ``softcap=`` argument
+    takes a constant and caps before ``bias`` and ALiBi).
+
+    Args:
+        cap: ``()`` or ``(Hq,)``, floating and positive. Gets a gradient.
+
+    Returns:
+        A :class:`ScoreChange` for ``score_mod`` (``Kernel.score_functions`` kernels).
+
+    Example:
+        >>> import numpy as np
+        >>> import portattn
+        >>> from portattn import scores
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal((1, 2, 4, 8)) for _ in range(3))
+        >>> out = portattn.attention(q, k, v, score_mod=scores.softcap(np.asarray(5.0)))
+        >>> same = portattn.attention(q, k, v, softcap=5.0)
+        >>> bool(np.allclose(out, same))
+        True
+    """
+    return _Softcap(cap)
 
 
 def relative_position(table: Any, *, bidirectional: bool = True,
@@ -651,6 +932,23 @@ def _positions(xp: Any, like: Any, q0: int, q1: int, k0: int, k1: int, q_len: in
             xp.arange(k0, k1, dtype=xp.int32, device=device))
 
 
+def _wide_sum(xp: Any, first: Any, second: Any) -> Any:
+    """``first + second``; tables of two dtypes add in the wider."""
+    if first.dtype != second.dtype:
+        wide = xp.result_type(first.dtype, second.dtype)
+        first, second = xp.astype(first, wide), xp.astype(second, wide)
+    return first + second
+
+
+def _spread(xp: Any, per_distance: Any, q0: int, q1: int, k0: int, k1: int, q_len: int,
+            rank: int) -> Any:
+    """A tile's entries from the call's :meth:`ScoreChange.by_distance` array."""
+    tq, tk = q1 - q0, k1 - k0
+    first = k0 - q1 + q_len  # the tile's lowest distance, counted from the call's
+    spread = _toeplitz(xp, per_distance[:, first:first + tq + tk - 1], tq, tk)
+    return xp.reshape(spread, (1,) * (rank - 3) + tuple(spread.shape))
+
+
 def _toeplitz(xp: Any, per_diagonal: Any, tq: int, tk: int) -> Any:
     """``(H, tq, tk)`` whose entry ``(i, j)`` is ``per_diagonal[:, j - i + tq - 1]``.
 
@@ -675,6 +973,15 @@ def _diagonal_sums(xp: Any, x: Any) -> Any:
                                                      device=_device(x))], axis=2)
     skewed = xp.reshape(padded, (heads, tq * (tk + tq)))[:, :tq * width]
     return xp.sum(xp.reshape(skewed, (heads, tq, width)), axis=1)
+
+
+def _floating(a: Any) -> bool:
+    from array_api_compat import array_namespace
+
+    try:
+        return bool(array_namespace(a).isdtype(a.dtype, "real floating"))
+    except TypeError:  # NumPy's isdtype refuses ml_dtypes' bfloat16
+        return dtype_name(a.dtype) in {"bfloat16", "float16", "float32", "float64"}
 
 
 def _device(a: Any) -> Any:

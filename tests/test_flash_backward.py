@@ -24,7 +24,10 @@ from portattn.testing import conformance_cases, to_numpy
 GRAD_TOLERANCES = {"float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4),
                    "float16": (2e-2, 2e-2), "bfloat16": (1e-1, 1e-1)}
 
-CASES = [c for c in conformance_cases(TiledKernel) if not c.weights]
+# Score functions (the cases "function" and "learned_softcap") have their textbook in
+# test_score_functions.py: the one here adds a change's entries like a bias.
+CASES = [c for c in conformance_cases(TiledKernel)
+         if not c.weights and c.score_mod not in ("function", "learned_softcap")]
 CASES += [replace(c, name=f"{c.name}_float64", dtype="float64") for c in CASES
           if c.name in {"basic", "softcap_small", "bias_full", "window_and_lengths",
                         "grouped_query_causal", "value_head_dim", "causal_and_dense"}]

@@ -402,3 +402,52 @@ def test_bad_cache_calls_name_the_argument(action, text):
         action(cache, seq)
     assert cache.length(seq) == 0
     assert cache.pages_in_use == 0
+
+
+def _plan(**changes):
+    q = np.zeros((4, 2, 8), dtype=np.float32)
+    pool = np.zeros((8, 4, 2, 8), dtype=np.float32)
+    args = {"block_table": np.array([[0, 1, 3], [0, 1, 4], [5, 6, -1]]),
+            "key_lengths": np.array([11, 12, 6]), "query_starts": np.array([0, 1, 2, 4]),
+            "return_lse": True, "cascade": True}
+    args.update(changes)
+    return portattn.explain_paged(q, pool, pool, **args)
+
+
+def test_explain_paged_names_the_kernel_that_runs_the_call_and_why_not_the_others():
+    plan = _plan(mask=masks.causal())
+    text = str(plan)
+    assert "3 sequences, 4 queries (2 decoding one token, 1 with more, 0 with none), keys " \
+           "per sequence 6 to 12" in text
+    assert "cascade=True would: read 2 pages among sequences [0, 1] once" in text
+    chosen = plan.kernel
+    entries = [entry for entry, _ in plan.candidates]
+    before = plan.candidates[:entries.index(chosen)] if chosen else plan.candidates
+    assert all(why for _, why in before)  # the first kernel that can, in dispatch order
+    assert "tiled (portattn" in text and "paged calls not supported" in text
+    with portattn.disable_kernels(*(e.name for e, why in plan.candidates if not why)):
+        alone = _plan(mask=masks.causal())
+    assert alone.kernel is None
+    assert str(alone).startswith("kernel: the portable loop")
+    if chosen is not None:
+        assert "disabled by portattn.disable_kernels()" in str(alone)
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"alibi_slopes": np.ones(2, dtype=np.float32)}, "nothing: alibi_slopes"),
+    ({"mask": masks.sliding_window(3)}, "nothing: mask=sliding_window"),
+    ({"block_table": np.array([[0, 1, 3], [2, 1, 4], [5, 6, -1]])},
+     "nothing: no two sequences with queries begin with the same full pages"),
+])
+def test_explain_paged_says_when_cascade_shares_nothing(changes, says):
+    assert f"cascade=True would: {says}" in str(_plan(**changes))
+
+
+def test_explain_paged_checks_its_arguments_as_the_call_does():
+    with pytest.raises(ValueError, match=re.escape("key_lengths must lie in")):
+        _plan(key_lengths=np.array([11, 12, 99]))
+    with pytest.raises(TypeError, match=re.escape("unexpected keyword arguments ['kernel']")):
+        _plan(kernel="tiled")
+    with pytest.raises(TypeError, match="needs key_lengths="):
+        portattn.explain_paged(np.zeros((1, 2, 8)), np.zeros((1, 4, 2, 8)),
+                               np.zeros((1, 4, 2, 8)), block_table=np.zeros((1, 1), int))

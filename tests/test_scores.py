@@ -232,9 +232,9 @@ def test_kernels_without_score_changes_say_so():
     q = np.zeros((1, 2, 8, 4))
     change = scores.relative_position(np.zeros((8, 2)), max_distance=8)
     plan = portattn.explain(q, q, q, score_mod=change)
-    assert plan.kernel.name == "tiled"
+    assert plan.kernel.kernel.score_mod, str(plan)
     refusing = [e.name for e, why in plan.candidates if "score_mod not supported" in why]
-    assert refusing, str(plan)
+    assert "example_einsum" in refusing, str(plan)  # tests/example_plugin takes none
     assert "score_mod=relative_position(table(8, 2)" in str(plan)
 
 
@@ -336,3 +336,25 @@ def test_show_draws_the_entries_of_one_head():
         scores.show(change, LQ, LK, head=4, ax=Figure().subplots())
     with pytest.raises(ValueError, match=r"batch must lie in \[0, 2\); got batch=2"):
         scores.show(change, LQ, LK, batch=2, ax=Figure().subplots())
+
+
+def test_changes_by_distance_say_their_entries_and_gradients_per_diagonal():
+    case = CASES[0]
+    slopes = scores.alibi(case.slopes)
+    relative = scores.relative_position(case.relative, max_distance=20)
+    pair = scores.pair_table(case.pair, case.query_classes, case.key_classes)
+    i, j = np.arange(LQ)[:, None], np.arange(LK)[None, :]
+    ds = np.random.default_rng(3).standard_normal((B, H, LQ, LK))
+    per_diagonal = np.zeros((H, LQ + LK - 1))
+    np.add.at(per_diagonal, (slice(None), j - i + LQ - 1), ds.sum(axis=0))
+    for change in (relative, slopes, relative + slopes):
+        bound = change.bind(np, "cpu", (B,), H, LQ, LK)
+        entries = bound.entries(np, 0, LQ, 0, LK, LQ, LK, 4)[0]
+        np.testing.assert_array_equal(bound.by_distance(np, LQ, LK)[:, j - i + LQ - 1],
+                                      entries)
+        want = bound.table_gradients(np, ds, 0, LQ, 0, LK, LQ, LK, np.float64)
+        got = bound.distance_gradients(np, per_diagonal, LQ, LK, np.float64)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    for change in (pair, relative + pair):
+        assert change.bind(np, "cpu", (B,), H, LQ, LK).by_distance(np, LQ, LK) is None

@@ -11,7 +11,7 @@ It may import :mod:`portattn._kernels` (the built-in kernels), :mod:`portattn.ke
 from __future__ import annotations
 
 from ._call_cache import described_and_chosen
-from ._paged import paged_kernel
+from ._paged import PagedPlan, paged_kernel, paged_plan
 from ._registry import (
     CORE,
     DISABLE_ENV,
@@ -43,8 +43,8 @@ from ._tune import (
     refresh,
 )
 
-__all__ = ["BAND_SIZES", "CORE", "DISABLE_ENV", "FORCE_ENV", "FORMAT", "TUNE_ENV",
-           "KernelEntry", "Plan", "TuneWarning", "availability", "check_result", "choose",
+__all__ = ["BAND_SIZES", "CORE", "DISABLE_ENV", "FORCE_ENV", "FORMAT", "TUNE_ENV", "KernelEntry",
+           "PagedPlan", "Plan", "TuneWarning", "availability", "check_result", "choose",
            "compiling", "current_overrides", "default_path", "described_and_chosen",
-           "disable_kernels", "forced_by_environment", "installed_version", "kernels",
-           "machine", "paged_kernel", "refresh", "refresh_kernels", "select", "use_kernel"]
+           "disable_kernels", "forced_by_environment", "installed_version", "kernels", "machine",
+           "paged_kernel", "paged_plan", "refresh", "refresh_kernels", "select", "use_kernel"]

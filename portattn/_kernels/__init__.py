@@ -11,7 +11,7 @@ It may import :mod:`portattn.kernel`, :mod:`portattn._inputs`, :mod:`portattn.ma
 
 from __future__ import annotations
 
-from ._cascade import attend_pages_cascading
+from ._cascade import attend_pages_cascading, cascade_summary
 from ._dropout import (
     KEEP_BITS,
     KEY,
@@ -38,6 +38,7 @@ from ._tiled import TiledKernel, tiled_attention
 
 __all__ = ["KEEP_BITS", "KEY", "M1", "M2", "QUERY", "ROW", "Gradients",
            "ReferenceKernel", "TiledKernel", "attend_pages", "attend_pages_cascading",
+           "cascade_summary",
            "distrust", "flash_backward", "kept", "max_scores", "merge", "mix",
            "reference_attention", "rows", "seed_word", "seed_words", "threshold", "tile",
            "tiled_attention", "with_rows"]

@@ -76,6 +76,20 @@ def attend_pages_cascading(call: PagedInputs,
     return merged, xp.permute_dims(merged_lse, (1, 0))
 
 
+def cascade_summary(call: PagedInputs) -> str:
+    """What ``cascade=True`` would share for ``call``, in words (for explain)."""
+    groups = shared_prefixes(call)
+    if not groups:
+        return "nothing: no two sequences with queries begin with the same full pages"
+    if call.alibi_slopes is not None:
+        return "nothing: alibi_slopes (a shared key's score differs per sequence)"
+    if not _sees_all_before(call):
+        return f"nothing: mask={call.mask!r} may hide a shared key from a query"
+    shared = [f"{pages} page{'' if pages == 1 else 's'} among sequences {members}"
+              for members, pages in groups]
+    return "read " + "; ".join(shared) + " once"
+
+
 def shared_prefixes(call: PagedInputs) -> list[tuple[list[int], int]]:
     """Groups of two or more sequences whose tables begin with the same pages, as
     ``(sequences, pages)``: the shared pages are full and lie before every query of

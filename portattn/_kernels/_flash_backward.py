@@ -48,6 +48,7 @@ from ._portable import (
     split_nonfinite,
     transposed,
     ungroup,
+    ungroup_scores,
 )
 from ._tiled import block_sizes
 
@@ -141,10 +142,10 @@ def flash_backward(inputs: AttentionInputs, out: Any, lse: Any, dout: Any,
                              axis=-3)
             dp = dropped(inputs, xp.matmul(do, transposed(xp, rows(v, k0, k1))), keep)
             ds = p * (dp - d)
+            if tables is not None:  # first: a score function passes on a new ds
+                ds = tables.add(ds, tile.before, q0, q1, k0, k1)
             if bias is not None:
                 bias.add(ds, q0, q1, k0, k1)
-            if tables is not None:
-                tables.add(ds, q0, q1, k0, k1)
             if t is not None:
                 ds = ds * (1 - t * t)
             dq_tile = xp.matmul(ds, rows(k, k0, k1))
@@ -245,11 +246,25 @@ class _TableGrads:
         self.inputs = inputs
         self.sums: list[Any] | None = None
 
-    def add(self, ds: Any, q0: int, q1: int, k0: int, k1: int) -> None:
+    def add(self, ds: Any, before: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+        """Adds the arrays' gradients of one tile; returns the gradient of the scores
+        before the change (``ds`` itself for a change that adds; ``before``: the scores
+        a score function mapped, in grouped layout)."""
         inputs, xp = self.inputs, self.inputs.xp
-        parts = inputs.score_mod.table_gradients(xp, ungroup(xp, ds), q0, q1, k0, k1,
-                                                 inputs.q_len, inputs.kv_len,
-                                                 inputs.compute_dtype)
+        change, ct = inputs.score_mod, inputs.compute_dtype
+        if change.additive:
+            parts = change.table_gradients(xp, ungroup(xp, ds), q0, q1, k0, k1,
+                                           inputs.q_len, inputs.kv_len, ct)
+        else:
+            full = ungroup_scores(inputs, before)
+            ds_in, parts = change.score_gradients(
+                xp, full, xp.broadcast_to(ungroup(xp, ds), tuple(full.shape)), q0, q1, k0,
+                k1, ct)
+            ds = xp.reshape(ds_in, (*full.shape[:-3], *ds.shape[-4:]))
+        self._sum(parts)
+        return ds
+
+    def _sum(self, parts: tuple[Any, ...]) -> None:
         if self.sums is None:
             self.sums = list(parts)
         else:

@@ -34,7 +34,8 @@ class PortableKernel(Kernel):
     devices = ANY
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
     masks = frozenset(KINDS)
-    bias = softcap = alibi = score_mod = sinks = gqa = value_head_dim = empty = True
+    bias = softcap = alibi = score_mod = score_functions = sinks = gqa = True
+    value_head_dim = empty = True
     returns_lse = grad = dropout = dropout_seed = True
 
 
@@ -112,11 +113,13 @@ def group_tile(xp: Any, tile: Any, num_kv_heads: int) -> Any:
 class Scores(NamedTuple):
     """One tile's scores: ``s`` with hidden entries at the dtype's lowest finite value,
     ``allowed`` the tile's mask in grouped layout (None: every pair allowed), ``tanh``
-    of the capped scores for the softcap's derivative (None without one)."""
+    of the capped scores for the softcap's derivative (None without one), ``before``
+    the scores a score function mapped, for its derivative (None without one)."""
 
     s: Any
     allowed: Any = None
     tanh: Any = None
+    before: Any = None
 
     def weights(self, xp: Any, m: Any) -> Any:
         """``exp(s - m)`` for a finite row maximum ``m``, 0 where the mask hides a pair.
@@ -152,16 +155,20 @@ def scores(inputs: AttentionInputs, q: Any, k: Any, q0: int, q1: int, k0: int, k
         s = s + group_tile(xp, cast(xp, b, s.dtype), inputs.num_kv_heads)
     if inputs.alibi_slopes is not None:
         s = s + alibi_tile(inputs, q0, q1, k0, k1, s.dtype)
+    before = None
     if inputs.score_mod is not None:
-        s = s + score_mod_tile(inputs, q0, q1, k0, k1, s)
+        if inputs.score_mod.additive:
+            s = s + score_mod_tile(inputs, q0, q1, k0, k1, s)
+        else:
+            before, s = s, mapped_tile(inputs, q0, q1, k0, k1, s)
     mask = inputs.mask
     if mask is None or not masked:
-        return Scores(s, None, t)
+        return Scores(s, None, t, before)
     allowed = group_tile(xp, mask.tile(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len,
                                        inputs.device_obj), inputs.num_kv_heads)
     # the scores' rank: JAX's numpy_rank_promotion("raise") refuses to broadcast up to it
     allowed = xp.reshape(allowed, (1,) * (s.ndim - allowed.ndim) + tuple(allowed.shape))
-    return Scores(xp.where(allowed, s, lowest(xp, s.dtype)), allowed, t)
+    return Scores(xp.where(allowed, s, lowest(xp, s.dtype)), allowed, t, before)
 
 
 def scores_of_clean(inputs: AttentionInputs, q: Any, bad_q: Any, k: Any, bad_k: Any,
@@ -229,6 +236,22 @@ def score_mod_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int,
     entries = inputs.score_mod.entries(xp, q0, q1, k0, k1, inputs.q_len, inputs.kv_len, rank)
     grouped = group_tile(xp, cast(xp, entries, s.dtype), inputs.num_kv_heads)
     return xp.reshape(grouped, (1,) * (s.ndim - grouped.ndim) + tuple(grouped.shape))
+
+
+def mapped_tile(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, s: Any) -> Any:
+    """The scores ``s`` of one tile (grouped layout) mapped by a score function."""
+    xp = inputs.xp
+    out = inputs.score_mod.apply(xp, ungroup_scores(inputs, s), q0, q1, k0, k1)
+    return xp.reshape(out, tuple(s.shape))
+
+
+def ungroup_scores(inputs: AttentionInputs, s: Any) -> Any:
+    """A tile ``s`` in grouped layout as ``(*batch, Hq, tq, tk)``, the batch axes
+    broadcast out (a score function sees every batch element and head)."""
+    xp = inputs.xp
+    hkv, group, tq, tk = s.shape[-4:]
+    full = xp.broadcast_to(s, (*inputs.batch_shape, hkv, group, tq, tk))
+    return xp.reshape(full, (*inputs.batch_shape, hkv * group, tq, tk))
 
 
 def per_head_column(inputs: AttentionInputs, values: Any, dtype: Any) -> Any:

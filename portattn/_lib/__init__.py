@@ -28,6 +28,7 @@ from ._arrays import (
     namespace_name,
     own_copy,
 )
+from ._autodiff import vjp
 from ._place import check_like, namespace, place, resolve_dtype, safe_device, to_host
 from ._plugins import (
     GROUP,
@@ -85,5 +86,6 @@ __all__ = [
     "trying_tuned",
     "tuned_value",
     "values_readable",
+    "vjp",
     "without_grad",
 ]

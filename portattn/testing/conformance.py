@@ -138,6 +138,14 @@ class Case:
 
         if self.score_mod == "buckets":
             return scores.relative_position(tables[0], max_distance=24)
+        if self.score_mod == "learned_softcap":  # a cap in [1, 2) per head
+            column = tables[0][0, :]
+            return scores.softcap(1.0 + column * column / (1.0 + column * column))
+        if self.score_mod == "function":
+            from array_api_compat import array_namespace
+
+            weight = array_namespace(tables[0]).reshape(tables[0][:1, :1], ())
+            return scores.function(_tilted, (weight,))
         return (scores.relative_position(tables[0], bidirectional=False, max_distance=24)
                 + scores.pair_table(tables[1], *classes))
 
@@ -206,6 +214,17 @@ def _chunked_causal(b: Any, h: Any, q: Any, k: Any) -> Any:
 
 def _per_batch_and_head(b: Any, h: Any, q: Any, k: Any) -> Any:
     return ((q - k) % (h + 2) == 0) | (k < 3 + 4 * b)
+
+
+def _tilted(score: Any, b: Any, h: Any, q: Any, k: Any, weight: Any) -> Any:
+    """A score function of the cases: a tilt by distance, steeper for later heads and
+    batch elements, times a learned 0-d ``weight``; elementwise (each score from its
+    own indices, as FlexAttention calls it one score at a time) and written against the
+    array API, so the same function runs on every library."""
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(score)
+    return score + weight * xp.astype((h + b + 1) * (q - k), score.dtype) / 16
 
 
 #: Mask functions of the conformance cases: written with operators only, so the same
@@ -280,6 +299,12 @@ def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
             cases.append(replace(base, name="score_mod_causal_pairs",
                                  score_mod="buckets_and_pairs",
                                  mask=(("causal", "bottom_right"),)))
+    if k.score_functions:
+        cases.append(replace(base, name="score_mod_learned_softcap",
+                             score_mod="learned_softcap", scale=1.0))
+        if "causal" in k.masks:
+            cases.append(replace(base, name="score_mod_function", score_mod="function",
+                                 lq=9, lk=30, mask=(("causal", "bottom_right"),)))
     if k.sinks:
         cases.append(replace(base, name="sinks", sinks=True))
         if "causal" in k.masks:  # rows that see no key: output 0, lse = the sink

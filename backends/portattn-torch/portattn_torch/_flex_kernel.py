@@ -80,6 +80,7 @@ class TorchFlexKernel(Kernel):
     dtypes = frozenset({"float16", "bfloat16", "float32"})
     head_dim = (16, 256)
     masks = frozenset(KINDS)  # the block form and allows: every kind
+    score_functions = True  # flex's own score_mod
     bias = softcap = alibi = gqa = value_head_dim = empty = True
     returns_lse = grad = True  # on CUDA; refused on the CPU (see the module's docstring)
     # torch does not promise a deterministic flex backward
@@ -112,7 +113,7 @@ class TorchFlexKernel(Kernel):
         if inputs.requires_grad and (inputs.q_len == 0 or inputs.kv_len == 0):
             reasons.append(f"gradients of an empty call (Lq={inputs.q_len}, "
                            f"Lk={inputs.kv_len}): its zeros would carry none")
-        reasons += _bias_reasons(inputs)
+        reasons += _bias_reasons(inputs) + _function_reasons(inputs)
         if not reasons:  # the costlier question last, once the call is otherwise ours
             why = _device_unsupported(inputs.device)
             if why is not None:
@@ -146,7 +147,7 @@ class TorchFlexKernel(Kernel):
             if "dense" in inputs.mask_kinds:
                 reasons.append("dense mask (SDPA reads it as it is)")
             elif (inputs.softcap is None and inputs.alibi_slopes is None
-                  and not inputs.return_lse):
+                  and inputs.score_mod is None and not inputs.return_lse):
                 if inputs.mask is None:
                     reasons.append("no mask: SDPA runs it as it is")
                 elif structured_form(inputs) is not None:
@@ -179,6 +180,29 @@ def _bias_reasons(inputs: AttentionInputs) -> list[str]:
 
 
 @functools.cache
+def _function_reasons(inputs: AttentionInputs) -> list[str]:
+    """flex calls a score function one score at a time: one that returns more (it
+    broadcasts an array over the heads instead of indexing it with ``h``) would make
+    flex read out of bounds, so it is asked once, with one score. Gradients for its
+    arrays would come from flex's gradients of captured tensors, which this kernel
+    leaves to ``tiled`` (summed tile by tile in a fixed order there)."""
+    import torch
+
+    change = inputs.score_mod
+    if change is None:
+        return []
+    with torch.no_grad():
+        one = torch.zeros((), device=inputs.device_obj)
+        index = torch.zeros((), dtype=torch.int64, device=inputs.device_obj)
+        shape = tuple(change.fn(one, index, index, index, index, *change.arrays).shape)
+    if shape:
+        return [f"{change!r} gives shape {shape} for one score (flex calls it one score "
+                "at a time: index per-head arrays with h)"]
+    if any(getattr(a, "requires_grad", False) for a in change.arrays):
+        return [f"gradients of the arrays of {change!r} (tiled sums them deterministically)"]
+    return []
+
+
 def _flex_unavailable() -> str | None:
     import inspect
 
@@ -260,11 +284,12 @@ def flex_attention(inputs: AttentionInputs, block: int) -> tuple[Any, Any]:
     block_mask, counts_shape, captured = block_mask_of(inputs, block, static)
     static_shapes = None
     if static:
-        captured += [t for t in (bias, bad_keys, *(alibi or ())) if t is not None]
+        captured += [t for t in (bias, bad_keys, *(alibi or ()), *_function_arrays(inputs))
+                     if t is not None]
         for t in captured:
             torch._dynamo.mark_static(t)
         static_shapes = tuple(tuple(t.shape) for t in captured)
-    score_mod = score_mod_of(inputs.softcap, bias, bad_keys, alibi)
+    score_mod = score_mod_of(inputs.softcap, bias, bad_keys, alibi, inputs.score_mod)
     kind = (*_kind(inputs, bad_keys is not None, block),
             _specialised((q, k, v), counts_shape), static_shapes)
     entry = compiled_flex(kind, _label(inputs))
@@ -310,8 +335,22 @@ def _kind(inputs: AttentionInputs, guarded: bool, block: int) -> tuple:
             None if bias is None else (dtype_name(bias.dtype),
                                        tuple(n == 1 for n in bias.shape[-3:])),
             None if slopes is None else all(n == 1 for n in slopes.shape[:-1]),
+            _function_structure(inputs.score_mod),
             inputs.num_heads != inputs.num_kv_heads, inputs.return_lse,
             inputs.requires_grad, guarded, block)
+
+
+def _function_arrays(inputs: AttentionInputs) -> tuple[Any, ...]:
+    return () if inputs.score_mod is None else tuple(inputs.score_mod.arrays)
+
+
+def _function_structure(change: Any) -> Any:
+    """A score function known by its code and its arrays' dtypes and ranks (a new
+    closure of the same function compiles nothing new)."""
+    if change is None:
+        return None
+    return (getattr(change.fn, "__code__", type(change.fn)),
+            tuple((dtype_name(a.dtype), a.ndim) for a in change.arrays))
 
 
 def _specialised(arrays: tuple[Any, ...], counts_shape: tuple[int, ...]) -> tuple:
@@ -358,6 +397,8 @@ def _label(inputs: AttentionInputs) -> str:
         parts.append("bias")
     if inputs.alibi_slopes is not None:
         parts.append("alibi")
+    if inputs.score_mod is not None:
+        parts.append(f"score_mod={inputs.score_mod!r}")
     flags = [f for f in ("return_lse", "requires_grad") if getattr(inputs, f)]
     return (f"{inputs.dtype} on {inputs.device}, head_dim={inputs.head_dim}, "
             + ", ".join(parts + flags))

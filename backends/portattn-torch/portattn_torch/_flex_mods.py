@@ -177,14 +177,18 @@ def _flags(positions: Any, first: int, length: int) -> Any:
 
 
 def score_mod_of(softcap: float | None, bias: Any, bad_keys: Any,
-                 alibi: tuple[Any, Any] | None = None) -> Any:
+                 alibi: tuple[Any, Any] | None = None, function: Any = None) -> Any:
     """flex's ``score_mod`` for a ``softcap``, a ``bias`` ``(B | 1, H | 1, Lq | 1,
     Lk | 1)``, ``bad_keys`` (``(B, Hq, Lk)`` float, NaN on keys whose key or value
     was not finite and 0 elsewhere: a visible one makes its row NaN, one the mask or
-    the bias hides changes nothing) and ALiBi's ``(slopes, offset)`` (float32
+    the bias hides changes nothing), ALiBi's ``(slopes, offset)`` (float32
     ``(B | 1, Hq)`` and the 0-d ``Lk - Lq``: ``-slope * |q + offset - k|``, as
-    ``tiled`` adds it after the softcap); None when there is nothing to change."""
-    if softcap is None and bias is None and bad_keys is None and alibi is None:
+    ``tiled`` adds it after the softcap) and a score function (a
+    :func:`portattn.scores.function` change: flex's own kind of ``score_mod``, called
+    with its arrays, after the rest as ``tiled`` calls it); None when there is nothing
+    to change."""
+    if (softcap is None and bias is None and bad_keys is None and alibi is None
+            and function is None):
         return None
     import torch
 
@@ -201,6 +205,8 @@ def score_mod_of(softcap: float | None, bias: Any, bad_keys: Any,
             slopes, offset = alibi
             row = 0 if slopes.shape[0] == 1 else b
             score = score - slopes[row, h] * torch.abs(q_idx + offset - kv_idx)
+        if function is not None:
+            score = function.fn(score, b, h, q_idx, kv_idx, *function.arrays)
         if bad_keys is not None:
             # a key the bias hides (-inf) stays hidden: the mask alone is applied after
             score = torch.where(score > -math.inf, score + bad_keys[b, h, kv_idx], score)

@@ -244,3 +244,28 @@ def test_gradients_of_out_and_lse(name, backend):
     ((want * d_out).sum() + (torch.where(visible, want_lse, 0) * d_lse).sum()).backward()
     for name_, ours, ref in zip("qkv", (q, k, v), args, strict=True):
         assert_close(ours.grad.cpu(), ref.grad.numpy(), "float32", f"d{name_}")
+
+
+def _broadcast_over_heads(score, b, h, q_idx, kv_idx, weight):
+    return score * weight  # weight (H, 1, 1): right on tiles, not one score at a time
+
+
+def _indexed_by_head(score, b, h, q_idx, kv_idx, weight):
+    return score * weight[h, 0, 0]
+
+
+def test_score_functions_run_one_score_at_a_time(backend):
+    device = _torch_only(backend)
+    from portattn import scores
+
+    q, k, v = _qkv(device, lq=128, lk=128)
+    weight = torch.linspace(0.5, 1.5, 4, device=device).reshape(4, 1, 1)
+    refused = scores.function(_broadcast_over_heads, (weight,))
+    why = AnyCall.not_supported_reasons(describe(q, k, v, score_mod=refused))
+    assert any("gives shape (4, 1, 1) for one score" in w for w in why), why
+    # the portable kernels take it as it is, and flex takes it indexed by head
+    kernel = for_device(backend.device_kind)
+    indexed = scores.function(_indexed_by_head, (weight,))
+    got, _ = _run(kernel, q, k, v, mask=masks.causal(), score_mod=indexed)
+    want = portattn.attention(q, k, v, mask=masks.causal(), score_mod=refused, kernel="tiled")
+    assert_close(got, want.double().cpu().numpy(), "float32")
