@@ -40,6 +40,7 @@ from ._plugins import (
     parts_for,
     run_import_hooks,
     seeds_for,
+    vjp_for,
 )
 from ._probes import jax_tracer_type, needs_grad, torch_compiling, values_readable, without_grad
 from ._seeds import MAX_WORDS, SEED_BITS, check_seed
@@ -87,5 +88,6 @@ __all__ = [
     "tuned_value",
     "values_readable",
     "vjp",
+    "vjp_for",
     "without_grad",
 ]

@@ -1,12 +1,13 @@
 """The vector-Jacobian product of a function, by the autodiff of the library whose
-arrays it takes (torch, JAX): how a kernel gets the derivatives of a function the
-user wrote, tile by tile. No library is imported here until one is asked for."""
+arrays it takes, as its plugin adds it (the ``vjp`` part, :mod:`._plugins`): how a
+kernel gets the derivatives of a function the user wrote, tile by tile."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ._arrays import namespace_name
+from ._plugins import vjp_for
 
 __all__ = ["vjp"]
 
@@ -15,23 +16,14 @@ def vjp(xp: Any, fn: Any, primals: tuple[Any, ...], cotangent: Any) -> tuple[Any
     """The gradient of ``sum(fn(*primals) * cotangent)`` with respect to each primal.
 
     Raises:
-        TypeError: arrays of a library without autodiff (NumPy, CuPy, Dask, ...).
+        TypeError: arrays of a library without autodiff (NumPy, CuPy, Dask, ...), or
+            whose plugin is not installed.
     """
     name = namespace_name(xp)
-    if name == "torch":
-        import torch
-
-        with torch.enable_grad():
-            leaves = tuple(p.detach().requires_grad_() for p in primals)
-            out = fn(*leaves)
-            grads = torch.autograd.grad(out, leaves, cotangent, allow_unused=True)
-        return tuple(xp.zeros_like(p) if g is None else g
-                     for p, g in zip(primals, grads, strict=True))
-    if name == "jax":
-        import jax
-
-        return tuple(jax.vjp(fn, *primals)[1](cotangent))
-    msg = (f"the gradient of a score function needs autodiff, which {name} arrays lack; "
-           "train with torch or JAX, or use a score change with its own derivative "
-           "(portattn.scores)")
-    raise TypeError(msg)
+    found = vjp_for(name)
+    if found is None:
+        msg = (f"the gradient of a score function needs autodiff, which {name} arrays lack "
+               "here (torch and JAX have it, through portattn-torch and portattn-jax); "
+               "or use a score change with its own derivative (portattn.scores)")
+        raise TypeError(msg)
+    return tuple(found(fn, primals, cotangent))

@@ -16,7 +16,10 @@ whose attributes, each optional, are that library's parts:
 - ``distributed``: the engine of :mod:`portattn.distributed` (see
   :mod:`portattn.distributed.engine`);
 - ``on_import()``: run once, before the first mask built while the library is
-  imported (JAX: registers masks as pytrees), whether or not any kernel was loaded.
+  imported (JAX: registers masks as pytrees), whether or not any kernel was loaded;
+- ``vjp(fn, primals, cotangent) -> grads``: the gradient of ``sum(fn(*primals) *
+  cotangent)`` with respect to each primal, by the library's autodiff (the
+  derivatives of a score function the user wrote, :mod:`portattn.scores`).
 
 Plugins written before this group registered each part in a group of its own
 (``portattn.autograd``, ``portattn.seeds``, ``portattn.distributed``, and
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = ["GROUP", "OLD_GROUPS", "LibraryParts", "attach_for", "engine_for",
-           "load_for_imported", "parts_for", "run_import_hooks", "seeds_for"]
+           "load_for_imported", "parts_for", "run_import_hooks", "seeds_for", "vjp_for"]
 
 GROUP = "portattn.libraries"
 OLD_GROUPS = {"attach_autograd": "portattn.autograd", "seeds": "portattn.seeds",
@@ -56,6 +59,7 @@ class LibraryParts:
     seeds: Any = None
     distributed: Any = None
     on_import: Callable[[], Any] | None = None
+    vjp: Callable[..., tuple[Any, ...]] | None = None
 
 
 #: What each library's failure to load leaves it without (the warning says so).
@@ -64,6 +68,7 @@ _INSTEAD = {
     "seeds": "dropout on {0} takes integer seeds only",
     "distributed": "portattn.distributed takes only a LocalGroup for {0}",
     "on_import": "masks are not prepared for {0}",
+    "vjp": "score functions on {0} have no gradients",
 }
 
 _parts: dict[str, LibraryParts] = {}
@@ -112,6 +117,11 @@ def seeds_for(namespace: str) -> Any:
 def engine_for(namespace: str) -> Any:
     """The :mod:`portattn.distributed` engine for ``namespace``, or None."""
     return parts_for(namespace).distributed
+
+
+def vjp_for(namespace: str) -> Callable[..., tuple[Any, ...]] | None:
+    """The vector-Jacobian product of ``namespace``'s autodiff, or None."""
+    return parts_for(namespace).vjp
 
 
 def load_for_imported() -> None:
@@ -169,7 +179,7 @@ def _load(namespace: str) -> LibraryParts:
     entries = [ep for ep in entry_points(group=GROUP) if ep.name == namespace]
     if entries:
         found = _loaded(entries[0], ", ".join(_INSTEAD.values()).format(namespace))
-        return LibraryParts(**{part: getattr(found, part, None) for part in OLD_GROUPS})
+        return LibraryParts(**{part: getattr(found, part, None) for part in _INSTEAD})
     parts = {}
     for part, group in OLD_GROUPS.items():
         entries = [ep for ep in entry_points(group=group) if ep.name == namespace]
