@@ -21,6 +21,7 @@ import numpy as np
 from portattn import masks
 from portattn.masks import FULL
 
+from ._changes import hiding_only, may_hide
 from ._run import planned
 from ._threads import get_num_threads, run_parallel
 
@@ -56,15 +57,17 @@ def attend(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[An
     hits, _ = _attend(inputs._replace(
         query=np.zeros_like(inputs.query), value=marks, value_head_dim=1,
         return_lse=False, softcap=None,
-        bias=None if bias is None else np.where(bias == -np.inf, bias, np.zeros_like(bias))),
+        bias=None if bias is None else np.where(bias == -np.inf, bias, np.zeros_like(bias)),
+        score_mod=hiding_only(inputs.score_mod)),
         config, tile_bytes)
     out[np.broadcast_to(hits > 0, out.shape)] = np.nan
     return out, lse
 
 
 def _hides_any_pair(inputs: AttentionInputs, config: Config) -> bool:
-    """Can the mask or bias hide a key from a row? (Known from the block form alone.)"""
-    if inputs.bias is not None:
+    """Can the mask, bias or score change hide a key from a row? (Known from the block
+    form alone, and the change's tables.)"""
+    if inputs.bias is not None or may_hide(inputs.score_mod, inputs.q_len, inputs.kv_len):
         return True
     if inputs.mask is None:
         return False
@@ -86,7 +89,10 @@ _GLOBAL_SCORES = 1 << 18
 def _band_and_tokens(inputs: AttentionInputs, config: Config) -> tuple[Any, Any] | None:
     """``(band part, global positions read on the host)`` of a mask ``band |
     global_tokens(positions)`` that the three parts compute; None for any other call."""
-    if not config.split_global_tokens or inputs.bias is not None:
+    # the global rows are a call of their own, numbered from 0: a score change, which
+    # reads the rows' positions, would be read there at the wrong ones
+    if not config.split_global_tokens or inputs.bias is not None or (
+            inputs.score_mod is not None):
         return None
     split = masks.band_and_tokens(inputs.mask)
     if split is None or split.band is None or split.tokens is None:

@@ -3,9 +3,10 @@ portattn-numpy[jit]``); importing this module without Numba raises ``ImportError
 
 Per block of keys against a range of a unit's rows: the scores by BLAS, the entries
 the block's masks hide set to ``-inf`` (a mask's partial tiles, ``_blocks``), their
-``exp2`` and row sums (``_compiled_exp.exp2_row_sums``), the weights times the values by
-BLAS, added into the unit's accumulator by the product itself (``beta = 1``). BLAS is
-NumPy's own library, called by address (``_cblas``).
+``exp2`` and row sums (``_compiled_exp.exp2_row_sums``; with a score change by
+distance added in the same pass, ``exp2_shifted_row_sums``), the weights times the
+values by BLAS, added into the unit's accumulator by the product itself (``beta =
+1``). BLAS is NumPy's own library, called by address (``_cblas``).
 
 Unlike the other tiles (``_scores``), these are kept queries by keys: ``q @ k.T``, then
 ``weights @ v`` with no operand transposed, the shapes OpenBLAS's kernels run closest
@@ -32,7 +33,7 @@ from . import _cblas
 
 # Numba's cache checks this file's own date only: a change to the exponential reaches
 # the cached loops once this file changes too (or its cache is cleared).
-from ._compiled_exp import LOOP_OPTIONS, constants, exp2_row_sums
+from ._compiled_exp import LOOP_OPTIONS, constants, exp2_row_sums, exp2_shifted_row_sums
 
 __all__ = ["DTYPES", "CompiledBlocks", "compiled_blocks"]
 
@@ -77,12 +78,14 @@ def _compile_accumulate(dtype: Any) -> Any:
     table = types.Array(types.int64, 2, "C")
     signature = types.void(types.int64, real, matrix, matrix, matrix, matrix,
                            types.Array(real, 1, "A"), types.Array(real, 1, "C"), types.int64,
-                           table, table, types.Array(types.boolean, 1, "C"), types.boolean)
+                           table, table, types.Array(types.boolean, 1, "C"), types.boolean,
+                           types.Array(real, 1, "C", readonly=True), types.int64)
 
     @numba.njit(signature, **LOOP_OPTIONS)
     def accumulate(gemm: int, alpha: float, q: Any, k: Any, v: Any, acc: Any, sums: Any,
                    span: Any, stride: int, blocks: Any, masks: Any, hidden: Any,
-                   first_writes: bool) -> None:  # pragma: no cover - compiled
+                   first_writes: bool, shift: Any,
+                   origin: int) -> None:  # pragma: no cover - compiled
         d, dv = q.shape[1], v.shape[1]
         one, zero, never = real(1.0), real(0.0), real(-np.inf)
         ldq, ldk, ldv, ldacc = (q.strides[0] // size, k.strides[0] // size,
@@ -106,7 +109,11 @@ def _compile_accumulate(dtype: Any) -> Any:
                         scores[j] = never if hides[j] else scores[j]
                 m += 1
             writes = first_writes and i == 0
-            exp2_row_sums(span, stride, keys, sums[r0:r1], writes, c)
+            if shift.shape[0]:  # a score change by distance, added in the same pass
+                exp2_shifted_row_sums(span, stride, keys, sums[r0:r1], writes, c, shift,
+                                      origin + k0 - r0)
+            else:
+                exp2_row_sums(span, stride, keys, sums[r0:r1], writes, c)
             _gemm(gemm, _NO_TRANS, _NO_TRANS, rows, dv, keys, one, span.ctypes.data, stride,
                   v.ctypes.data + k0 * ldv * size, ldv, zero if writes else one,
                   acc.ctypes.data + r0 * ldacc * size, ldacc)
@@ -147,6 +154,7 @@ def _compile_finish(dtype: Any) -> Any:
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _ACCUMULATE = {dt: _compile_accumulate(dt) for dt in DTYPES}
 _FINISH = {dt: _compile_finish(dt) for dt in DTYPES}
+_NO_SHIFT = {dt: np.empty(0, dt) for dt in DTYPES}
 
 
 @dataclass(frozen=True)
@@ -158,7 +166,7 @@ class CompiledBlocks:
 
     def accumulate(self, alpha: float, q: Any, k: Any, v: Any, acc: Any, sums: Any,
                    span: Any, stride: int, blocks: Any, masks: Any, hidden: Any, *,
-                   first_writes: bool) -> None:
+                   first_writes: bool, shift: Any = None, origin: int = 0) -> None:
         """Add each block's weights times values to ``acc`` and their sums to ``sums``.
 
         ``blocks``: ``(k0, k1, r0, r1)`` rows of int64, keys ``k0:k1`` of ``k`` and
@@ -168,11 +176,14 @@ class CompiledBlocks:
         the score were ``-inf``). ``span``: the contiguous memory of a tile
         of rows by keys, its rows ``stride`` entries apart. ``first_writes``: the first
         block covers every row and writes ``acc`` and ``sums`` instead of adding to
-        them. Every matrix's rows must be contiguous (BLAS reads them with one leading
-        dimension).
+        them. ``shift``: a score change by distance in the scores' base (a row of
+        ``_changes.Shift.forward``; None for none), row ``r``'s entry for key ``k`` at
+        ``origin - r + k``. Every matrix's rows must be contiguous (BLAS reads them
+        with one leading dimension).
         """
         _ACCUMULATE[q.dtype](self.gemm, alpha, q, k, v, acc, sums, span, stride, blocks,
-                             masks, hidden, first_writes)
+                             masks, hidden, first_writes,
+                             _NO_SHIFT[q.dtype] if shift is None else shift, origin)
 
     @staticmethod
     def finish(acc: Any, sums: Any, least: float, out: Any, lse: Any) -> bool:

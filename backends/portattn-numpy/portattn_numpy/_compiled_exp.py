@@ -1,8 +1,9 @@
 """``exp2`` and ``exp`` of float32 and float64 arrays in place, or of a padded score
 tile's rows with each column's sum in the same pass (``exp2_rows``: the weights of
-``_scores.ScoreTile.weights``) or each row's (``exp2_row_sums``: those of
-``_compiled_blocks``), compiled with Numba (``pip install
-portattn-numpy[jit]``); importing this module without Numba raises ``ImportError``.
+``_scores.ScoreTile.weights``) or each row's (``exp2_row_sums``, and
+``exp2_shifted_row_sums`` with a score change added: those of ``_compiled_blocks``),
+compiled with Numba (``pip install portattn-numpy[jit]``); importing this module
+without Numba raises ``ImportError``.
 
 NumPy vectorises float32 ``exp2`` only with AVX-512 (with AVX2 alone it is a scalar
 loop), and its ``exp``, float64's above all, costs a good share of a call next to the
@@ -36,7 +37,7 @@ from numba import types
 from numba.extending import intrinsic
 
 __all__ = ["DTYPES", "LOOP_OPTIONS", "constants", "exp2_in_place", "exp2_row_sums", "exp2_rows",
-           "exp_in_place", "exp_rows"]
+           "exp2_shifted_row_sums", "exp_in_place", "exp_rows"]
 
 _INTEGER = {32: types.int32, 64: types.int64}
 _FLOAT = {32: types.float32, 64: types.float64}
@@ -165,6 +166,23 @@ def exp2_row_sums(span: Any, stride: int, keys: int, sums: Any, first: bool,
         total = c.zero
         for i in range(keys):
             y = _power(row[i], c)
+            row[i] = y
+            total += y
+        sums[j] = total if first else sums[j] + total
+
+
+@numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
+def exp2_shifted_row_sums(span: Any, stride: int, keys: int, sums: Any, first: bool, c: Any,
+                          shift: Any, start: int) -> None:  # pragma: no cover - compiled
+    """:func:`exp2_row_sums` of the scores plus a score change that goes by distance:
+    row ``j`` gets ``shift[start - j : start - j + keys]`` added, entry by entry,
+    before its ``2**x`` (one pass, as without it)."""
+    for j in range(sums.shape[0]):
+        row = span[j * stride:j * stride + keys]
+        added = shift[start - j:start - j + keys]
+        total = c.zero
+        for i in range(keys):
+            y = _power(row[i] + added[i], c)
             row[i] = y
             total += y
         sums[j] = total if first else sums[j] + total

@@ -8,8 +8,11 @@ few NumPy calls per unit instead of several per square, and masking by a multipl
 instead of a scattered copy; with several threads every call also costs a round trip
 of the GIL, so the count matters. Compared with a block per square, the shared blocks
 are the ``tiles`` strategy's shape: BLAS runs such tall products faster than those of
-one square's rows, and packs the keys once for all their rows. Only the fast way is
-tried here; a unit it cannot trust is redone in tiles, the careful way (``_run``).
+one square's rows, and packs the keys once for all their rows. A score change by
+distance (``_changes``) adds the same entries to every diagonal square, whose keys sit
+at the same distances from its rows: one view added to the whole stack. Only the fast
+way is tried here; a unit it cannot trust is redone in tiles, the careful way
+(``_run``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def attend(plan: Plan, s: Scratch, unit: Unit) -> bool:
     stacked = s.stacked[:count * d.size**2].reshape(count, d.size, d.size)
     scores(p, k[start:start + along].reshape(count, d.size, -1),
            q[:along].reshape(count, d.size, -1).transpose(0, 2, 1), stacked)
+    if p.change is not None:  # by distance: every square's entries are the first's
+        stacked += p.change.keys_by_queries(b, h, q0, q0 + d.size, start, start + d.size)
     loops.exponential(stacked)
     np.multiply(stacked, d.keep, out=stacked)
     np.matmul(stacked.transpose(0, 2, 1), v[start:start + along].reshape(count, d.size, -1),
@@ -74,7 +79,7 @@ def attend(plan: Plan, s: Scratch, unit: Unit) -> bool:
     if loops.compiled is not None and blocks:  # all in one compiled call, masks included
         accumulate_compiled(loops.compiled, on_tile, s.tile, 1.0, q, k, v, acc[:, :-1],
                             acc[:, -1], blocks, planned.packed, first_writes=False,
-                            unit=(b, h, q0))
+                            unit=(b, h, q0), change=p.change)
         blocks = []
     for k0, k1, r0, r1, masks in blocks:
         if on_tile is not None:
@@ -82,6 +87,8 @@ def attend(plan: Plan, s: Scratch, unit: Unit) -> bool:
         width, part = k1 - k0, s.part[:r1 - r0]
         span, tile = s.tile.scores(width, r1 - r0)
         scores(p, k[k0:k1], q[r0:r1].T, tile, span)
+        if p.change is not None:
+            p.change.add(tile, b, h, q0 + r0, q0 + r1, k0, k1)
         tile = s.tile.weights(loops, width, r1 - r0, masks, part[:, -1])
         np.matmul(tile.T, v[k0:k1], out=part[:, :-1])
         acc[r0:r1] += part

@@ -27,6 +27,11 @@ class NumpyFastKernel(Kernel):
     masks of causal and window parts) run a compiled loop that reads each sequence's
     keys in place from its pages, where Numba is installed.
 
+    Score changes (``score_mod``, :mod:`portattn.scores`) join the scores where a bias
+    does: by distance (T5's buckets, ALiBi's slopes) from a vector per head whose views
+    are each tile's entries; any other from entries made once for all the batch
+    elements and heads that read them (``_changes``).
+
     BLAS does the two products of each tile; the softmax runs in place on a score
     tile of twice the L2 cache (or the size ``python -m portattn tune`` timed fastest);
     a thread pool works through (batch, head, query tile) units. Thread count:
@@ -39,7 +44,7 @@ class NumpyFastKernel(Kernel):
     devices = frozenset({"cpu"})
     dtypes = frozenset({"float32", "float64"})
     masks = frozenset(KINDS)  # every kind: masks are read through their block form
-    bias = softcap = gqa = value_head_dim = empty = True
+    bias = softcap = score_mod = gqa = value_head_dim = empty = True
     returns_lse = True
     paged = True
     priority = 50

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._blocks import tile_units
+from ._changes import distance_entries, entries_lead, shift_of
 from ._exponential import BASE_2, chosen
 from ._loops import loops_for
 from ._memo import CallPlans
@@ -41,14 +42,31 @@ def build(inputs: AttentionInputs, config: Config, tile_bytes: int, threads: int
     tile_elements = tile_bytes // query.itemsize
     block_q, block_k = block_sizes(lq, lk, tile_elements, config, heads=heads,
                                    threads=threads)
+    change = inputs.score_mod if lq and lk else None  # no pair: nothing to change
+    per_distance = None if change is None else distance_entries(change, lq, lk)
+    lead, banded = (), False
+    if change is not None and per_distance is None:
+        # Its entries come for every batch element and head at once, and are made once
+        # for every unit that reads them: the whole call's where they take no more
+        # memory than the call's own arrays, else a query tile's at a time (``_bands``),
+        # the tiles cut to take no more.
+        room = _own_entries(query, key, value, inputs.value_head_dim)
+        lead = entries_lead(change, lq, lk, query.ndim)
+        per_row = math.prod(lead) * lk
+        banded = per_row * lq > room
+        if banded:
+            block_q = min(block_q, max(config.min_block_q, room // per_row))
     lead = (*inputs.batch_shape, hq)
     mask = inputs.mask
     # masks of equal content key are the same on every call: so are their plans
     content = None if mask is None else mask.content_key()
     shared = None if mask is not None and content is None else (
         config, content, lq, lk, block_k)
-    # a bias keeps the scores in base e: changing its base would cost a pass
-    exponential = chosen(config.exponential, query.dtype, bias=inputs.bias is not None)
+    # a bias keeps the scores in base e: changing its base would cost a pass; so does
+    # a score change's entries made for a range of queries and keys (those by distance
+    # are converted once, in a vector per head)
+    exponential = chosen(config.exponential, query.dtype, bias=inputs.bias is not None or (
+        change is not None and per_distance is None))
     base2 = exponential in BASE_2
     to_base = math.log2(math.e) if base2 else 1.0
     problem = Problem(
@@ -62,6 +80,9 @@ def build(inputs: AttentionInputs, config: Config, tile_bytes: int, threads: int
         mask=mask, blocks=None if mask is None else inputs.blocks(*config.mask_grid),
         q_len=lq, kv_len=lk, group=inputs.group_size, block_q=block_q, block_k=block_k,
         tile_elements=tile_elements,
+        change=None if change is None else shift_of(
+            change, per_distance, lq, lk, query.ndim, query.dtype, base_e=not base2,
+            lead=lead, banded=banded, threads=threads),
     )
     loops = loops_for(config, exponential, query, value, inputs.softcap)
     strategy = choose(problem, config, loops, threads)
@@ -112,6 +133,12 @@ def useful_threads(plan: Plan, threads: int) -> int:
     width = p.query.shape[-1] + p.value.shape[-1]
     total = sum(work(u.heads, u.q1 - u.q0, u.hi - u.lo, width) for u in plan.units)
     return max(1, min(threads, total // plan.config.min_scores_per_thread))
+
+
+def _own_entries(query: Any, key: Any, value: Any, value_head_dim: int) -> int:
+    """Entries of the call's own arrays: the query, key, value and output."""
+    return query.size + key.size + value.size + query.size // max(query.shape[-1], 1) * (
+        value_head_dim)
 
 
 def _rows_ready(a: Any) -> bool:

@@ -1,5 +1,5 @@
-"""One call as plain data: its NumPy arrays, scale, softcap, mask and the sizes it is
-cut into; and one head's view of an array that broadcasts over the heads.
+"""One call as plain data: its NumPy arrays, scale, softcap, mask, score change and the
+sizes it is cut into; and one head's view of an array that broadcasts over the heads.
 
 How it is computed is kept apart, in its plan (``_units.Plan``, made by ``_plan``).
 """
@@ -50,6 +50,9 @@ class Problem:
     block_k: int
     tile_elements: int
     """Entries of one score tile (``Config.score_tile_bytes`` over the item size)."""
+    change: Any = None
+    """The call's score change as the loops add it (a ``_changes.Shift``, which reads
+    this module's views), or None."""
 
 
 def head_view(full: Any, b: tuple[int, ...], h: int) -> Any:

@@ -1,5 +1,6 @@
 """Running one call: its plan (``_plan``), then the plan's units on the threads
-(``_threads``), each by its strategy's loop (``_stacked``, ``_diagonal``, ``_tiles``).
+(``_threads``), each by its strategy's loop (``_stacked``, ``_diagonal``, ``_tiles``),
+in bands of rows where a score change's entries are made that way (``_bands``).
 
 The fast way runs first; the units it could not trust are planned again as tiles and
 run the careful way (``_plan.careful``). Every plan is made on the calling thread
@@ -8,11 +9,13 @@ before its units start: the loops only read it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _diagonal, _stacked, _tiles
+from ._bands import bands
 from ._plan import build, careful, useful_threads
 from ._scratch import reusing
 from ._threads import get_num_threads, run_parallel
@@ -45,7 +48,21 @@ def planned(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[A
 
 def _on_threads(plan: Plan, threads: int) -> list[Unit]:
     """Every unit of ``plan``, on as many of ``threads`` as they keep busy; the units
-    the fast way could not trust (it wrote nothing of them)."""
+    the fast way could not trust (it wrote nothing of them). Where the score change's
+    entries are made a band of rows at a time, band after band (``_bands``)."""
+    change = plan.problem.change
+    if change is None or not change.banded:
+        return _run_units(plan, threads)
+    untrusted: list[Unit] = []
+    for corner, units in bands(plan.problem, plan.units):
+        if corner is not None:
+            change.make(*corner, threads=threads)
+        untrusted += _run_units(dataclasses.replace(plan, units=units), threads)
+    return untrusted
+
+
+def _run_units(plan: Plan, threads: int) -> list[Unit]:
+    """:func:`_on_threads` of units that read what is made already."""
     untrusted: list[Unit] = []
     if not plan.units:
         return untrusted

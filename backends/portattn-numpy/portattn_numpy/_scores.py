@@ -19,6 +19,7 @@ from ._scratch import take
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ._changes import Shift
     from ._compiled_blocks import CompiledBlocks
     from ._loops import Loops
     from ._problem import Problem
@@ -121,14 +122,16 @@ def scores(p: Problem, keys: Any, queries_t: Any, out: Any = None, whole: Any = 
 def accumulate_compiled(compiled: CompiledBlocks, on_tile: Callable[..., Any] | None,
                         tile: ScoreTile, alpha: float, q: Any, k: Any, v: Any, acc: Any,
                         sums: Any, blocks: list[Block], packed: tuple[Any, Any, Any], *,
-                        first_writes: bool, unit: tuple[tuple[int, ...], int, int]) -> None:
+                        first_writes: bool, unit: tuple[tuple[int, ...], int, int],
+                        change: Shift | None = None) -> None:
     """``blocks`` the fast way, in one ``compiled`` call: the weights of keys ``k0:k1``
     for rows ``r0:r1`` of ``alpha * q`` (0 where the block's masks hide them) times the
     values, added to those rows of ``acc``, and their sums to ``sums`` (``first_writes``:
     the first block covers every row and writes them). ``packed``: the blocks as the
     compiled loops read them (``UnitBlocks.packed``); ``tile``: the memory of the
     scores, here queries by keys; ``unit``: ``(batch index, head, first row)``, for the
-    ``on_tile`` hook (``Config.on_tile``), called first for every block."""
+    ``on_tile`` hook (``Config.on_tile``), called first for every block, and for the
+    entries of ``change``, a score change by distance (``_changes``) or None."""
     if on_tile is not None:
         b, h, q0 = unit
         for k0, k1, r0, r1, _ in blocks:
@@ -136,8 +139,12 @@ def accumulate_compiled(compiled: CompiledBlocks, on_tile: Callable[..., Any] | 
     keys = max(k1 - k0 for k0, k1, *_ in blocks)
     span, stride = tile.span(max(r1 - r0 for _, _, r0, r1, _ in blocks), keys)
     spans, masks, hidden = packed
+    shift, origin = None, 0
+    if change is not None:
+        _, h, q0 = unit
+        shift, origin = change.forward[h], change.origin(q0)
     compiled.accumulate(alpha, q, k, v, acc, sums, span, stride, spans, masks, hidden,
-                        first_writes=first_writes)
+                        first_writes=first_writes, shift=shift, origin=origin)
 
 
 def finish_fast(compiled: CompiledBlocks | None, acc: Any, sums: Any, keys: int, out: Any,

@@ -6,8 +6,9 @@ be mostly overhead. A unit is then a run of heads of one batch element
 (``_strategy.Stacked``), computed whole: all their scores in one stacked product,
 masked by the mask's own tile, then the values in a second stacked product.
 Grouped-query heads are stacked under their shared key/value head (``(kv heads, group,
-...)``), so keys and values are read in place. Only the fast way is tried here; a unit
-it cannot trust is redone in tiles, the careful way (``_run``).
+...)``), so keys and values are read in place. A score change (``_changes``) is added
+like a bias, from a view of what the call made of it once. Only the fast way is tried
+here; a unit it cannot trust is redone in tiles, the careful way (``_run``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def attend(plan: Plan, _scratch: Scratch, unit: Unit) -> bool:
                                                   q.dtype))
     if p.bias is not None:
         tile += _heads(p.bias, b, h0, kv, p.group).swapaxes(-1, -2)
+    if p.change is not None:
+        tile += p.change.stacked(b, h0, kv, p.group)
     plan.loops.exponential(tile)
     if st.keep is not None:
         tile *= _heads(st.keep, b, h0, kv, p.group)

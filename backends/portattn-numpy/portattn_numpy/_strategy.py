@@ -98,8 +98,11 @@ def _tiles(p: Problem, config: Config, loops: Loops, threads: int) -> Tiles:
 
 def _along(p: Problem, config: Config, loops: Loops, threads: int) -> Along | None:
     """Units along the diagonal where the mask is causal-shaped, holds no arrays and is
-    the same for every batch element and head, and there is no bias."""
+    the same for every batch element and head, and there is no bias and no score change
+    but one by distance (the same entries for every diagonal square)."""
     if p.bias is not None or p.mask is None or p.mask.arrays:
+        return None
+    if p.change is not None and not p.change.by_distance:
         return None
     shape = find(p.mask, p.q_len, p.kv_len, p.query.dtype, p.tile_elements,
                  config.mask_step, group_rows(p.tile_elements, config))
@@ -151,6 +154,8 @@ def _stacked(p: Problem, config: Config, loops: Loops, threads: int) -> Stacked 
     hq = p.query.shape[-3]
     if not hq:  # no query heads at all: nothing to stack, and the group size is 0
         return None
+    if p.change is not None and not p.change.stackable:
+        return None  # stacked heads read every entry of a score change at once
     # tiles skip the tiles the mask hides, and run its full ones compiled where they can
     states = None if p.blocks is None else p.blocks.states
     skips = states is not None and bool((states == HIDDEN).any())

@@ -2,9 +2,11 @@
 (``_blocks``), the fast way or the careful way.
 
 Each key block costs two BLAS products and a few in-place ufunc passes over a score
-tile that stays near the core (``_scores.ScoreTile``). Without a bias the scores are
-kept in base 2 (``log2(e)`` folded into the queries) where an ``exp2`` is the fastest
-exponential (``_exponential``). Two ways through a unit:
+tile that stays near the core (``_scores.ScoreTile``); a bias and a score change
+(``_changes``) join its scores after the product. Without a bias, or a score change
+other than by distance, the scores are kept in base 2 (``log2(e)`` folded into the
+queries) where an ``exp2`` is the fastest exponential (``_exponential``). Two ways
+through a unit:
 
 * fast: ``p = exp(s)`` with no max subtracted. ``exp`` has the same relative accuracy
   over its whole normal range, so this is as accurate as subtracting the max as long
@@ -83,7 +85,7 @@ def attend(plan: Plan, s: Scratch, unit: Unit) -> bool:
             sums[:] = 0
         accumulate_compiled(compiled, on_tile, s.tile, alpha, q, k, v, acc, sums,
                             blocks, planned.packed, first_writes=first_writes,
-                            unit=(b, h, q0))
+                            unit=(b, h, q0), change=p.change)
     else:
         q = np.multiply(query, p.factor, out=s.q[:n])
         _accumulate(p, loops, on_tile, s, q, k, v, b, h, q0, q1, blocks, careful=careful)
@@ -123,6 +125,8 @@ def _accumulate(p: Problem, loops: Loops, on_tile: Callable[..., Any] | None, s:
         scores(p, k[k0:k1], q[rows].T, tile, span)
         if bias is not None:
             add_bias(tile, slice_tile(bias, q0 + r0, q0 + r1, k0, k1))
+        if p.change is not None:
+            p.change.add(tile, b, h, q0 + r0, q0 + r1, k0, k1)
         if careful:
             hide(tile, masks, -np.inf)
             _shift(tile, acc[rows], sums[rows], m[rows], m_new[rows], scale[rows],
