@@ -43,6 +43,17 @@ ANY = "*"
 """Wildcard for ``namespaces`` and ``devices``."""
 
 
+def _score_mod_reasons(cls: type[Kernel], change: Any) -> list[str]:
+    if not change.additive:
+        return [] if cls.score_functions else [
+            f"score_mod {change!r} (a score function) not supported"]
+    if not cls.score_mod:
+        return ["score_mod not supported"]
+    missing = set() if cls.score_mod is True else change.kinds - cls.score_mod
+    return [f"score_mod kinds {sorted(missing)} not supported (supported: "
+            f"{_listed(cls.score_mod)})"] if missing else []
+
+
 def _listed(values: Any) -> str:
     return ", ".join(sorted(values))
 
@@ -91,10 +102,11 @@ class Kernel:
     """Takes ``softcap``."""
     alibi: ClassVar[bool] = False
     """Takes ``alibi_slopes`` (a linear bias by distance, computed per tile)."""
-    score_mod: ClassVar[bool] = False
+    score_mod: ClassVar[bool | frozenset[str]] = False
     """Takes ``score_mod`` changes that add entries from tables (a :mod:`portattn.scores`
     change, computed per tile), with the tables' gradients when the kernel declares
-    ``grad``."""
+    ``grad``: True for every kind of :data:`portattn.scores.ADDITIVE_KINDS`, or the
+    kinds it takes (sums of them included)."""
     score_functions: ClassVar[bool] = False
     """Takes ``score_mod`` changes that map each score (:func:`portattn.scores.function`,
     :func:`portattn.scores.softcap`), with their arrays' gradients when the kernel
@@ -260,11 +272,7 @@ class Kernel:
         if inputs.alibi_slopes is not None and not cls.alibi:
             reasons.append("alibi_slopes not supported")
         if inputs.score_mod is not None:
-            if inputs.score_mod.additive and not cls.score_mod:
-                reasons.append("score_mod not supported")
-            elif not inputs.score_mod.additive and not cls.score_functions:
-                reasons.append(f"score_mod {inputs.score_mod!r} (a score function) not "
-                               "supported")
+            reasons += _score_mod_reasons(cls, inputs.score_mod)
         if inputs.sinks is not None and not cls.sinks:
             reasons.append("sinks not supported")
         if inputs.num_heads != inputs.num_kv_heads and not cls.gqa:

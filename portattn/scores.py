@@ -42,8 +42,14 @@ from typing import Any
 
 from ._lib import check_beside, dtype_name, namespace_name, to_host, values_readable, vjp
 
-__all__ = ["ScoreChange", "alibi", "function", "pair_table", "relative_position", "show",
-           "softcap", "t5_buckets", "window_table"]
+__all__ = ["ADDITIVE_KINDS", "KINDS", "ScoreChange", "alibi", "function", "pair_table",
+           "relative_position", "show", "softcap", "t5_buckets", "window_table"]
+
+
+#: The kinds of change that add entries from tables, by the functions that make them.
+ADDITIVE_KINDS = frozenset({"relative_position", "window_table", "alibi", "pair_table"})
+#: Every kind: those that add, and those that map each score.
+KINDS = ADDITIVE_KINDS | {"function", "softcap"}
 
 
 class ScoreChange:
@@ -61,6 +67,14 @@ class ScoreChange:
     #: Whether the change adds :meth:`entries` to the scores (the tables and their sums);
     #: a change that maps each score (:func:`function`, :func:`softcap`) says False.
     additive: bool = True
+    #: Its kind, one of :data:`KINDS` (the name of the function that makes it).
+    kind: str = ""
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The kinds it is made of (a sum's are its parts'): what a kernel that takes
+        some kinds only (``Kernel.score_mod``) checks."""
+        return frozenset({self.kind})
 
     def with_arrays(self, arrays: tuple[Any, ...]) -> ScoreChange:
         """The same change reading ``arrays`` (as many as :attr:`arrays`, in order):
@@ -231,6 +245,7 @@ class _PositionTable(ScoreChange):
 
 class _RelativePosition(_PositionTable):
     name, rows = "relative_position", "num_buckets"
+    kind = "relative_position"
 
     def __init__(self, table: Any, bidirectional: bool, max_distance: int,
                  bound: bool = False) -> None:
@@ -304,6 +319,7 @@ class _RelativePosition(_PositionTable):
 
 class _WindowTable(_PositionTable):
     name, rows = "window_table", "(2 * Wh - 1) * (2 * Ww - 1)"
+    kind = "window_table"
 
     def __init__(self, table: Any, window: tuple[int, int]) -> None:
         super().__init__(table)
@@ -344,6 +360,8 @@ class _WindowTable(_PositionTable):
 
 class _Slopes(ScoreChange):
     """ALiBi with learned slopes: ``-slope[h] * |i + Lk - Lq - j|``."""
+
+    kind = "alibi"
 
     def __init__(self, slopes: Any) -> None:
         self.slopes = slopes
@@ -398,6 +416,8 @@ class _Slopes(ScoreChange):
 
 
 class _PairTable(ScoreChange):
+    kind = "pair_table"
+
     def __init__(self, table: Any, query_classes: Any, key_classes: Any) -> None:
         self.table = table
         self.query_classes = query_classes
@@ -482,6 +502,10 @@ class _Sum(ScoreChange):
         self.arrays = first.arrays + second.arrays
         self.trainable = first.trainable + second.trainable
 
+    @property
+    def kinds(self) -> frozenset[str]:
+        return self.parts[0].kinds | self.parts[1].kinds
+
     def __repr__(self) -> str:
         return f"({self.parts[0]!r} + {self.parts[1]!r})"
 
@@ -524,7 +548,7 @@ class _Sum(ScoreChange):
 class _Function(ScoreChange):
     """``fn(score, b, h, q_idx, kv_idx, *args)``, as :func:`function` describes."""
 
-    additive = False
+    additive, kind = False, "function"
 
     def __init__(self, fn: Any, args: tuple[Any, ...], trainable: tuple[bool, ...],
                  shape: tuple[tuple[int, ...], int] | None = None) -> None:
@@ -601,7 +625,7 @@ class _Function(ScoreChange):
 class _Softcap(ScoreChange):
     """``cap * tanh(score / cap)`` with a cap that gets a gradient."""
 
-    additive = False
+    additive, kind = False, "softcap"
 
     def __init__(self, cap: Any) -> None:
         self.cap = cap

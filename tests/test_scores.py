@@ -358,3 +358,5 @@ def test_changes_by_distance_say_their_entries_and_gradients_per_diagonal():
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
     for change in (pair, relative + pair):
         assert change.bind(np, "cpu", (B,), H, LQ, LK).by_distance(np, LQ, LK) is None
+    assert (relative + pair + slopes).kinds == {"relative_position", "pair_table", "alibi"}
+    assert scores.softcap(np.ones(H)).kinds <= scores.KINDS - scores.ADDITIVE_KINDS

@@ -292,10 +292,10 @@ def conformance_cases(kernel: type[Kernel] | Kernel) -> list[Case]:
         if "causal" in k.masks:
             cases.append(replace(base, name="alibi_causal", alibi="heads",
                                  mask=(("causal", "bottom_right"),)))
-    if k.score_mod:
+    if _takes_scores(k, "relative_position"):
         cases.append(replace(base, name="score_mod_buckets", score_mod="buckets", lq=9,
                              lk=30))
-        if "causal" in k.masks:
+        if "causal" in k.masks and _takes_scores(k, "relative_position", "pair_table"):
             cases.append(replace(base, name="score_mod_causal_pairs",
                                  score_mod="buckets_and_pairs",
                                  mask=(("causal", "bottom_right"),)))
@@ -408,6 +408,11 @@ def _mask_cases(k: type[Kernel], base: Case) -> list[Case]:
         add("nan_past_key_lengths", ("key_lengths", (20, 20)), nan_keys_from=20)
         add("nan_keys_no_query_sees", tl, lq=9, lk=40, nan_keys_from=9)
     return cases
+
+
+def _takes_scores(k: type[Kernel], *kinds: str) -> bool:
+    """Whether ``k`` takes score changes of all ``kinds`` (``Kernel.score_mod``)."""
+    return k.score_mod is True or (bool(k.score_mod) and set(kinds) <= k.score_mod)
 
 
 def _skip_reason(k: type[Kernel], case: Case, backend: Backend) -> str | None:

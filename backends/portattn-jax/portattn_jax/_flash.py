@@ -11,6 +11,11 @@ block; dQ (and dBias) are loop carries updated in place. Each tile's probabiliti
 recomputed from the saved log-sum-exp: memory is O(L * block), and no loop is unrolled
 under ``jit``.
 
+A score change by distance (:mod:`._flash_scores`) comes in as one more array,
+``(Hq, Lq + Lk - 1)``, spread over each tile's diagonals; the backward sums each
+tile's score gradient along its diagonals into that array's gradient, a loop carry
+(:mod:`._flash_distance`).
+
 Non-finite inputs follow portattn's rule: queries, keys and values are used with their
 non-finite rows zeroed, and a row that its mask lets see such a key or value, or that
 holds such a query and sees any key, is made NaN (so hidden padding reaches neither the
@@ -32,6 +37,12 @@ from jax import lax, tree_util
 
 from portattn import dropout
 
+from ._flash_distance import (
+    add_tile_gradient,
+    grouped_distances,
+    tile_entries,
+    ungrouped_gradient,
+)
 from ._flash_layout import (
     grouped_full,
     key_blocks,
@@ -92,12 +103,12 @@ def _take(blocks: Any, i: Any) -> Any:
     return lax.dynamic_index_in_dim(blocks, i, 0, keepdims=False)
 
 
-def _scores(plan: FlashPlan, qt: Any, kt: Any, bias: Any, allowed: Any,
+def _scores(plan: FlashPlan, qt: Any, kt: Any, bias: Any, distances: Any, allowed: Any,
             q0: Any, k0: Any) -> tuple[Any, Any]:
     """Masked scores of one tile and ``tanh`` of the soft-capped ones (or None).
 
-    ``qt`` is already scaled, so ``qt @ kt^T`` are the scaled scores; ``allowed`` None
-    masks nothing.
+    ``qt`` is already scaled, so ``qt @ kt^T`` are the scaled scores; ``distances``:
+    the grouped bias by distance (or None); ``allowed`` None masks nothing.
     """
     s = _mm("bhgqd,bhkd->bhgqk", qt, kt)
     t = None
@@ -106,6 +117,8 @@ def _scores(plan: FlashPlan, qt: Any, kt: Any, bias: Any, allowed: Any,
         s = t * plan.softcap
     if bias is not None:
         s = s + tile_of(bias, plan, q0, k0)
+    if distances is not None:
+        s = s + tile_entries(distances, plan, q0, k0)
     return (s if allowed is None else jnp.where(allowed, s, -jnp.inf)), t
 
 
@@ -154,7 +167,7 @@ def _split(x: Any) -> tuple[Any, Any]:
     return jnp.where(bad[..., None], jnp.zeros((), x.dtype), x), bad
 
 
-def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any) -> tuple:
+def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, distances: Any) -> tuple:
     ct = compute_dtype(q.dtype)
     (q, bad_q), (k, bad_k), (v, bad_v) = (_split(a.astype(ct)) for a in (q, k, v))
     # A hidden key has weight exactly 0, but 0 * NaN is NaN: the loops use clean rows,
@@ -163,7 +176,8 @@ def _prepared(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any) -> tuple:
     qb = query_blocks(q * jnp.asarray(plan.scale, ct), plan)
     kb, vb, mb = key_blocks(k, plan), key_blocks(v, plan), key_blocks(marks, plan)
     gbias = None if bias is None else grouped_full(bias.astype(ct), plan, 0)
-    return ct, qb, query_blocks(bad_q, plan, False), kb, vb, mb, gbias
+    gdist = None if distances is None else grouped_distances(distances.astype(ct), plan)
+    return ct, qb, query_blocks(bad_q, plan, False), kb, vb, mb, gbias, gdist
 
 
 def _two_loops(counts: tuple[Any, Any], indices: tuple[Any, Any], step: Any,
@@ -177,14 +191,16 @@ def _two_loops(counts: tuple[Any, Any], indices: tuple[Any, Any], step: Any,
 
 
 def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
-            tables: Tables, word: Any = None, batch_index: Any = None) -> tuple[Any, Any, Any]:
+            tables: Tables, word: Any = None, batch_index: Any = None,
+            distances: Any = None) -> tuple[Any, Any, Any]:
     """``(out, lse, tiles)``: out ``(B, Hq, Lq, Dv)`` and lse ``(B, Hq, Lq)`` in the
     compute dtype, and the number of tiles visited. ``word``: dropout's seed word
     (None: no dropout); ``batch_index``: the flat batch index of a single batch
-    element (``B == 1``), for the mask and dropout."""
-    ct, qb, bad_qb, kb, vb, mb, gbias = _prepared(plan, q, k, v, bias)
+    element (``B == 1``), for the mask and dropout; ``distances``: a bias by distance
+    ``(Hq, Lq + Lk - 1)`` (None: none)."""
+    ct, qb, bad_qb, kb, vb, mb, gbias, gdist = _prepared(plan, q, k, v, bias, distances)
     mask = plan.mask(mask_leaves)
-    sources = (q, k, v, bias, mask_leaves, tables, word, batch_index)
+    sources = (q, k, v, bias, mask_leaves, tables, word, batch_index, distances)
     _, b, hkv, g, bq, _ = qb.shape
     dv = v.shape[-1]
     drop = _Dropout(plan, word, b, batch_index)
@@ -197,7 +213,7 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tup
             acc, m, denom, seen, n = carry
             k0 = ik * plan.block_k
             allowed = _tile_mask(plan, mask, masked, q0, k0, batch_index)
-            s, _ = _scores(plan, qt, _take(kb, ik), gbias, allowed, q0, k0)
+            s, _ = _scores(plan, qt, _take(kb, ik), gbias, gdist, allowed, q0, k0)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # rows with no key yet
             p = jnp.exp(s - m_safe[..., None])
@@ -232,13 +248,15 @@ def forward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tup
 
 def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tuple,
              tables: Tables, out: Any, lse: Any, dout: Any, dlse: Any,
-             bias_grad: bool, word: Any = None,
-             batch_index: Any = None) -> tuple[Any, Any, Any, Any, Any]:
-    """``(dq, dk, dv, dbias, tiles)`` in the compute dtype; ``dlse`` may be None, dbias
-    is None unless ``bias_grad`` (then shaped like ``bias``). With dropout (``word``)
-    each tile's kept pairs are drawn again: ``dV += (P Z)^T dO``, ``dS = P (dP Z -
-    Delta)`` for ``Z`` the kept pairs over ``1 - p``."""
-    ct, qb, _, kb, vb, _, gbias = _prepared(plan, q, k, v, bias)
+             bias_grad: bool, word: Any = None, batch_index: Any = None,
+             distances: Any = None,
+             distance_grad: bool = False) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """``(dq, dk, dv, dbias, ddistances, tiles)`` in the compute dtype; ``dlse`` may be
+    None, dbias is None unless ``bias_grad`` (then shaped like ``bias``), ddistances
+    None unless ``distance_grad`` (then ``(Hq, Lq + Lk - 1)``, summed over the batch).
+    With dropout (``word``) each tile's kept pairs are drawn again: ``dV += (P Z)^T
+    dO``, ``dS = P (dP Z - Delta)`` for ``Z`` the kept pairs over ``1 - p``."""
+    ct, qb, _, kb, vb, _, gbias, gdist = _prepared(plan, q, k, v, bias, distances)
     mask = plan.mask(mask_leaves)
     drop = _Dropout(plan, word, qb.shape[1], batch_index)
     dout = dout.astype(ct)
@@ -256,11 +274,11 @@ def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tu
         k0 = ik * plan.block_k
 
         def query_step(iq, masked, c):
-            dq_all, dbias, dk, dv, n = c
+            dq_all, dbias, ddist, dk, dv, n = c
             q0 = iq * plan.block_q
             qt, dot = _take(qb, iq), _take(dob, iq)
             allowed = _tile_mask(plan, mask, masked, q0, k0, batch_index)
-            s, t = _scores(plan, qt, kt, gbias, allowed, q0, k0)
+            s, t = _scores(plan, qt, kt, gbias, gdist, allowed, q0, k0)
             p = jnp.exp(s - _take(lseb, iq)[..., None])
             keep = drop.tile(q0, k0)
             dv = dv + _mm("bhgqk,bhgqe->bhke", drop.applied(p, keep), dot)
@@ -268,31 +286,36 @@ def backward(plan: FlashPlan, q: Any, k: Any, v: Any, bias: Any, mask_leaves: tu
             ds = p * (dp - _take(deltab, iq)[..., None])
             if dbias is not None:
                 dbias = _add_tile(dbias, ds, plan, q0, k0)
+            if ddist is not None:
+                ddist = add_tile_gradient(ddist, ds, plan, q0, k0)
             if t is not None:  # softcap: d(c * tanh(x / c)) / dx = 1 - tanh^2
                 ds = ds * (1 - t * t)
             dq = _take(dq_all, iq) + _mm("bhgqk,bhkd->bhgqd", ds, kt) * scale
             dq_all = lax.dynamic_update_index_in_dim(dq_all, dq, iq, 0)  # in place
             dk = dk + _mm("bhgqk,bhgqd->bhkd", ds, qt)  # qt holds the scale already
-            return dq_all, dbias, dk, dv, n + 1
+            return dq_all, dbias, ddist, dk, dv, n + 1
 
-        dq_all, dbias, n = carry
-        init = (dq_all, dbias, *varying_like((jnp.zeros_like(kt), jnp.zeros_like(vt)),
-                                             sources), n)
-        dq_all, dbias, dk, dv, n = _two_loops((n_full, n_part), (full_col, part_col),
-                                              query_step, init)
-        return (dq_all, dbias, n), (dk, dv)
+        dq_all, dbias, ddist, n = carry
+        init = (dq_all, dbias, ddist, *varying_like((jnp.zeros_like(kt), jnp.zeros_like(vt)),
+                                                    sources), n)
+        dq_all, dbias, ddist, dk, dv, n = _two_loops((n_full, n_part), (full_col, part_col),
+                                                     query_step, init)
+        return (dq_all, dbias, ddist, n), (dk, dv)
 
     sources = (q, k, v, bias, mask_leaves, tables, out, lse, dout, dlse, word,
-               batch_index)
+               batch_index, distances)
     dbias0 = jnp.zeros_like(gbias) if bias_grad and gbias is not None else None
+    ddist0 = jnp.zeros_like(gdist) if distance_grad and gdist is not None else None
     index = jnp.arange(plan.num_k_blocks, dtype=jnp.int32)
-    init = (*varying_like((jnp.zeros_like(qb), dbias0), sources), jnp.zeros((), jnp.int32))
+    init = (*varying_like((jnp.zeros_like(qb), dbias0, ddist0), sources),
+            jnp.zeros((), jnp.int32))
     xs = (index, kb, vb, tables.full_q_num, tables.full_q_indices, tables.q_num,
           tables.q_indices)
-    (dq, dbias, tiles), (dk, dv) = lax.scan(key_step, init, xs)
+    (dq, dbias, ddist, tiles), (dk, dv) = lax.scan(key_step, init, xs)
     dbias = None if dbias is None else ungroup_full(dbias, plan)
+    ddist = None if ddist is None else ungrouped_gradient(ddist, plan)
     return (unblock_queries(dq, plan), unblock_keys(dk, plan), unblock_keys(dv, plan),
-            dbias, tiles)
+            dbias, ddist, tiles)
 
 
 def _add_tile(acc: Any, ds: Any, plan: FlashPlan, q0: Any, k0: Any) -> Any:

@@ -5,7 +5,9 @@ It runs what ``jax_dpa`` leaves (score matrices too large to materialise,
 and compiles to one loop nest whatever the sequence length. Every mask kind runs
 through its block form: the loops visit the tiles it lists and mask the partial ones
 with ``mask.allows``; a band joined to global tokens runs in three parts instead
-(:mod:`._flash_local`).
+(:mod:`._flash_local`). Score changes that follow the distance ``j - i`` (T5's
+relative positions, learned ALiBi slopes and their sums) run on the tiles, with their
+tables' gradients (:mod:`._flash_scores`); other kinds are refused.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class JaxFlashKernel(Kernel):
     masks = frozenset(KINDS)
     bias = softcap = gqa = value_head_dim = empty = returns_lse = grad = True
     dropout = dropout_seed = True
+    # the changes by distance, read by the loops at traced tile offsets (_flash_scores)
+    score_mod = frozenset({"relative_position", "alibi"})
     deterministic = True
     priority = 60
 
@@ -156,6 +160,7 @@ def attend(inputs: AttentionInputs) -> tuple[Any, Any]:
     from ._flash import compute_dtype
     from ._flash_call import flash_attention
     from ._flash_local import band_and_tokens, local_attention
+    from ._flash_scores import distance_bias
 
     lead = (*inputs.batch_shape, inputs.num_heads, inputs.q_len)
     if inputs.q_len == 0 or inputs.kv_len == 0 or not math.prod(inputs.batch_shape):
@@ -166,5 +171,6 @@ def attend(inputs: AttentionInputs) -> tuple[Any, Any]:
         return local_attention(inputs, *parts, attend)
     plan = flash_plan(inputs)
     word = dropout.seed_word(inputs) if inputs.dropout_p else None
-    out, lse = flash_attention(plan, *flat_arguments(inputs, plan), word)
+    distances = distance_bias(inputs, compute_dtype(inputs.query.dtype))
+    out, lse = flash_attention(plan, *flat_arguments(inputs, plan), word, distances)
     return jnp.reshape(out, (*lead, inputs.value_head_dim)), jnp.reshape(lse, lead)

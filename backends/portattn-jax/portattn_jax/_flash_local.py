@@ -40,7 +40,7 @@ def band_and_tokens(inputs: AttentionInputs) -> tuple[Any, Any] | None:
     """``(band part, global_tokens part)`` of a call ``band | global_tokens(positions)``
     that the three parts compute; None for any other call."""
     if inputs.bias is not None or inputs.dropout_p or inputs.sinks is not None \
-            or inputs.alibi_slopes is not None:
+            or inputs.alibi_slopes is not None or inputs.score_mod is not None:
         return None
     split = masks.band_and_tokens(inputs.mask)
     if split is None or split.band is None or split.tokens is None:
