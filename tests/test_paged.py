@@ -424,7 +424,8 @@ def test_explain_paged_names_the_kernel_that_runs_the_call_and_why_not_the_other
     entries = [entry for entry, _ in plan.candidates]
     before = plan.candidates[:entries.index(chosen)] if chosen else plan.candidates
     assert all(why for _, why in before)  # the first kernel that can, in dispatch order
-    assert "tiled (portattn" in text and "paged calls not supported" in text
+    assert "tiled (portattn" in text
+    assert "paged calls not supported" in text
     with portattn.disable_kernels(*(e.name for e, why in plan.candidates if not why)):
         alone = _plan(mask=masks.causal())
     assert alone.kernel is None
