@@ -48,7 +48,7 @@ __all__ = ["ADDITIVE_KINDS", "KINDS", "ScoreChange", "alibi", "function", "pair_
 
 #: The kinds of change that add entries from tables, by the functions that make them.
 ADDITIVE_KINDS = frozenset({"relative_position", "window_table", "alibi", "pair_table"})
-#: Every kind: those that add, and those that map each score.
+#: Every kind, those that add and those that map each score.
 KINDS = ADDITIVE_KINDS | {"function", "softcap"}
 
 
