@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "DECODE_MAX_QUERIES", "DECODE_MAX_ROWS",
-           "EXTRAS", "HEAVY_MAX_DIM_FLOAT32",
-           "BackwardConfig", "Config", "autotune_candidates", "block_dim", "decode_config",
+           "DISTANCE_BACKWARD_MAX_DIM_FLOAT32", "EXTRAS", "HEAVY_MAX_DIM_FLOAT32",
+           "BackwardConfig", "Config", "autotune_candidates", "backward_extra", "block_dim",
+           "decode_config",
            "decode_max_rows",
            "decode_splits", "delta_rows", "is_even", "pick_backward_config", "pick_config"]
 
@@ -67,11 +68,13 @@ _UNEVEN: dict[tuple[int, int, int], Config] = {
     (90, 2, 256): Config(64, 16, 8, 2),
 }
 #: What a call's masked loop holds besides the band and length formulas: nothing
-#: (None), bit tiles ("bits"), or a bias with or without them ("bias"); or dropout,
-#: with or without the others, in every loop ("dropout": the bias's entries where it
-#: has none of its own). Each is another tile in registers: where the table's entry
-#: would spill then, another entry.
-EXTRAS = (None, "bits", "bias", "dropout")
+#: (None), bit tiles ("bits"), or a bias with or without them ("bias"); or, in every
+#: loop, dropout or a score change by distance, with or without the others ("dropout",
+#: "distance": the bias's entries where they have none of their own; the backward's
+#: "distance_grad", whose dQ pass sums the score gradient along its diagonals too,
+#: falls back to "distance"). Each is another tile in registers: where the table's
+#: entry would spill then, another entry.
+EXTRAS = (None, "bits", "bias", "dropout", "distance", "distance_grad")
 # (extra, arch, element bytes, padded head dim) -> config, for even and uneven head dims.
 # float32 at head dim 256 spills in every configuration: the kernel refuses those calls.
 _EXTRA: dict[tuple[str | None, int, int, int], Config] = {
@@ -85,11 +88,19 @@ _EXTRA: dict[tuple[str | None, int, int, int], Config] = {
     ("bits", 80, 2, 16): Config(128, 64, 4, 2),
     ("bits", 80, 2, 32): Config(128, 64, 8, 3),
     ("bits", 80, 2, 256): Config(64, 32, 8, 1),
+    ("distance", 80, 2, 16): Config(128, 64, 8, 3),
+    ("distance", 80, 2, 32): Config(128, 64, 8, 2),
+    ("distance", 80, 2, 64): Config(128, 32, 8, 2),
+    ("distance", 90, 2, 64): Config(128, 32, 8, 3),
+    ("distance", 90, 4, 16): Config(32, 32, 8, 2),
     ("dropout", 80, 2, 16): Config(128, 64, 8, 3),
     ("dropout", 80, 2, 128): Config(128, 32, 8, 2),
 }
 #: The largest padded head dim of a float32 call with a bias or bit tiles.
 HEAVY_MAX_DIM_FLOAT32 = 128
+#: The largest padded head dim of a float32 call with a score change and gradients (the
+#: dQ pass sums the score gradient along its diagonals too).
+DISTANCE_BACKWARD_MAX_DIM_FLOAT32 = 64
 
 
 def block_dim(dim: int) -> int:
@@ -181,6 +192,23 @@ _BWD_EXTRA: dict[tuple[str | None, str, int, int, int], Config] = {
     ("bits", "dq", 80, 4, 64): Config(32, 16, 8, 2),
     ("bits", "dq", 90, 4, 64): Config(32, 16, 8, 2),
     ("bits", "dq", 90, 4, 128): Config(16, 32, 4, 1),
+    ("distance", "dkdv", 80, 2, 32): Config(16, 64, 8, 2),
+    ("distance", "dkdv", 80, 2, 128): Config(16, 32, 8, 2),
+    ("distance", "dkdv", 80, 4, 16): Config(16, 16, 4, 1),
+    ("distance", "dkdv", 90, 2, 64): Config(16, 128, 8, 3),
+    ("distance", "dkdv", 90, 2, 256): Config(32, 16, 8, 1),
+    ("distance", "dkdv", 90, 4, 16): Config(16, 32, 4, 1),
+    ("distance", "dkdv", 90, 4, 32): Config(16, 16, 8, 1),
+    ("distance", "dkdv", 90, 4, 64): Config(16, 16, 8, 1),
+    ("distance_grad", "dq", 80, 2, 32): Config(128, 32, 8, 2),
+    ("distance_grad", "dq", 80, 2, 64): Config(128, 16, 8, 3),
+    ("distance_grad", "dq", 80, 4, 64): Config(32, 16, 8, 1),
+    ("distance_grad", "dq", 90, 2, 16): Config(128, 32, 8, 3),
+    ("distance_grad", "dq", 90, 2, 32): Config(128, 32, 8, 2),
+    ("distance_grad", "dq", 90, 2, 64): Config(128, 16, 8, 3),
+    ("distance_grad", "dq", 90, 2, 128): Config(128, 16, 8, 2),
+    ("distance_grad", "dq", 90, 4, 32): Config(16, 16, 8, 1),
+    ("distance_grad", "dq", 90, 4, 64): Config(16, 16, 8, 2),
     ("dropout", "dkdv", 80, 2, 16): Config(32, 32, 8, 2),
     ("dropout", "dq", 90, 2, 16): Config(128, 32, 8, 3),
     ("dropout", "dq", 90, 2, 32): Config(128, 32, 8, 2),
@@ -217,7 +245,14 @@ def pick_backward_config(capability: tuple[int, int] | None, element_bytes: int,
 
 def _falling_back(extra: str | None) -> tuple[str | None, ...]:
     """The extras whose entries serve ``extra``, first found first."""
-    return (extra, "bias") if extra == "dropout" else (extra,)
+    if extra == "distance_grad":
+        return (extra, "distance", "bias")
+    return (extra, "bias") if extra in ("dropout", "distance") else (extra,)
+
+
+def backward_extra(extra: str | None) -> str | None:
+    """The extra of the backward passes of a call whose forward holds ``extra``."""
+    return "distance_grad" if extra == "distance" else extra
 
 
 def autotune_candidates(capability: tuple[int, int] | None, element_bytes: int,
@@ -266,6 +301,9 @@ _DECODE_EXTRA: dict[tuple[str | None, int, int], tuple[int, int, int]] = {
     ("bias", 4, 128): (16, 4, 1),
     ("bits", 2, 128): (64, 8, 3),
     ("bits", 2, 256): (32, 8, 1),
+    ("distance", 2, 16): (128, 8, 3),
+    ("distance", 2, 32): (64, 8, 3),
+    ("distance", 4, 128): (16, 8, 1),
     (None, 2, 256): (32, 8, 1),
 }
 
@@ -279,9 +317,11 @@ def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_d
     del capability  # one table for sm_80 and sm_90: the kernel is bandwidth-bound
     block_m = max(16, 1 << (max(rows, 1) - 1).bit_length())
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
-    found = _DECODE_EXTRA.get((extra, 2 if element_bytes <= 2 else 4, dim))
-    if found is not None:
-        return Config(block_m, *found)
+    size = 2 if element_bytes <= 2 else 4
+    for name in _falling_back(extra):
+        found = _DECODE_EXTRA.get((name, size, dim))
+        if found is not None:
+            return Config(block_m, *found)
     if element_bytes > 2:  # three TF32 products per product: narrower tiles
         return Config(block_m, 32 if dim <= 64 else 16, 8 if dim > 128 else 4, 2)
     if dim <= 64:

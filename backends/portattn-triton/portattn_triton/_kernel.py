@@ -1,10 +1,12 @@
 """The ``triton_flash`` kernel: capabilities and the bridge from portattn's inputs.
 
 Torch tensors go to the Triton kernels as they are, through a torch autograd function
-(gradients for query, key, value and bias, of the output and the lse); CuPy and JAX
+(gradients for query, key, value, bias and a score change's tables, of the output and
+the lse); CuPy and JAX
 arrays cross over through DLPack (zero copy, forward only) and the results come back
 as the caller's array type. The kernels read the mask through its block form, so every
-kind is taken (see ``_plan``).
+kind is taken (see ``_plan``), and score changes whose entries follow the distance
+``j - i`` as one row per head (see ``_distance``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import Kernel
 from portattn.masks import KINDS
+
+from ._distance import KINDS as DISTANCE_KINDS
 
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs
@@ -52,6 +56,7 @@ class TritonFlashKernel(Kernel):
     masks = frozenset(KINDS)
     bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = grad = dropout = dropout_seed = True
+    score_mod = DISTANCE_KINDS  # one row per head, read at each tile's diagonals
     priority = 200
 
     @classmethod
@@ -96,17 +101,20 @@ class TritonFlashKernel(Kernel):
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._autograd import attention
+        from ._distance import by_distance
         from ._plan import MaskPlan, bias_view
 
         to_torch = _to_torch(inputs.namespace)
         with _caller_stream(inputs.namespace):
             q, k, v = (to_torch(a) for a in (inputs.query, inputs.key, inputs.value))
             bias = None if inputs.bias is None else to_torch(inputs.bias)
+            distance = None if inputs.score_mod is None else by_distance(
+                inputs.score_mod, inputs.xp, inputs.q_len, inputs.kv_len, to_torch, q.device)
             plan = MaskPlan(inputs.mask, inputs.xp, inputs.device_obj, to_torch, q.device,
                             inputs.batch_shape, inputs.num_heads, inputs.num_kv_heads,
                             inputs.q_len, inputs.kv_len, None if bias is None else bias_view(
                                 bias, inputs.batch_shape, inputs.num_heads, inputs.q_len,
-                                inputs.kv_len))
+                                inputs.kv_len), distance)
             out, lse = attention(q, k, v, plan, bias=bias, scale=inputs.scale,
                                  softcap=inputs.softcap, dropout=_dropout(inputs, to_torch))
             if inputs.namespace != "torch":
@@ -128,7 +136,7 @@ def _dropout(inputs: AttentionInputs, to_torch: Any) -> Any:
 
 
 def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
-    from ._configs import BACKWARD_MAX_DIM
+    from ._configs import BACKWARD_MAX_DIM, DISTANCE_BACKWARD_MAX_DIM_FLOAT32
 
     reasons = []
     if inputs.namespace != "torch":
@@ -140,6 +148,10 @@ def _gradient_reasons(inputs: AttentionInputs) -> list[str]:
     if dim > limit:
         reasons.append(f"gradients with dtype={inputs.dtype} and head_dim={dim} > {limit} "
                        "not supported")
+    if (inputs.score_mod is not None and inputs.dtype == "float32"
+            and dim > DISTANCE_BACKWARD_MAX_DIM_FLOAT32):  # no registers left
+        reasons.append(f"gradients with dtype=float32, head_dim={dim} > "
+                       f"{DISTANCE_BACKWARD_MAX_DIM_FLOAT32} and a score change not supported")
     return reasons
 
 
@@ -152,12 +164,13 @@ def _sdpa_fuses(inputs: AttentionInputs) -> bool:
             and inputs.head_dim == inputs.value_head_dim <= 256
             and (inputs.mask is None or square_causal)
             and inputs.bias is None and inputs.softcap is None
-            and inputs.alibi_slopes is None and inputs.sinks is None)
+            and inputs.alibi_slopes is None and inputs.sinks is None
+            and inputs.score_mod is None)
 
 
 def _heavy_reasons(inputs: AttentionInputs) -> list[str]:
-    """float32 at the widest head dims has no registers left for a bias, dropout or bit
-    tiles."""
+    """float32 at the widest head dims has no registers left for a bias, a score
+    change, dropout or bit tiles."""
     from ._configs import HEAVY_MAX_DIM_FLOAT32
     from ._plan import FORMULA_KINDS
 
@@ -165,6 +178,7 @@ def _heavy_reasons(inputs: AttentionInputs) -> list[str]:
     if inputs.dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32:
         return []
     what = [] if inputs.bias is None else ["a bias"]
+    what += [] if inputs.score_mod is None else ["a score change"]
     what += ["dropout"] if inputs.dropout_p else []
     what += [f"mask {kind}" for kind in sorted(inputs.mask_kinds - FORMULA_KINDS)]
     return [f"dtype=float32 with head_dim={dim} > {HEAVY_MAX_DIM_FLOAT32} and {w} not "

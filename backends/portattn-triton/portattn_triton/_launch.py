@@ -20,6 +20,7 @@ from ._configs import (
     is_even,
     pick_config,
 )
+from ._distance import check_tiles
 from ._launching import bias_strides, check_shapes, on_device, precision, tables
 from ._plan import MaskPlan, plan_for
 from ._poison import value_poison
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from portattn.masks import Mask
+    from portattn.scores import ScoreChange
 
     from ._triton_dropout import Dropout
 
@@ -45,6 +47,7 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
                   key_lengths: torch.Tensor | None = None,
                   query_lengths: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None,
+                  score_mod: ScoreChange | None = None,
                   config: Config | None = None, path: str | None = None,
                   autotune: bool = False, num_splits: int | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +59,9 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     inclusive), ``key_lengths`` and ``query_lengths`` (integer tensors of the batch
     shape) are shorthands for those kinds, all combined with ``&``. ``bias`` is an
     additive float tensor broadcastable to ``(..., Hq, Lq, Lk)``, added after the
-    softcap, before the mask, in float32.
+    softcap, before the mask, in float32; ``score_mod`` a ``portattn.scores`` change
+    whose entries follow the distance ``j - i`` (``relative_position``, ``alibi`` and
+    their sums), added beside the bias.
     ``lse`` is float32. ``path`` forces one of :data:`PATHS` (None: :func:`pick_path`);
     ``config`` fixes the block sizes instead of the table's, ``autotune=True`` times
     :func:`~portattn_triton.autotune_candidates` on the first call of each kind instead
@@ -65,7 +70,8 @@ def flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     """
     check_shapes(query, key, value)
     plan = plan_for(query, key, mask=mask, causal=causal, window=window,
-                    key_lengths=key_lengths, query_lengths=query_lengths, bias=bias)
+                    key_lengths=key_lengths, query_lengths=query_lengths, bias=bias,
+                    score_mod=score_mod)
     return forward(query, key, value, plan, scale=scale, softcap=softcap, config=config,
                    path=path, autotune=autotune, num_splits=num_splits)
 
@@ -123,6 +129,7 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
              "HAS_LOWER": lower is not None, "HAS_UPPER": upper is not None,
              "HAS_KEY_LENGTHS": kl is not None, "HAS_QUERY_LENGTHS": ql is not None,
              "HAS_POISON": poison is not None, "HAS_BIAS": plan.bias is not None,
+             "HAS_DISTANCE": plan.distance is not None,
              "SOFTCAP": softcap is not None, "REVERSE": upper is not None and lower is None,
              "INPUT_PRECISION": precision(query.dtype)}
     dummy = lse  # stands in for absent optional tensors; never read
@@ -132,9 +139,12 @@ def forward(query: Any, key: Any, value: Any, plan: MaskPlan, *, scale: float | 
         flags["DROPOUT"] = dropout is not None
 
     def launch(c: Config) -> None:
+        if plan.distance is not None:
+            check_tiles(c.block_m, c.block_n)
         table, table_args, bits, has_bits = tables(plan, c.block_m, c.block_n, dummy)
         tensors = (*(dummy if t is None else t for t in (kl, ql, poison)), table,
-                   bits, dummy if plan.bias is None else plan.bias)
+                   bits, dummy if plan.bias is None else plan.bias,
+                   dummy if plan.distance is None else plan.distance.values)
         sizes = {**flags, "HAS_BITS": has_bits, "HAS_TABLE": plan.needs_table,
                  "BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
         common = (*tensors, *bias_strides(plan.bias), *table_args, *scalars)

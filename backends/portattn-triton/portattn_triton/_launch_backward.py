@@ -12,7 +12,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._configs import BackwardConfig, block_dim, delta_rows, is_even, pick_backward_config
+from ._configs import (
+    BackwardConfig,
+    backward_extra,
+    block_dim,
+    delta_rows,
+    is_even,
+    pick_backward_config,
+)
+from ._distance import check_tiles, distance_gradient, gradient_buffer
 from ._launching import bias_strides, check_shapes, on_device, precision, tables
 from ._plan import MaskPlan, plan_for
 from ._poison import not_finite
@@ -49,19 +57,21 @@ def flash_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(msg)
     plan = plan_for(query, key, mask=mask, causal=causal, window=window,
                     key_lengths=key_lengths, query_lengths=query_lengths, bias=bias)
-    dq, dk, dv, dbias = backward(query, key, value, out, lse, dout, dlse, plan, scale=scale,
-                                 softcap=softcap, config=config,
-                                 bias_like=bias if bias_grad else None)
+    dq, dk, dv, dbias, _ = backward(query, key, value, out, lse, dout, dlse, plan,
+                                    scale=scale, softcap=softcap, config=config,
+                                    bias_like=bias if bias_grad else None)
     return (dq, dk, dv, dbias) if bias_grad else (dq, dk, dv)
 
 
 def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dlse: Any,
              plan: MaskPlan, *, scale: float | None, softcap: float | None,
              config: BackwardConfig | None = None, bias_like: Any = None,
-             dropout: Dropout | None = None) -> tuple[Any, ...]:
-    """``(dq, dk, dv, dbias)`` with the mask and bias already planned; ``dbias`` (None
-    unless ``bias_like``, the bias to give the gradient of, is passed) is shaped like
-    it. ``dropout``: the forward's, whose pairs the passes draw again."""
+             dropout: Dropout | None = None, distance_grad: bool = False) -> tuple[Any, ...]:
+    """``(dq, dk, dv, dbias, ddistance)`` with the mask and bias already planned;
+    ``dbias`` (None unless ``bias_like``, the bias to give the gradient of, is passed)
+    is shaped like it; ``ddistance`` (None unless ``distance_grad``) is the gradient of
+    ``plan.distance``'s ``(Hq, Lq + Lk - 1)`` array, float32 (None too for an empty
+    call: zero). ``dropout``: the forward's, whose pairs the passes draw again."""
     import torch
 
     *batch, hq, lq, d = query.shape
@@ -76,7 +86,8 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
     if bias_like is not None:  # written where the tiles are visited, 0 elsewhere
         dbias_full = torch.zeros((z, hq, lq, lk), dtype=torch.float32, device=query.device)
     if empty:
-        return dq, dk, dvalue, None if bias_like is None else torch.zeros_like(bias_like)
+        return (dq, dk, dvalue, None if bias_like is None else torch.zeros_like(bias_like),
+                None)
     dev = query.device
     if dout is None:
         dout = torch.zeros_like(out)
@@ -84,8 +95,11 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
     lower, upper = plan.band
     if config is None:
         capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-        config = pick_backward_config(capability, query.element_size(), d, dv,
-                                      extra="dropout" if dropout is not None else plan.extra)
+        config = pick_backward_config(capability, query.element_size(), d, dv, extra=(
+            "dropout" if dropout is not None else backward_extra(plan.extra)))
+    if plan.distance is not None:
+        check_tiles(config.dkdv.block_m, config.dkdv.block_n, config.dq.block_m,
+                    config.dq.block_n)
 
     q = query.reshape(z, hq, lq, d)
     k = key.reshape(z, hkv, lk, d)
@@ -126,6 +140,7 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
         "HAS_LOWER": lower is not None, "HAS_UPPER": upper is not None,
         "HAS_KEY_LENGTHS": kl is not None, "HAS_QUERY_LENGTHS": ql is not None,
         "HAS_BAD": bad is not None, "HAS_BIAS": bias is not None,
+        "HAS_DISTANCE": plan.distance is not None,
         "HAS_TABLE": plan.needs_table, "SOFTCAP": softcap is not None,
         "INPUT_PRECISION": precision(query.dtype),
     }
@@ -134,6 +149,8 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
                *((dummy, 0, 1.0) if dropout is None else dropout.arguments()))
     flags["DROPOUT"] = dropout is not None
     shared = (*(dummy if t is None else t for t in (kl, ql, bad)),)
+    distance = dummy if plan.distance is None else plan.distance.values
+    wants_distance = distance_grad and plan.distance is not None
 
     from ._triton_backward import delta_kernel, dkdv_kernel
     from ._triton_dq import dq_kernel
@@ -150,7 +167,7 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
                                                    columns=True)
         dkdv_kernel[(z * hkv, math.ceil(lk / c.block_n))](
             q, k, v, do, lse_rows, delta, g_k, g_v, *shared, table, bits,
-            dummy if bias is None else bias,
+            dummy if bias is None else bias, distance,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *g_k.stride(),
             *g_v.stride(), *bias_strides(bias), *table_args, hkv, hq // hkv, lq, lk,
             *scalars, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
@@ -158,19 +175,25 @@ def backward(query: Any, key: Any, value: Any, out: Any, lse: Any, dout: Any, dl
             num_warps=c.num_warps, num_stages=c.num_stages)
         c = config.dq
         table, table_args, bits, has_bits = tables(plan, c.block_m, c.block_n, dummy)
+        slices = (gradient_buffer(z * hq, lq, lk, c.block_m, c.block_n, dev)
+                  if wants_distance else None)
         dq_kernel[(z * hq, math.ceil(lq / c.block_m))](
             q, k, v, do, lse_rows, delta, g_q, *shared, table, bits,
             dummy if bias is None else bias, dummy if dbias_full is None else dbias_full,
+            distance, dummy if slices is None else slices,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *g_q.stride(),
             *bias_strides(bias), *table_args, hq, hq // hkv, lq, lk, *scalars,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags, HAS_BITS=has_bits,
-            BIAS_GRAD=dbias_full is not None, REVERSE=upper is not None and lower is None,
+            BIAS_GRAD=dbias_full is not None, DISTANCE_GRAD=wants_distance,
+            REVERSE=upper is not None and lower is None,
             num_warps=c.num_warps, num_stages=c.num_stages)
     dbias = None
     if dbias_full is not None:
         dbias = reduce_to(dbias_full.view(*batch, hq, lq, lk), tuple(bias_like.shape))
         dbias = dbias.to(bias_like.dtype)
-    return dq, dk, dvalue, dbias
+    ddistance = None if slices is None else distance_gradient(slices, hq, lq, lk,
+                                                               config.dq.block_m)
+    return dq, dk, dvalue, dbias, ddistance
 
 
 def reduce_to(grad: Any, shape: tuple[int, ...]) -> Any:

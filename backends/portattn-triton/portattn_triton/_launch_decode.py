@@ -19,6 +19,7 @@ from ._configs import (
     decode_splits,
     is_even,
 )
+from ._distance import check_tiles
 
 if TYPE_CHECKING:
     from ._plan import MaskPlan
@@ -48,6 +49,8 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
     if config.block_m < rows:
         msg = f"config.block_m={config.block_m} < {rows} packed query rows"
         raise ValueError(msg)
+    if plan.distance is not None:
+        check_tiles(config.block_m, config.block_n)
     dev = q.device
     if num_splits is None:
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count
@@ -70,13 +73,14 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
 
     lower, upper = plan.band
     kl, ql, bias = plan.key_lengths, plan.query_lengths, plan.bias
+    distance = None if plan.distance is None else plan.distance.values
     (table, *table_args), bits, has_bits = plan.decode_tables(
         config.block_m, config.block_n, num_splits, split_len // config.block_n)
     with on_device(dev):
         decode_split_kernel[(z * hkv, num_splits)](
             q, k, v, part_out, part_lse,
             *(dummy if t is None else t for t in (kl, ql, poison)), table, bits,
-            dummy if bias is None else bias,
+            dummy if bias is None else bias, dummy if distance is None else distance,
             *q.stride(), *k.stride(), *v.stride(), *bias_strides(bias), *table_args,
             hkv, group, lq, lk, d, dv, scale,
             1.0 if softcap is None else float(softcap),
@@ -85,7 +89,7 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
             BLOCK_DV=bdv, EVEN_D=is_even(d, dv), HAS_LOWER=lower is not None,
             HAS_UPPER=upper is not None, HAS_KEY_LENGTHS=kl is not None,
             HAS_QUERY_LENGTHS=ql is not None, HAS_POISON=poison is not None,
-            HAS_BITS=has_bits, HAS_BIAS=bias is not None,
+            HAS_BITS=has_bits, HAS_BIAS=bias is not None, HAS_DISTANCE=distance is not None,
             SOFTCAP=softcap is not None, INPUT_PRECISION=precision(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages)
         decode_merge_kernel[(z * hkv,)](

@@ -1,4 +1,4 @@
-"""One call's mask and bias, as the Triton kernels read them.
+"""One call's mask, bias and score change, as the Triton kernels read them.
 
 The kernels visit the tiles the mask's block form lists (``portattn.masks.block_mask``
 on each kernel's own grid: hidden tiles never, full ones with no mask at all) and
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from portattn.masks import Mask
+    from portattn.scores import ScoreChange
+
+    from ._distance import ByDistance
 
 __all__ = ["Grid", "MaskPlan", "bias_view", "plan_for"]
 
@@ -57,6 +60,9 @@ class MaskPlan:
     kv_len: int
     bias: Any = None
     """``(Z, Hq, Lq, Lk)`` torch view (stride 0 along broadcast axes), or None."""
+    distance: ByDistance | None = None
+    """A score change by distance (``_distance``), added where the bias is; it hides no
+    pair, so the tiles and tables are those of the mask alone."""
     _grids: dict = field(default_factory=dict, repr=False)
 
     @cached_property
@@ -102,7 +108,10 @@ class MaskPlan:
     @property
     def extra(self) -> str | None:
         """What the masked loop holds besides the formulas (``_configs.EXTRAS``): a
-        bias, bit tiles or nothing."""
+        score change by distance (with or without the others), a bias, bit tiles or
+        nothing."""
+        if self.distance is not None:
+            return "distance"
         return "bias" if self.bias is not None else "bits" if self.rest is not None else None
 
     @property
@@ -251,9 +260,11 @@ class Grid:
 
 def plan_for(query: Any, key: Any, *, mask: Mask | None = None, causal: str | None = None,
              window: tuple[int | None, int | None] | None = None, key_lengths: Any = None,
-             query_lengths: Any = None, bias: Any = None) -> MaskPlan:
+             query_lengths: Any = None, bias: Any = None,
+             score_mod: ScoreChange | None = None) -> MaskPlan:
     """The plan of a direct call on torch tensors: ``mask`` (any portattn mask) and the
-    shorthands, combined with ``&`` and bound to the call."""
+    shorthands, combined with ``&`` and bound to the call, and ``score_mod`` (a change
+    by distance, bound to the call too)."""
     from array_api_compat import array_namespace
 
     from portattn import masks
@@ -279,7 +290,29 @@ def plan_for(query: Any, key: Any, *, mask: Mask | None = None, causal: str | No
     if combined is not None:
         combined = combined.bind(xp, tuple(batch), hq, lq, lk, query.device)
     return MaskPlan(combined, xp, query.device, lambda x: x, query.device, tuple(batch), hq,
-                    hkv, lq, lk, None if bias is None else bias_view(bias, batch, hq, lq, lk))
+                    hkv, lq, lk, None if bias is None else bias_view(bias, batch, hq, lq, lk),
+                    None if score_mod is None else _bound_distance(score_mod, xp, query.device,
+                                                                   tuple(batch), hq, lq, lk))
+
+
+def _bound_distance(score_mod: ScoreChange, xp: Any, device: Any, batch: tuple[int, ...],
+                    heads: int, q_len: int, kv_len: int) -> ByDistance:
+    """``score_mod`` bound to a direct call, by distance; a kind the kernels do not take
+    is named."""
+    from portattn.scores import ScoreChange
+
+    from ._distance import KINDS, by_distance
+
+    if not isinstance(score_mod, ScoreChange):
+        msg = ("score_mod must be a portattn.scores change (scores.relative_position, "
+               f"scores.alibi or their sum); got {type(score_mod).__name__}")
+        raise TypeError(msg)
+    change = score_mod.bind(xp, device, batch, heads, q_len, kv_len)
+    if not change.additive or not change.kinds <= KINDS:
+        msg = (f"score_mod={change!r}: the kernels take changes by distance "
+               f"({', '.join(sorted(KINDS))} and their sums)")
+        raise ValueError(msg)
+    return by_distance(change, xp, q_len, kv_len, lambda x: x, device)
 
 
 def bias_view(bias: Any, batch: Any, heads: int, q_len: int, kv_len: int) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_distance import distance_row, distance_tile
 from ._triton_dropout import kept, row_key
 from ._triton_kernel import LOG2E
 from ._triton_masks import (
@@ -107,17 +108,21 @@ def _load_tile(ptrs, n_idx, n_len, d_idx, d_len, MASKED: tl.constexpr, EVEN_D: t
 
 
 @triton.jit
-def scores_of_tile(qk, bias, bad, rows, cols, kv_valid, lower_off, upper_off, Bits, slot,
-                   sm_scale, softcap, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
+def scores_of_tile(qk, bias, Distance, bad, rows, cols, kv_valid, lower_off, upper_off, Bits,
+                   slot, sm_scale, softcap, MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
                    HAS_UPPER: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_BAD: tl.constexpr, SOFTCAP: tl.constexpr, TILE_Q: tl.constexpr,
-                   TILE_K: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Scores in base 2 as the forward computes them (softcap, bias, mask: ``rows`` and
-    ``cols`` broadcast to the tile, see ``tile_keep``), plus the ``bad`` keys' NaN where
-    the row attends them; and ``tanh`` (softcap only)."""
+                   HAS_DISTANCE: tl.constexpr, HAS_BAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                   TILE_Q: tl.constexpr, TILE_K: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Scores in base 2 as the forward computes them (softcap, bias, a score change by
+    distance, mask: ``rows`` and ``cols`` broadcast to the tile, see ``tile_keep``),
+    plus the ``bad`` keys' NaN where the row attends them; and ``tanh`` (softcap
+    only). ``TRANSPOSED`` tiles are the dK/dV pass's (its entries read in halves, see
+    ``distance_tile``)."""
     s, t = _scores(qk, sm_scale, softcap, SOFTCAP)
     if HAS_BIAS:
         s += bias * LOG2E
+    if HAS_DISTANCE:  # loaded after the product, so that it is not live across it
+        s += distance_tile(Distance, rows, cols, TRANSPOSED) * LOG2E
     if HAS_BAD:
         s = add_poison(s, bad, HAS_BIAS)
     if MASKED:
@@ -128,15 +133,17 @@ def scores_of_tile(qk, bias, bad, rows, cols, kv_valid, lower_off, upper_off, Bi
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi, num_cols,
+def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, Distance, tiles, lo, hi,
+                num_cols,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
                 stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim,
                 sm_scale, softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
                 MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                 HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_BAD: tl.constexpr,
-                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr,
-                SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr,
+                HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                DROPOUT: tl.constexpr):
     """Add the query blocks of ``range(lo, hi, BLOCK_M)`` (see ``tile_span``; of one
     head) to this key block's dK and dV. With ``DROPOUT``, ``Z`` the kept pairs over
     ``1 - p``: ``dV += (P Z)^T dO`` and ``dS = P (dP Z - Delta)``."""
@@ -157,11 +164,11 @@ def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi,
         if HAS_BIAS:
             bias = bias_tile(Bias, rows[None, :], offs_n[:, None], q_len, kv_len, stride_bm,
                              stride_bn)
-        sT, tT = scores_of_tile(tl.dot(k, qT, input_precision=INPUT_PRECISION), bias, bad,
-                                rows[None, :], offs_n[:, None], kv_valid, lower_off,
-                                upper_off, Bits, slot, sm_scale, softcap, MASKED, HAS_LOWER,
-                                HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_BAD, SOFTCAP, BLOCK_M,
-                                BLOCK_N, True)
+        sT, tT = scores_of_tile(tl.dot(k, qT, input_precision=INPUT_PRECISION), bias,
+                                Distance, bad, rows[None, :], offs_n[:, None], kv_valid,
+                                lower_off, upper_off, Bits, slot, sm_scale, softcap, MASKED,
+                                HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_DISTANCE,
+                                HAS_BAD, SOFTCAP, BLOCK_M, BLOCK_N, True)
         pT = tl.math.exp2(sT - lse[None, :])
         if DROPOUT:
             dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -182,7 +189,7 @@ def _dkdv_tiles(dk, dv, k, v, bad, Q, DO, Lse, Delta, Bits, Bias, tiles, lo, hi,
 @triton.jit
 def dkdv_kernel(
         Q, K, V, DO, Lse, Delta, DK, DV, KeyLengths, QueryLengths, Bad, Table, Bits, Bias,
-        stride_qz, stride_qh, stride_qm, stride_qd,
+        Distance, stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
         stride_doz, stride_doh, stride_dom, stride_dod,
@@ -196,10 +203,12 @@ def dkdv_kernel(
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
-        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr,
+        SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        DROPOUT: tl.constexpr):
     """Grid ``(Z * num_kv_heads, cdiv(kv_len, BLOCK_N))``; writes ``DK`` and ``DV``.
-    ``Table`` holds the block form's rows per key block (the transposed lists)."""
+    ``Table`` holds the block form's rows per key block (the transposed lists);
+    ``Distance`` a score change by distance, as the forward reads it."""
     pid_zh = tl.program_id(0)
     pid_n = tl.program_id(1)
     if REVERSE:  # bands open to the right: the last key blocks see the most queries
@@ -240,6 +249,9 @@ def dkdv_kernel(
         Qh = Q + off_z * stride_qz + off_h * stride_qh
         DOh = DO + off_z * stride_doz + off_h * stride_doh
         Biash = Bias + off_z * stride_bz + off_h * stride_bh
+        Distanceh = Distance
+        if HAS_DISTANCE:  # at the head's entry of j == i
+            Distanceh = distance_row(Distance, off_h, q_len, kv_len)
         row0 = (off_z * num_kv_heads * group_size + off_h) * q_len
         drop_key = 0
         if DROPOUT:
@@ -252,13 +264,13 @@ def dkdv_kernel(
                 tiles, lo, hi = tile_span(row, num_cols, part, t_lo, u_lo, u_hi, t_hi,
                                           BLOCK_M, HAS_TABLE)
                 dk, dv = _dkdv_tiles(
-                    dk, dv, k, v, bad, Qh, DOh, Lse + row0, Delta + row0, Bits, Biash, tiles,
-                    lo, hi, num_cols, offs_n, offs_d, offs_dv, stride_qm, stride_qd,
-                    stride_dom, stride_dod, stride_bm, stride_bn, q_len, kv_len, kv_valid,
-                    head_dim, value_head_dim, sm_scale, softcap, lower_off, upper_off,
-                    drop_key, drop_threshold, drop_scale, part != 1, BLOCK_M, BLOCK_N, EVEN_D,
-                    HAS_LOWER, HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS, HAS_TABLE, SOFTCAP,
-                    INPUT_PRECISION, DROPOUT)
+                    dk, dv, k, v, bad, Qh, DOh, Lse + row0, Delta + row0, Bits, Biash,
+                    Distanceh, tiles, lo, hi, num_cols, offs_n, offs_d, offs_dv, stride_qm,
+                    stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, q_len, kv_len,
+                    kv_valid, head_dim, value_head_dim, sm_scale, softcap, lower_off,
+                    upper_off, drop_key, drop_threshold, drop_scale, part != 1, BLOCK_M,
+                    BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS,
+                    HAS_DISTANCE, HAS_TABLE, SOFTCAP, INPUT_PRECISION, DROPOUT)
 
     dk_ptrs = (DK + off_z * stride_dkz + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn
                + offs_d[None, :] * stride_dkd)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_distance import distance_row
 from ._triton_kernel import LOG2E, finish_rows, fold_tile, keys_and_values
 from ._triton_masks import bias_tile, table_row
 from ._triton_walk import valid_lengths
@@ -28,16 +29,16 @@ __all__ = ["decode_merge_kernel", "decode_split_kernel"]
 
 
 @triton.jit
-def _attend_split(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_cols, rows,
-                  pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+def _attend_split(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, Distance, tiles, count, num_cols,
+                  rows, pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
                   stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim,
                   sm_scale, softcap, lower_off, upper_off, MASKED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                   HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr,
-                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr):
+                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr,
+                  SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Fold the ``count`` key blocks listed at ``tiles`` into the packed rows' state.
-    ``Bias`` points at each row's head (``[BLOCK_M, 1]`` pointers)."""
+    ``Bias`` and ``Distance`` point at each row's head (``[BLOCK_M, 1]`` pointers)."""
     offs_n = tl.arange(0, BLOCK_N)
     for i in range(count):
         cols = tl.load(tiles + i) * BLOCK_N + offs_n
@@ -56,17 +57,18 @@ def _attend_split(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_
                              stride_bn)
         # Each packed row has its own query index: the band is on j - pos.
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, pos, cols, kv_valid, lower_off,
-                                  upper_off, Bits, slot, bias, poison, sm_scale, softcap,
-                                  0, 0, 1.0, MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS,
-                                  HAS_POISON and HAS_BIAS, SOFTCAP, INPUT_PRECISION, BLOCK_M,
-                                  BLOCK_N, False)  # no dropout: the launch takes the pointer path
+                                  upper_off, Bits, slot, bias, Distance, poison, sm_scale,
+                                  softcap, 0, 0, 1.0, MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS,
+                                  HAS_BIAS, HAS_DISTANCE, HAS_POISON and HAS_BIAS, SOFTCAP,
+                                  INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                                  False)  # no dropout: the launch takes the pointer path
     return acc, l_i, m_i
 
 
 @triton.jit
 def decode_split_kernel(
         Q, K, V, PartOut, PartLse, KeyLengths, QueryLengths, Poison, Table, Bits, Bias,
-        stride_qz, stride_qh, stride_qm, stride_qd,
+        Distance, stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
         stride_bz, stride_bh, stride_bm, stride_bn,
@@ -77,7 +79,8 @@ def decode_split_kernel(
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr, SOFTCAP: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr):
     """Grid ``(Z * num_kv_heads, num_splits)``. ``PartOut`` is
     ``(Z * num_kv_heads, num_splits, BLOCK_M, BLOCK_DV)`` float32, ``PartLse``
     ``(Z * num_kv_heads, num_splits, BLOCK_M)``; ``Table`` has one row per split
@@ -106,8 +109,10 @@ def decode_split_kernel(
     V += off_z * stride_vz + off_kvh * stride_vh
     Poison += pid_zh.to(tl.int64) * kv_len
     # padding rows read the group's last head (their results are never stored)
-    Bias += off_z * stride_bz + tl.minimum(head, (off_kvh + 1) * group_size - 1)[:, None] \
-        * stride_bh
+    read_head = tl.minimum(head, (off_kvh + 1) * group_size - 1)[:, None]
+    Bias += off_z * stride_bz + read_head * stride_bh
+    if HAS_DISTANCE:  # at each row's head's entry of j == i
+        Distance = distance_row(Distance, read_head, q_len, kv_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -118,11 +123,11 @@ def decode_split_kernel(
         else:
             tiles, count = row + 2, tl.load(row)
         acc, l_i, m_i = _attend_split(
-            acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, count, num_cols, rows, pos,
-            offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
+            acc, l_i, m_i, q, K, V, Poison, Bits, Bias, Distance, tiles, count, num_cols, rows,
+            pos, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
             stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale, softcap,
             lower_off, upper_off, part == 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER,
-            HAS_POISON, HAS_BITS, HAS_BIAS, SOFTCAP, INPUT_PRECISION)
+            HAS_POISON, HAS_BITS, HAS_BIAS, HAS_DISTANCE, SOFTCAP, INPUT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i, pos, tl.where(in_rows, q_valid, 0))
     part = pid_zh.to(tl.int64) * tl.num_programs(1) + split

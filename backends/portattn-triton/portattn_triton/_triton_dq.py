@@ -5,7 +5,8 @@ blocks the forward walks (its table row's full tiles with no mask, then the part
 ones; without a table, the band's masked edges and mask-free middle). Each program owns
 its rows of dQ, so no atomics are needed and the result is deterministic; with
 ``BIAS_GRAD`` it also writes its rows of the bias gradient, ``dS`` of every tile it
-visits. See ``_triton_backward``.
+visits, and with ``DISTANCE_GRAD`` the diagonal sums of those ``dS`` into its slices of a
+score change's gradient buffer (``_triton_distance``). See ``_triton_backward``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import triton
 import triton.language as tl
 
 from ._triton_backward import _load_tile, _row_stats, scores_of_tile
+from ._triton_distance import (
+    distance_row,
+    distance_rows,
+    distance_slot,
+    store_diagonal_sums,
+)
 from ._triton_dropout import kept, row_key
 from ._triton_masks import bias_tile, tile_slot, tile_span, tile_start
 from ._triton_walk import key_walk
@@ -22,15 +29,16 @@ __all__ = ["dq_kernel"]
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi, num_cols,
-              offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
-              stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
-              softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
-              MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
-              HAS_UPPER: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, BIAS_GRAD: tl.constexpr,
-              SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, Distance, DDistance, tiles,
+              lo, hi, num_cols, offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
+              stride_vd, stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim,
+              value_head_dim, sm_scale, softcap, lower_off, upper_off, drop_key, drop_threshold,
+              drop_scale, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+              HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr, BIAS_GRAD: tl.constexpr,
+              DISTANCE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+              DROPOUT: tl.constexpr):
     """Add the key blocks of ``range(lo, hi, BLOCK_N)`` (see ``tile_span``) to this
     query block's dQ (with ``DROPOUT``: ``dS = P (dP Z - Delta)``)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -52,10 +60,11 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi
                              stride_bn)
         if HAS_BAD:
             bad = tl.load(Bad + cols, mask=cols < kv_len, other=0.0)[None, :]
-        s, t = scores_of_tile(tl.dot(q, kT, input_precision=INPUT_PRECISION), bias, bad,
-                              offs_m[:, None], cols[None, :], kv_valid, lower_off, upper_off,
-                              Bits, slot, sm_scale, softcap, MASKED, HAS_LOWER, HAS_UPPER,
-                              HAS_BITS, HAS_BIAS, HAS_BAD, SOFTCAP, BLOCK_M, BLOCK_N, False)
+        s, t = scores_of_tile(tl.dot(q, kT, input_precision=INPUT_PRECISION), bias, Distance,
+                              bad, offs_m[:, None], cols[None, :], kv_valid, lower_off,
+                              upper_off, Bits, slot, sm_scale, softcap, MASKED, HAS_LOWER,
+                              HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_DISTANCE, HAS_BAD, SOFTCAP,
+                              BLOCK_M, BLOCK_N, False)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         if DROPOUT:
@@ -65,6 +74,9 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi
         if BIAS_GRAD:  # d(out, lse) / d bias is dS, before the softcap's factor
             tl.store(DBias + offs_m[:, None] * kv_len + cols[None, :], ds,
                      mask=(offs_m[:, None] < q_len) & (cols[None, :] < kv_len))
+        if DISTANCE_GRAD:  # dS too, summed along the tile's diagonals
+            store_diagonal_sums(distance_slot(DDistance, start_n, kv_len, BLOCK_M, BLOCK_N),
+                                ds, start_n, BLOCK_M, BLOCK_N)
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
@@ -74,7 +86,7 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi
 @triton.jit
 def dq_kernel(
         Q, K, V, DO, Lse, Delta, DQ, KeyLengths, QueryLengths, Bad, Table, Bits, Bias, DBias,
-        stride_qz, stride_qh, stride_qm, stride_qd,
+        Distance, DDistance, stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
         stride_doz, stride_doh, stride_dom, stride_dod,
@@ -87,12 +99,14 @@ def dq_kernel(
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_BAD: tl.constexpr, HAS_BITS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, BIAS_GRAD: tl.constexpr,
-        SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        DROPOUT: tl.constexpr):
+        HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr,
+        BIAS_GRAD: tl.constexpr, DISTANCE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``DQ`` (and, with
     ``BIAS_GRAD``, the visited tiles of ``DBias``, ``(Z, num_heads, q_len, kv_len)``
-    float32)."""
+    float32; with ``DISTANCE_GRAD``, the program's slices of ``DDistance``, see
+    ``_distance.gradient_buffer``). ``Distance`` is a score change by distance, as the
+    forward reads it."""
     pid_zh = tl.program_id(0)
     pid_m = tl.program_id(1)
     if REVERSE:  # causal-like bands: the last query blocks do the most work, start them first
@@ -123,6 +137,10 @@ def dq_kernel(
     Bad += (off_z * (num_heads // group_size) + off_kvh) * kv_len
     Bias += off_z * stride_bz + off_h * stride_bh
     DBias += row0 * kv_len
+    if HAS_DISTANCE:  # at the head's entry of j == i
+        Distance = distance_row(Distance, off_h, q_len, kv_len)
+    if DISTANCE_GRAD:
+        DDistance = distance_rows(DDistance, pid_zh, pid_m, kv_len, BLOCK_M, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     drop_key = 0
     if DROPOUT:
@@ -133,12 +151,13 @@ def dq_kernel(
             tiles, lo, hi = tile_span(row, num_cols, part, t_lo, u_lo, u_hi, t_hi, BLOCK_N,
                                       HAS_TABLE)
             dq = _dq_tiles(
-                dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, tiles, lo, hi, num_cols,
-                offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
-                stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
-                softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale, part != 1,
-                BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS,
-                HAS_TABLE, BIAS_GRAD, SOFTCAP, INPUT_PRECISION, DROPOUT)
+                dq, q, do, lse, delta, K, V, Bad, Bits, Bias, DBias, Distance, DDistance, tiles,
+                lo, hi, num_cols, offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
+                stride_vd, stride_bm, stride_bn, q_len, kv_len, kv_valid, head_dim,
+                value_head_dim, sm_scale, softcap, lower_off, upper_off, drop_key,
+                drop_threshold, drop_scale, part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER,
+                HAS_UPPER, HAS_BAD, HAS_BITS, HAS_BIAS, HAS_DISTANCE, HAS_TABLE, BIAS_GRAD,
+                DISTANCE_GRAD, SOFTCAP, INPUT_PRECISION, DROPOUT)
 
     dq_ptrs = (DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm
                + offs_d[None, :] * stride_dqd)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_distance import distance_row, distance_tile
 from ._triton_dropout import kept, row_key
 from ._triton_masks import (
     add_poison,
@@ -39,23 +40,24 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def fold_tile(acc, l_i, m_i, q, k, v, rows, cols, kv_valid, lower_off, upper_off, Bits, slot,
-              bias, poison, sm_scale, softcap, drop_key, drop_threshold, drop_scale,
+              bias, Distance, poison, sm_scale, softcap, drop_key, drop_threshold, drop_scale,
               MASKED: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-              POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_DISTANCE: tl.constexpr, POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               DROPOUT: tl.constexpr):
     """One step of the online softmax: scores of ``q`` against the key tile ``k``
-    (``[BLOCK_D, BLOCK_N]``), plus the ``bias`` tile (float32), folded with ``v`` into
-    the running ``(acc, l_i, m_i)``. ``MASKED`` tiles keep the pairs of query ``rows``
-    and key ``cols`` that ``tile_keep`` allows (band, key length, bit tile ``slot``). Their
-    poisoned keys (``Poison``: a value that is not finite; the value is loaded as 0)
-    must score NaN in every row that attends them, so that exactly those rows come out
-    NaN: the pointer paths load such keys as NaN, and with ``POISON_SCORES`` the
-    ``poison`` (NaN there, else 0) is added to the scores here. With ``DROPOUT`` the
-    weights that reach ``v`` are dropped (``_triton_dropout``: the row hashed to
-    ``drop_key``), after the running sum took them whole. Shared by every forward
-    path."""
+    (``[BLOCK_D, BLOCK_N]``), plus the ``bias`` tile (float32) and a score change by
+    distance (``_triton_distance``: loaded after the product, so that it is not live
+    across it), folded with ``v`` into the running ``(acc, l_i, m_i)``. ``MASKED``
+    tiles keep the pairs of query ``rows`` and key ``cols`` that ``tile_keep`` allows
+    (band, key length, bit tile ``slot``). Their poisoned keys (``Poison``: a value that
+    is not finite; the value is loaded as 0) must score NaN in every row that attends
+    them, so that exactly those rows come out NaN: the pointer paths load such keys as
+    NaN, and with ``POISON_SCORES`` the ``poison`` (NaN there, else 0) is added to the
+    scores here. With ``DROPOUT`` the weights that reach ``v`` are dropped
+    (``_triton_dropout``: the row hashed to ``drop_key``), after the running sum took
+    them whole. Shared by every forward path."""
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
     if SOFTCAP:
         # softcap * tanh(x), tanh through exp2 (saturates cleanly to +-1)
@@ -65,6 +67,8 @@ def fold_tile(acc, l_i, m_i, q, k, v, rows, cols, kv_valid, lower_off, upper_off
         s = qk * (sm_scale * LOG2E)
     if HAS_BIAS:  # after the softcap, before the mask
         s += bias * LOG2E
+    if HAS_DISTANCE:  # beside the bias
+        s += distance_tile(Distance, rows[:, None], cols[None, :], False) * LOG2E
     if MASKED:
         if POISON_SCORES:
             s = add_poison(s, poison[None, :], HAS_BIAS)
@@ -156,15 +160,17 @@ def keys_and_values(K, V, Poison, cols, offs_d, offs_dv, stride_kn, stride_kd, s
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
+def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, Distance, tiles, lo, hi, num_cols,
+            offs_m,
             offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
             stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
             softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
             MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
             HAS_UPPER: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
-            HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, POISON_SCORES: tl.constexpr,
-            SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+            HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr,
+            POISON_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Fold the key blocks of ``range(lo, hi, BLOCK_N)`` (see ``tile_span``) into the
     running state, loading through pointers. ``MASKED`` (partial) tiles may hold
     disallowed pairs or keys past the end; full tiles are read whole. Keys past the
@@ -188,16 +194,17 @@ def _attend(acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols,
             bias = bias_tile(Bias, offs_m[:, None], cols[None, :], q_len, kv_len, stride_bm,
                              stride_bn)
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, k, v, offs_m, cols, kv_valid, lower_off,
-                                  upper_off, Bits, slot, bias, poison, sm_scale, softcap,
-                                  drop_key, drop_threshold, drop_scale, MASKED, HAS_LOWER,
-                                  HAS_UPPER, HAS_BITS, HAS_BIAS, POISON_SCORES, SOFTCAP,
-                                  INPUT_PRECISION, BLOCK_M, BLOCK_N, DROPOUT)
+                                  upper_off, Bits, slot, bias, Distance, poison, sm_scale,
+                                  softcap, drop_key, drop_threshold, drop_scale, MASKED,
+                                  HAS_LOWER, HAS_UPPER, HAS_BITS, HAS_BIAS, HAS_DISTANCE,
+                                  POISON_SCORES, SOFTCAP, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                                  DROPOUT)
     return acc, l_i, m_i
 
 
 @triton.jit
 def flash_forward_kernel(
-        Q, K, V, Out, Lse, KeyLengths, QueryLengths, Poison, Table, Bits, Bias,
+        Q, K, V, Out, Lse, KeyLengths, QueryLengths, Poison, Table, Bits, Bias, Distance,
         stride_qz, stride_qh, stride_qm, stride_qd,
         stride_kz, stride_kh, stride_kn, stride_kd,
         stride_vz, stride_vh, stride_vn, stride_vd,
@@ -210,13 +217,16 @@ def flash_forward_kernel(
         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
         HAS_UPPER: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
         HAS_QUERY_LENGTHS: tl.constexpr, HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
-        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_BIAS: tl.constexpr, HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr,
+        SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        DROPOUT: tl.constexpr):
     """Grid ``(Z * num_heads, cdiv(q_len, BLOCK_M))``; writes ``Out`` and ``Lse``.
     ``Poison`` is ``(Z, Hkv, kv_len)`` float32 (see :func:`fold_tile`); ``Table`` the
     block form's rows per query block (``_triton_masks``; read with ``HAS_TABLE``),
     ``Bits`` its bit tiles,
-    ``Bias`` read with its strides (0 along broadcast axes). (The tensor-descriptor
+    ``Bias`` read with its strides (0 along broadcast axes), ``Distance`` the score
+    change by distance, ``(num_heads, q_len + kv_len - 1)`` float32 (read with
+    ``HAS_DISTANCE``; see ``_triton_distance``). (The tensor-descriptor
     kernel orders its grid for L2 with :func:`block_order`; here the index arithmetic
     would cost sm_80 tiles their last free registers.) ``Word`` is dropout's seed word
     (read with ``DROPOUT``)."""
@@ -247,6 +257,8 @@ def flash_forward_kernel(
     V += off_z * stride_vz + off_kvh * stride_vh
     Poison += (off_z * (num_heads // group_size) + off_kvh) * kv_len
     Bias += off_z * stride_bz + off_h * stride_bh
+    if HAS_DISTANCE:  # at the head's entry of j == i
+        Distance = distance_row(Distance, off_h, q_len, kv_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -260,12 +272,12 @@ def flash_forward_kernel(
             tiles, lo, hi = tile_span(row, num_cols, part, t_lo, u_lo, u_hi, t_hi, BLOCK_N,
                                       HAS_TABLE)
             acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, K, V, Poison, Bits, Bias, tiles, lo, hi, num_cols, offs_m,
-                offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
+                acc, l_i, m_i, q, K, V, Poison, Bits, Bias, Distance, tiles, lo, hi, num_cols,
+                offs_m, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm,
                 stride_bn, q_len, kv_len, kv_valid, head_dim, value_head_dim, sm_scale,
                 softcap, lower_off, upper_off, drop_key, drop_threshold, drop_scale,
                 part != 1, BLOCK_M, BLOCK_N, EVEN_D, HAS_LOWER,
-                HAS_UPPER, HAS_POISON, HAS_BITS, HAS_BIAS, HAS_TABLE,
+                HAS_UPPER, HAS_POISON, HAS_BITS, HAS_BIAS, HAS_DISTANCE, HAS_TABLE,
                 HAS_POISON and (HAS_BIAS or Q.dtype.element_ty == tl.float32), SOFTCAP,
                 INPUT_PRECISION, DROPOUT)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_distance import distance_row
 from ._triton_kernel import block_order, finish_rows, fold_tile
 from ._triton_masks import bias_tile, tile_slot, tile_span, tile_start
 from ._triton_walk import key_walk
@@ -26,14 +27,14 @@ __all__ = ["flash_forward_tma_kernel"]
 
 
 @triton.jit
-def _attend_tma(acc, l_i, m_i, q, DescK, DescV, Poison, Bits, Bias, off_z, off_kvh, offs_m,
-                tiles, lo, hi, num_cols, q_len, kv_len, kv_valid, stride_bm, stride_bn,
+def _attend_tma(acc, l_i, m_i, q, DescK, DescV, Poison, Bits, Bias, Distance, off_z, off_kvh,
+                offs_m, tiles, lo, hi, num_cols, q_len, kv_len, kv_valid, stride_bm, stride_bn,
                 sm_scale, softcap, lower_off, upper_off, MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
                 HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr):
+                HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Fold the key blocks of ``range(lo, hi, BLOCK_N)`` (see ``tile_span``) into the
     running state, loading through descriptors."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -58,17 +59,18 @@ def _attend_tma(acc, l_i, m_i, q, DescK, DescV, Poison, Bits, Bias, off_z, off_k
             bias = bias_tile(Bias, offs_m[:, None], cols[None, :], q_len, kv_len, stride_bm,
                              stride_bn)
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, q, tl.trans(k), v, offs_m, cols, kv_valid,
-                                  lower_off, upper_off, Bits, slot, bias, poison, sm_scale,
-                                  softcap, 0, 0, 1.0, MASKED, HAS_LOWER, HAS_UPPER, HAS_BITS,
-                                  HAS_BIAS, HAS_POISON, SOFTCAP, INPUT_PRECISION, BLOCK_M,
-                                  BLOCK_N, False)  # no dropout: the launch takes the pointer path
+                                  lower_off, upper_off, Bits, slot, bias, Distance, poison,
+                                  sm_scale, softcap, 0, 0, 1.0, MASKED, HAS_LOWER, HAS_UPPER,
+                                  HAS_BITS, HAS_BIAS, HAS_DISTANCE, HAS_POISON, SOFTCAP,
+                                  INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                                  False)  # no dropout: the launch takes the pointer path
     return acc, l_i, m_i
 
 
 @triton.jit
 def flash_forward_tma_kernel(
         DescQ, DescK, DescV, DescO, Lse, KeyLengths, QueryLengths, Poison, Table, Bits, Bias,
-        stride_bz, stride_bh, stride_bm, stride_bn,
+        Distance, stride_bz, stride_bh, stride_bm, stride_bn,
         table_z, table_h, table_m, num_cols,
         num_heads, group_size, q_len, kv_len,
         sm_scale, softcap, lower_off, upper_off,
@@ -76,8 +78,8 @@ def flash_forward_tma_kernel(
         BLOCK_DV: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
         HAS_KEY_LENGTHS: tl.constexpr, HAS_QUERY_LENGTHS: tl.constexpr,
         HAS_POISON: tl.constexpr, HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        HAS_DISTANCE: tl.constexpr, HAS_TABLE: tl.constexpr, SOFTCAP: tl.constexpr,
+        REVERSE: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Grid ``(Z * num_heads * cdiv(q_len, BLOCK_M),)`` (see :func:`block_order`). The
     descriptors' block shapes are ``[1, 1, BLOCK_M or BLOCK_N, BLOCK_D or BLOCK_DV]``;
     the other arguments as for the pointer kernel."""
@@ -96,6 +98,8 @@ def flash_forward_tma_kernel(
     q = DescQ.load([off_z, off_h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
     Poison += (off_z * (num_heads // group_size) + off_kvh).to(tl.int64) * kv_len
     Bias += off_z.to(tl.int64) * stride_bz + off_h.to(tl.int64) * stride_bh
+    if HAS_DISTANCE:  # at the head's entry of j == i
+        Distance = distance_row(Distance, off_h.to(tl.int64), q_len, kv_len)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -107,11 +111,11 @@ def flash_forward_tma_kernel(
             tiles, lo, hi = tile_span(row, num_cols, part, t_lo, u_lo, u_hi, t_hi, BLOCK_N,
                                       HAS_TABLE)
             acc, l_i, m_i = _attend_tma(
-                acc, l_i, m_i, q, DescK, DescV, Poison, Bits, Bias, off_z, off_kvh, offs_m,
-                tiles, lo, hi, num_cols, q_len, kv_len, kv_valid, stride_bm, stride_bn,
+                acc, l_i, m_i, q, DescK, DescV, Poison, Bits, Bias, Distance, off_z, off_kvh,
+                offs_m, tiles, lo, hi, num_cols, q_len, kv_len, kv_valid, stride_bm, stride_bn,
                 sm_scale, softcap, lower_off, upper_off, part != 1, BLOCK_M, BLOCK_N, BLOCK_D,
-                BLOCK_DV, HAS_LOWER, HAS_UPPER, HAS_POISON, HAS_BITS, HAS_BIAS, HAS_TABLE,
-                SOFTCAP, INPUT_PRECISION, WARP_SPECIALIZE and part == 1)
+                BLOCK_DV, HAS_LOWER, HAS_UPPER, HAS_POISON, HAS_BITS, HAS_BIAS, HAS_DISTANCE,
+                HAS_TABLE, SOFTCAP, INPUT_PRECISION, WARP_SPECIALIZE and part == 1)
 
     out, lse = finish_rows(acc, l_i, m_i, offs_m, q_valid)
     tl.store(Lse + pid_zh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)

@@ -27,14 +27,17 @@ from pathlib import Path
 #: Kernel variants: the plain path (the deepest software pipeline, so the most shared
 #: memory); the masks the kernels compute by formulas alone, with no table (band,
 #: lengths, softcap, poisoned keys: "formulas"); those with tables and bit tiles
-#: ("bits"); and every feature at once (a bias and its gradient too: "all"), each with
-#: head dims that are powers of two ("*_even") and not, in the configuration the
-#: launcher picks for it (``_configs.EXTRAS``).
+#: ("bits"); every feature at once (a bias and its gradient too: "all"); and a score
+#: change by distance with its gradient, on the formulas ("distance", T5's decoder) and
+#: on every feature ("distance_all"), each with head dims that are powers of two
+#: ("*_even") and not, in the configuration the launcher picks for it
+#: (``_configs.EXTRAS``).
 _FORMULAS = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
              "HAS_QUERY_LENGTHS": True, "HAS_POISON": True, "SOFTCAP": True,
              "REVERSE": True}
 _BITS = {**_FORMULAS, "HAS_BAD": True, "HAS_BITS": True, "HAS_TABLE": True}
 _FEATURES = {**_BITS, "HAS_BIAS": True, "BIAS_GRAD": True}
+_DISTANCE = {"HAS_DISTANCE": True, "DISTANCE_GRAD": True}
 VARIANTS = {
     "plain": {},
     "formulas_even": _FORMULAS,
@@ -43,15 +46,19 @@ VARIANTS = {
     "bits": {**_BITS, "EVEN_D": False},
     "all_even": _FEATURES,
     "all": {**_FEATURES, "EVEN_D": False},
+    "distance_even": {**_FORMULAS, **_DISTANCE},
+    "distance": {**_FORMULAS, **_DISTANCE, "EVEN_D": False},
+    "distance_all_even": {**_FEATURES, **_DISTANCE},
+    "distance_all": {**_FEATURES, **_DISTANCE, "EVEN_D": False},
     "ws": {},  # the tensor-descriptor kernel with warp specialization
     # dropout (pointer forward and backward only), with bit tiles and with everything
     "dropout_bits_even": {**_BITS, "DROPOUT": True},
     "dropout_all_even": {**_FEATURES, "DROPOUT": True},
 }
 #: The extra (``_configs.EXTRAS``) each level of variants is launched with.
-EXTRA_OF = {"formulas": None, "bits": "bits", "all": "bias", "dropout_bits": "dropout",
-            "dropout_all": "dropout"}
-LEVELS = ("formulas", "bits", "all")
+EXTRA_OF = {"formulas": None, "bits": "bits", "all": "bias", "distance": "distance",
+            "distance_all": "distance", "dropout_bits": "dropout", "dropout_all": "dropout"}
+LEVELS = ("formulas", "bits", "all", "distance", "distance_all")
 DROPOUT_LEVELS = ("dropout_bits", "dropout_all")
 
 
@@ -75,7 +82,8 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 _INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
                   "stride_dkd", "stride_dvd", "stride_dqd", "stride_bn")
-_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison", "Bad", "DBias")
+_FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison", "Bad", "DBias",
+                   "Distance", "DDistance")
 _DESCRIPTORS = {"DescQ": ("BLOCK_M", "BLOCK_D"), "DescK": ("BLOCK_N", "BLOCK_D"),
                 "DescV": ("BLOCK_N", "BLOCK_DV"), "DescO": ("BLOCK_M", "BLOCK_DV")}
 #: What the compiled code is searched for: PTX instructions and SASS opcodes.
@@ -117,6 +125,7 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
     head dim is one below the padded size; a bias or bit tiles: the heavy one)."""
     from portattn_triton._configs import (
         Config,
+        backward_extra,
         decode_config,
         decode_max_rows,
         delta_rows,
@@ -135,7 +144,7 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
     if kernel == "delta":
         return Config(delta_rows(dim), dim, 4, 1)
     return getattr(pick_backward_config(capability, DTYPES[dtype][1], head_dim, head_dim,
-                                        extra), kernel)
+                                        backward_extra(extra)), kernel)
 
 
 def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[str]:
@@ -144,10 +153,18 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
     (their register use does not order that way), none where the launcher has no
     backward. The tensor-descriptor and decode kernels: a representative subset (every
     head dim once, the levels and warp specialization at the common head dims), to keep
-    the run short. float32 above head dim 128: no bias or bit tiles (refused)."""
-    from portattn_triton._configs import BACKWARD_MAX_DIM, HEAVY_MAX_DIM_FLOAT32
+    the run short. float32 above head dim 128: no bias or bit tiles, and above head
+    dim 64 no score change in the backward (refused)."""
+    from portattn_triton._configs import (
+        BACKWARD_MAX_DIM,
+        DISTANCE_BACKWARD_MAX_DIM_FLOAT32,
+        HEAVY_MAX_DIM_FLOAT32,
+    )
 
     levels = LEVELS if dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32 else ("formulas",)
+    if kernel in ("dkdv", "dq") and dtype == "float32" and (
+            dim > DISTANCE_BACKWARD_MAX_DIM_FLOAT32):  # refused: no gradients there
+        levels = tuple(level for level in levels if not level.startswith("distance"))
     if kernel == "delta":  # elementwise: only the widest tiles can be a question
         return ["plain"] if dim >= 128 else []
     if kernel == "tma":  # Hopper only; uneven dims need no masks there (descriptors)
@@ -200,7 +217,7 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
             "BLOCK_DV": dim, "EVEN_D": True, "HAS_LOWER": False, "HAS_UPPER": False,
             "HAS_KEY_LENGTHS": False, "HAS_QUERY_LENGTHS": False, "HAS_POISON": False,
             "HAS_BAD": False, "HAS_BITS": False, "HAS_BIAS": False, "HAS_TABLE": False,
-            "BIAS_GRAD": False, "DROPOUT": False,
+            "BIAS_GRAD": False, "HAS_DISTANCE": False, "DISTANCE_GRAD": False, "DROPOUT": False,
             "SOFTCAP": False,
             "REVERSE": False,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
