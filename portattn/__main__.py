@@ -41,6 +41,18 @@ def _mask_kinds(declared: frozenset[str]) -> str:
     return _listed(declared, KINDS)
 
 
+def _score_changes(kernel: type) -> tuple[str, str]:
+    """The score changes a kernel takes: ``all`` (every kind of
+    ``portattn.scores.ADDITIVE_KINDS``), a list or ``-``; and whether it takes
+    functions (``scores.function``, ``scores.softcap``)."""
+    from .scores import ADDITIVE_KINDS
+
+    tables = kernel.score_mod
+    listed = ("all" if tables is True or tables == ADDITIVE_KINDS
+              else _listed(tables, tuple(sorted(ADDITIVE_KINDS))) if tables else "-")
+    return listed, "yes" if kernel.score_functions else "-"
+
+
 def info(wide: bool = False) -> int:
     """Print every installed kernel: provenance, priority, availability, and tables of
     what each declares it supports (one table with ``wide``, else two of at most
@@ -62,6 +74,7 @@ def info(wide: bool = False) -> int:
     dtypes = ("float16", "bfloat16", "float32", "float64")
     where = [("kernel", "namespaces", "devices", "dtypes", "head_dim", "masks")]
     options = [("kernel", *_FLAG_TITLES)]
+    changes = [("kernel", "functions", "score changes from tables")]
     for entry in entries:
         k = entry.kernel
         if k is None:
@@ -71,6 +84,8 @@ def info(wide: bool = False) -> int:
                       _listed(k.dtypes, dtypes), f"{low}-{'' if high is None else high}",
                       _mask_kinds(k.masks)))
         options.append((entry.name, *("yes" if getattr(k, flag) else "-" for flag in _FLAGS)))
+        tables, functions = _score_changes(k)
+        changes.append((entry.name, functions, tables))
     legend = ("masks: all = every kind of portattn.masks.KINDS; cap = softcap, dv = value "
               "head dim != head dim, wts = weights, drop = dropout, seed = dropout from "
               "dropout_seed (the same pairs in every such kernel), det = deterministic, "
@@ -84,6 +99,9 @@ def info(wide: bool = False) -> int:
         print("\nwhat else it takes and gives:")
         _table(options)
         print("\n" + textwrap.fill(legend, WIDTH))
+    print("\nscore changes each takes (portattn.scores; all = every kind that adds from a "
+          "table):")
+    _table(changes, wrap=WIDTH)
     tuned = [(entry.name, name, ",".join(map(str, values)), str(entry.kernel.tuned(name)))
              for entry in entries if entry.kernel is not None
              for name, values in entry.kernel.tunables.items()]

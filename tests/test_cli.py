@@ -26,6 +26,33 @@ def test_info_lists_kernels_and_capabilities(capsys):
     assert reference[2].split()[1:] == ["yes"] * 13 + ["-"]
 
 
+def test_info_lists_the_score_changes_each_kernel_declares(monkeypatch, capsys):
+    from portattn import _dispatch
+    from portattn._kernels import ReferenceKernel
+
+    class SomeTables(ReferenceKernel):
+        name = "some_tables"
+        score_mod = frozenset({"relative_position", "alibi"})
+        score_functions = False
+
+    class NoChanges(ReferenceKernel):
+        name = "no_changes"
+        score_mod = False
+        score_functions = False
+
+    entries = [_dispatch.KernelEntry(k.name, k(), "portattn-test", "1.0", None)
+               for k in (ReferenceKernel, SomeTables, NoChanges)]
+    monkeypatch.setattr(_dispatch, "kernels", lambda: entries)
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("score changes"))
+    assert lines[start + 1].split() == ["kernel", "functions", "score", "changes", "from",
+                                        "tables"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[start + 2:start + 5]}
+    assert rows == {"reference": ["yes", "all"], "no_changes": ["-", "-"],
+                    "some_tables": ["-", "alibi,relative_position"]}
+
+
 def test_info_shows_a_broken_plugin_as_unavailable(monkeypatch, capsys):
     from portattn import _dispatch
 

@@ -6,6 +6,8 @@ Every other plugin runs the kit over its own kernels in its own suite
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from portattn._kernels import ReferenceKernel, TiledKernel
@@ -27,7 +29,14 @@ def test_tiled(case, backend):
     check_case(TiledKernel, case, backend)
 
 
-@pytest.mark.parametrize("block", [(3, 5), (16, 4)], ids=lambda b: f"blocks{b[0]}x{b[1]}")
+#: Both tile shapes by default; ``PORTATTN_TILED_BLOCKS=16x4`` keeps one, where each tile
+#: costs a compile (JAX) or a graph (Dask). 16 x 4 runs every line that 3 x 5 runs, and
+#: one more; the ``long`` tox env runs both shapes on every library.
+BLOCKS = [tuple(int(n) for n in b.split("x"))
+          for b in os.environ.get("PORTATTN_TILED_BLOCKS", "3x5,16x4").split(",")]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"blocks{b[0]}x{b[1]}")
 @pytest.mark.parametrize("case", [c for c in conformance_cases(TiledKernel)
                                   if c.mask and c.dtype == "float32"], ids=str)
 def test_tiled_small_blocks(case, block, backend, monkeypatch):

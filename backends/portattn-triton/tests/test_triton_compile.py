@@ -14,11 +14,13 @@ tiles arrive by bulk tensor copies (``cp.async.bulk.tensor``, ``UTMALDG``) and i
 generation, in parallel) because this test process has ``TRITON_INTERPRET=1`` set.
 ``PORTATTN_TRITON_COMPILE_DTYPES`` (e.g. ``bfloat16``) narrows the dtypes.
 
-Every case, ``PORTATTN_TRITON_COMPILE=all`` (the ``long`` tox env): 519 kernels for
+Every case, ``PORTATTN_TRITON_COMPILE=all`` (the ``long`` tox env): 725 kernels for
 bfloat16 and float32, about 20 minutes on 2 cores. By default (CI) the cases where
 registers and shared memory run out first: each variant of each kernel at the widest
 head dim it is compiled for, and the plain kernels at the narrowest (the smallest
-tiles), 137 of the 519.
+tiles), 189 of the 725. A case with more features does not stand for one with fewer: of
+303 pairs of cases whose configuration is the same and one of which has every feature
+of the other, 89 used fewer registers or less shared memory with more features.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Run as a script (``python triton_compile_configs.py 90 --dtypes float16``), in a
 pick for that generation, for each kernel (the forward and the backward's dK/dV and dQ
 passes), dtype and variant, and prints one JSON line per compilation: shared memory,
 registers and spilled bytes (from ptxas's report), marks of the PTX and of the SASS,
-and the SASS's instruction count (``sass.total``: two runs compare a change to the
-kernels' code by it).
+the SASS's instruction count (``sass.total``: two runs compare a change to the kernels'
+code by it) and the seconds the compiler took.
 The tests run it in a subprocess because the interpreter tests share their process
 with ``TRITON_INTERPRET=1``, which Triton reads at import.
 """
@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: Kernel variants: the plain path (the deepest software pipeline, so the most shared
@@ -239,6 +240,7 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
     log = io.StringIO()
     result = {"arch": arch, "kernel": kernel, "dtype": dtype, "dim": dim,
               "variant": variant, "config": str(config), "shared_limit": SHARED_LIMIT[arch]}
+    start = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(src, target=target, options=options)
@@ -248,7 +250,8 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
     report = log.getvalue()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
-    result.update(shared=compiled.metadata.shared, spilled=max(spills, default=None),
+    result.update(seconds=round(time.perf_counter() - start, 2),
+                  shared=compiled.metadata.shared, spilled=max(spills, default=None),
                   registers=max(registers, default=None), ptxas=report[-2000:],
                   ptx={k: compiled.asm["ptx"].count(m) for k, m in PTX_MARKS.items()},
                   sass=_sass_marks(compiled))
