@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 from . import __version__
 from ._commands import add_explain_arguments, run_demo, run_explain, tune_main
+
+if TYPE_CHECKING:
+    from .kernel import Kernel
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 """Dtypes in short; mask kinds keep the names of ``portattn.masks.KINDS``."""
@@ -41,7 +45,7 @@ def _mask_kinds(declared: frozenset[str]) -> str:
     return _listed(declared, KINDS)
 
 
-def _score_changes(kernel: type) -> tuple[str, str]:
+def _score_changes(kernel: Kernel) -> tuple[str, str]:
     """The score changes a kernel takes: ``all`` (every kind of
     ``portattn.scores.ADDITIVE_KINDS``), a list or ``-``; and whether it takes
     functions (``scores.function``, ``scores.softcap``)."""
@@ -49,14 +53,14 @@ def _score_changes(kernel: type) -> tuple[str, str]:
 
     tables = kernel.score_mod
     listed = ("all" if tables is True or tables == ADDITIVE_KINDS
-              else _listed(tables, tuple(sorted(ADDITIVE_KINDS))) if tables else "-")
+              else _listed(tables) if tables else "-")
     return listed, "yes" if kernel.score_functions else "-"
 
 
 def info(wide: bool = False) -> int:
     """Print every installed kernel: provenance, priority, availability, and tables of
     what each declares it supports (one table with ``wide``, else two of at most
-    :data:`WIDTH` columns)."""
+    :data:`WIDTH` columns), then the score changes each takes."""
     from ._dispatch import availability, kernels
 
     entries = kernels()
