@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ._inputs import AttentionInputs, PagedInputs, describe
+from ._inputs import AttentionInputs, PagedInputs, QueryTiles, describe
 from ._lib import dtype_name, jax_tracer_type, torch_compiling, tuned_value, values_readable
 from .masks import Band, Mask
 
-__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "PagedInputs", "describe",
-           "dtype_name", "jax_tracer_type", "torch_compiling", "values_readable"]
+__all__ = ["ANY", "AttentionInputs", "Band", "Kernel", "Mask", "PagedInputs", "QueryTiles",
+           "describe", "dtype_name", "jax_tracer_type", "torch_compiling", "values_readable"]
 
 ANY = "*"
 """Wildcard for ``namespaces`` and ``devices``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ._describe import AttentionInputs, describe
 from ._layout import LAYOUTS, check_layout, from_kernel_layout, shown, to_kernel_layout
-from ._paged import PagedInputs
+from ._paged import PagedInputs, QueryTiles
 
-__all__ = ["LAYOUTS", "AttentionInputs", "PagedInputs", "check_layout", "describe",
+__all__ = ["LAYOUTS", "AttentionInputs", "PagedInputs", "QueryTiles", "check_layout", "describe",
            "from_kernel_layout", "shown", "to_kernel_layout"]

@@ -11,7 +11,26 @@ from .._lib import device_kind, dtype_name, namespace_name
 if TYPE_CHECKING:
     from ..masks import Mask
 
-__all__ = ["PagedInputs"]
+__all__ = ["CHUNK_KEYS", "MAX_TILE_QUERIES", "PagedInputs", "QueryTiles"]
+
+#: Keys a tile reads per step: the pages of one chunk, at least one page.
+CHUNK_KEYS = 256
+#: The longest query tile; a sequence with fewer queries takes the next power of two.
+MAX_TILE_QUERIES = 64
+
+
+class QueryTiles(NamedTuple):
+    """Query tiles of one size: for each, its sequence, the position of its first
+    query within the sequence, its queries in the packed batch, and the chunks of keys
+    it reads (``first <= chunk < stop``, chunks of :attr:`PagedInputs.chunk_keys`)."""
+
+    size: int
+    sequence: list[int]
+    position: list[int]
+    rows: list[int]
+    count: list[int]
+    first: list[int]
+    stop: list[int]
 
 
 class PagedInputs(NamedTuple):
@@ -66,6 +85,50 @@ class PagedInputs(NamedTuple):
         return self.key_pages.shape[1 if self.head_major else 2]
 
     @property
+    def chunk_keys(self) -> int:
+        """Keys a query tile reads per step: whole pages, :data:`CHUNK_KEYS` or one page
+        when larger. Fixed by the page size alone, so never by the batch."""
+        return max(1, CHUNK_KEYS // self.page_size) * self.page_size
+
+    def query_tiles(self) -> list[QueryTiles]:
+        """The call's query tiles, grouped by size (host work, one pass over the
+        sequences). A sequence of ``n`` queries is cut into tiles of the next power of
+        two above ``n`` (at most :data:`MAX_TILE_QUERIES`): sizes fixed by the
+        sequence alone, never by the batch."""
+        groups: dict[int, QueryTiles] = {}
+        chunk = self.chunk_keys
+        for s, length in enumerate(self.key_lengths):
+            start, stop = self.query_starts[s], self.query_starts[s + 1]
+            n = stop - start
+            if n == 0:
+                continue
+            size = min(MAX_TILE_QUERIES, 1 << (n - 1).bit_length())
+            tiles = groups.setdefault(size, QueryTiles(size, [], [], [], [], [], []))
+            for q0 in range(0, n, size):
+                count = min(size, n - q0)
+                first = length - n + q0  # the sequence's own position of query 0
+                lo, hi = _key_range(self.mask, first, first + count, length)
+                tiles.sequence.append(s)
+                tiles.position.append(first)
+                tiles.rows.append(start + q0)
+                tiles.count.append(count)
+                tiles.first.append(lo // chunk if hi > lo else 0)
+                tiles.stop.append(-(-hi // chunk) if hi > lo else 0)
+        return [groups[size] for size in sorted(groups)]
+
+    @property
     def compute_dtype(self) -> Any:
         xp, dtype = self.xp, self.query.dtype
         return dtype if dtype in (xp.float32, xp.float64) else xp.float32
+
+
+def _key_range(mask: Mask | None, p0: int, p1: int, length: int) -> tuple[int, int]:
+    """The keys queries at positions ``[p0, p1)`` of a sequence of ``length`` keys may
+    see, as ``[lo, hi)``."""
+    if length == 0:
+        return 0, 0
+    if mask is None:
+        return 0, length
+    # With as many queries as keys, query i sits at position i (bottom-right aligned).
+    lo, hi = mask.key_range(p0, p1, length, length)
+    return max(0, lo), min(length, hi)

@@ -15,9 +15,9 @@ sequences in its batch.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
-from .._inputs import PagedInputs
+from .._inputs import PagedInputs, QueryTiles
 from .._lib import values_readable
 from ._portable import (
     Scores,
@@ -30,28 +30,6 @@ from ._portable import (
     with_rows,
 )
 
-if TYPE_CHECKING:
-    from ..masks import Mask
-
-#: Keys a tile reads per step: the pages of one chunk, at least one page.
-CHUNK_KEYS = 256
-#: The longest query tile; a sequence with fewer queries takes the next power of two.
-MAX_TILE_QUERIES = 64
-
-
-class Tiles(NamedTuple):
-    """Query tiles of one size: for each, its sequence, the position of its first
-    query within the sequence, its queries in the packed batch, and the chunks of keys
-    it reads (``first <= chunk < stop``)."""
-
-    size: int
-    sequence: list[int]
-    position: list[int]
-    rows: list[int]
-    count: list[int]
-    first: list[int]
-    stop: list[int]
-
 
 def attend_pages(call: PagedInputs) -> tuple[Any, Any]:
     """``(out (T, Hq, Dv), lse (Hq, T))``; a query that sees no key gives 0 and an lse
@@ -63,7 +41,7 @@ def attend_pages(call: PagedInputs) -> tuple[Any, Any]:
                        device=call.device_obj)
         return out, xp.zeros((heads, 0), dtype=call.compute_dtype, device=call.device_obj)
     outs, lses, order = [], [], []
-    for tiles in plan(call):
+    for tiles in call.query_tiles():
         out, lse = _tiles(call, tiles)
         outs.append(xp.reshape(out, (-1, *out.shape[2:])))
         lses.append(xp.reshape(lse, (-1, lse.shape[-1])))
@@ -82,49 +60,7 @@ def attend_pages(call: PagedInputs) -> tuple[Any, Any]:
     return out, xp.permute_dims(xp.take(lse, pick, axis=0), (1, 0))
 
 
-def plan(call: PagedInputs) -> list[Tiles]:
-    """The query tiles of a call, grouped by size (host work, one pass over the
-    sequences)."""
-    groups: dict[int, Tiles] = {}
-    chunk = chunk_keys(call.page_size)
-    for s, length in enumerate(call.key_lengths):
-        start, stop = call.query_starts[s], call.query_starts[s + 1]
-        n = stop - start
-        if n == 0:
-            continue
-        size = min(MAX_TILE_QUERIES, 1 << (n - 1).bit_length())
-        tiles = groups.setdefault(size, Tiles(size, [], [], [], [], [], []))
-        for q0 in range(0, n, size):
-            count = min(size, n - q0)
-            first = length - n + q0  # the sequence's own position of the tile's query 0
-            lo, hi = _key_range(call.mask, first, first + count, length)
-            tiles.sequence.append(s)
-            tiles.position.append(first)
-            tiles.rows.append(start + q0)
-            tiles.count.append(count)
-            tiles.first.append(lo // chunk if hi > lo else 0)
-            tiles.stop.append(-(-hi // chunk) if hi > lo else 0)
-    return [groups[size] for size in sorted(groups)]
-
-
-def chunk_keys(page_size: int) -> int:
-    """Keys per chunk: whole pages, :data:`CHUNK_KEYS` or one page when larger."""
-    return max(1, CHUNK_KEYS // page_size) * page_size
-
-
-def _key_range(mask: Mask | None, p0: int, p1: int, length: int) -> tuple[int, int]:
-    """The keys queries at positions ``[p0, p1)`` of a sequence of ``length`` keys may
-    see, as ``[lo, hi)``."""
-    if length == 0:
-        return 0, 0
-    if mask is None:
-        return 0, length
-    # With as many queries as keys, query i sits at position i (bottom-right aligned).
-    lo, hi = mask.key_range(p0, p1, length, length)
-    return max(0, lo), min(length, hi)
-
-
-def _tiles(call: PagedInputs, tiles: Tiles) -> tuple[Any, Any]:
+def _tiles(call: PagedInputs, tiles: QueryTiles) -> tuple[Any, Any]:
     """``(out (N, size, Hq, Dv), lse (N, size, Hq))`` of tiles of one size."""
     xp, dev, ct = call.xp, call.device_obj, call.compute_dtype
     size, n = tiles.size, len(tiles.sequence)
@@ -165,7 +101,7 @@ def _tiles(call: PagedInputs, tiles: Tiles) -> tuple[Any, Any]:
             return x if pick is None else xp.take(x, pick, axis=0)
 
         keys, values, slot = _chunk(call, part(table), chunk, ct)
-        s = xp.matmul(part(q), xp.permute_dims(keys, (0, 1, 2, 4, 3)))
+        s = grouped_matmul(xp, part(q), xp.permute_dims(keys, (0, 1, 2, 4, 3)))
         if call.softcap is not None:
             s = xp.tanh(s / call.softcap) * call.softcap
         rows_at = part(positions)[:, :, None]
@@ -205,7 +141,7 @@ def _chunk(call: PagedInputs, table: Any, chunk: int, dtype: Any) -> tuple[Any, 
     each tile (read through its block table rows ``table``), and the chunk's key
     positions ``(tk,)``."""
     xp, page = call.xp, call.page_size
-    per_chunk = chunk_keys(page) // page
+    per_chunk = call.chunk_keys // page
     width = table.shape[1]
     first = chunk * per_chunk
     pages = table[:, first:min(width, first + per_chunk)]
@@ -245,12 +181,22 @@ def _step(xp: Any, tile: Scores, values: Any) -> tuple[Any, Any, Any]:
     p = tile.weights(xp, m)
     with warnings.catch_warnings():  # NumPy's warning for 0 * inf, made right below
         warnings.simplefilter("ignore", RuntimeWarning)
-        pv = xp.matmul(p, values)
+        pv = grouped_matmul(xp, p, values)
     if not values_readable(pv) or not bool(xp.all(xp.isfinite(pv))):
         finite = xp.isfinite(values)
         bad = cast(xp, xp.any(xp.logical_not(finite), axis=-1, keepdims=True), values.dtype)
-        pv = attend_values(xp, p, xp.where(finite, values, 0.0), bad, tile)
+        pv = attend_values(xp, p, xp.where(finite, values, 0.0), bad, tile,
+                           lambda a, b: grouped_matmul(xp, a, b))  # the bits of the above
     return pv, m, xp.sum(p, axis=-1, keepdims=True)
+
+
+def grouped_matmul(xp: Any, a: Any, b: Any) -> Any:
+    """``a (N, Hkv, G, r, x) @ b (N, Hkv, 1, x, c)`` as ``(N, Hkv, G, r, c)``, with the
+    query heads of a group stacked as rows of one product: a broadcast over ``G`` makes
+    some libraries (torch) copy ``b`` once for each head."""
+    n, hkv, group, rows, inner = a.shape
+    out = xp.matmul(xp.reshape(a, (n, hkv, group * rows, inner)), b[:, :, 0, ...])
+    return xp.reshape(out, (n, hkv, group, rows, out.shape[-1]))
 
 
 def _merged(xp: Any, state: tuple[Any, Any, Any], step: tuple[Any, Any, Any], pick: Any,

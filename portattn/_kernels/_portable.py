@@ -299,15 +299,17 @@ def split_nonfinite(xp: Any, v: Any) -> tuple[Any, Any]:
     return clean, cast(xp, bad, v.dtype)
 
 
-def attend_values(xp: Any, p: Any, clean: Any, bad: Any, tile: Scores) -> Any:
+def attend_values(xp: Any, p: Any, clean: Any, bad: Any, tile: Scores,
+                  matmul: Any = None) -> Any:
     """``p @ v`` for values split by :func:`split_nonfinite`; ``tile`` are the scores
-    the weights ``p`` came from."""
-    pv = xp.matmul(p, clean)
+    the weights ``p`` came from; ``matmul`` the product (``xp.matmul`` by default)."""
+    matmul = xp.matmul if matmul is None else matmul
+    pv = matmul(p, clean)
     if bad is None:
         return pv
     # A row attends every key its scores do not hide, also one whose weight
     # underflowed to 0: in exact arithmetic that weight times NaN is NaN too.
-    attended = xp.matmul(cast(xp, tile.visible(xp), p.dtype), bad) > 0
+    attended = matmul(cast(xp, tile.visible(xp), p.dtype), bad) > 0
     return xp.where(attended, xp.full_like(pv, math.nan), pv)
 
 
