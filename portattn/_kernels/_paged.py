@@ -101,7 +101,7 @@ def _tiles(call: PagedInputs, tiles: QueryTiles) -> tuple[Any, Any]:
             return x if pick is None else xp.take(x, pick, axis=0)
 
         keys, values, slot = _chunk(call, part(table), chunk, ct)
-        s = grouped_matmul(xp, part(q), xp.permute_dims(keys, (0, 1, 2, 4, 3)))
+        s = per_head_matmul(xp, part(q), [xp.permute_dims(k, (0, 2, 1)) for k in keys])
         if call.softcap is not None:
             s = xp.tanh(s / call.softcap) * call.softcap
         rows_at = part(positions)[:, :, None]
@@ -137,9 +137,11 @@ def _per_head(xp: Any, values: Any, hkv: int, dtype: Any) -> Any:
 
 
 def _chunk(call: PagedInputs, table: Any, chunk: int, dtype: Any) -> tuple[Any, Any, Any]:
-    """Keys ``(N, Hkv, 1, tk, D)`` and values ``(N, Hkv, 1, tk, Dv)`` of one chunk for
-    each tile (read through its block table rows ``table``), and the chunk's key
-    positions ``(tk,)``."""
+    """Keys ``(N, tk, D)`` and values ``(N, tk, Dv)`` of one chunk for each tile (read
+    through its block table rows ``table``), one of each per key/value head, and the
+    chunk's key positions ``(tk,)``. A head's keys are a view of the gathered pages
+    (rows ``Hkv * D`` apart with ``layout="blhd"``), which products read as they lie:
+    no copy but the gather."""
     xp, page = call.xp, call.page_size
     per_chunk = call.chunk_keys // page
     width = table.shape[1]
@@ -154,16 +156,16 @@ def _chunk(call: PagedInputs, table: Any, chunk: int, dtype: Any) -> tuple[Any, 
     flat = xp.reshape(pages, (-1,))
     hkv = call.num_kv_heads
 
-    def read(pool: Any) -> Any:
+    def read(pool: Any) -> list[Any]:
         dim = pool.shape[-1]
-        if call.head_major:  # (P, Hkv, page, D): whole pages, then pages end to end
-            x = xp.reshape(xp.take(pool, flat, axis=0), (n, per_chunk, hkv, page, dim))
-            x = xp.reshape(xp.permute_dims(x, (0, 2, 1, 3, 4)), (n, hkv, keys, dim))
-        else:  # (P, page, Hkv, D): whole pages, read as (Hkv, keys, D) with strides
-            x = xp.reshape(xp.take(pool, flat, axis=0), (n, per_chunk, page, hkv, dim))
-            x = xp.reshape(x, (n, keys, hkv, dim))  # in two steps, as Dask can
-            x = xp.permute_dims(x, (0, 2, 1, 3))
-        return xp.expand_dims(cast(xp, x, dtype), axis=2)
+        if call.head_major:  # (P, Hkv, page, D): each head's pages gathered apart
+            heads = [xp.take(pool[:, h, ...], flat, axis=0) for h in range(hkv)]
+        else:  # (P, page, Hkv, D): whole pages gathered once
+            x = xp.take(pool, flat, axis=0)
+            heads = [x[:, :, h, :] for h in range(hkv)]
+        # in two steps, as Dask can: split the pages by tile, then join each tile's
+        return [cast(xp, xp.reshape(xp.reshape(x, (n, per_chunk, page, dim)), (n, keys, dim)),
+                     dtype) for x in heads]
 
     slot = xp.arange(chunk * keys, (chunk + 1) * keys, dtype=xp.int32, device=call.device_obj)
     return read(call.key_pages), read(call.value_pages), slot
@@ -181,22 +183,26 @@ def _step(xp: Any, tile: Scores, values: Any) -> tuple[Any, Any, Any]:
     p = tile.weights(xp, m)
     with warnings.catch_warnings():  # NumPy's warning for 0 * inf, made right below
         warnings.simplefilter("ignore", RuntimeWarning)
-        pv = grouped_matmul(xp, p, values)
+        pv = per_head_matmul(xp, p, values)
     if not values_readable(pv) or not bool(xp.all(xp.isfinite(pv))):
-        finite = xp.isfinite(values)
-        bad = cast(xp, xp.any(xp.logical_not(finite), axis=-1, keepdims=True), values.dtype)
-        pv = attend_values(xp, p, xp.where(finite, values, 0.0), bad, tile,
-                           lambda a, b: grouped_matmul(xp, a, b))  # the bits of the above
+        finite = [xp.isfinite(v) for v in values]
+        bad = [cast(xp, xp.any(xp.logical_not(f), axis=-1, keepdims=True), v.dtype)
+               for f, v in zip(finite, values, strict=True)]
+        clean = [xp.where(f, v, 0.0) for f, v in zip(finite, values, strict=True)]
+        pv = attend_values(xp, p, clean, bad, tile,
+                           lambda a, b: per_head_matmul(xp, a, b))  # the bits of the above
     return pv, m, xp.sum(p, axis=-1, keepdims=True)
 
 
-def grouped_matmul(xp: Any, a: Any, b: Any) -> Any:
-    """``a (N, Hkv, G, r, x) @ b (N, Hkv, 1, x, c)`` as ``(N, Hkv, G, r, c)``, with the
-    query heads of a group stacked as rows of one product: a broadcast over ``G`` makes
-    some libraries (torch) copy ``b`` once for each head."""
+def per_head_matmul(xp: Any, a: Any, b: list[Any]) -> Any:
+    """``a (N, Hkv, G, r, x) @ b[h] (N, x, c)`` for each key/value head ``h``, as
+    ``(N, Hkv, G, r, c)``: the query heads of a group stacked as the rows of one
+    product. (A broadcast over ``G``, or a batch over heads and tiles whose strides do
+    not line up, makes torch copy ``b`` first.)"""
     n, hkv, group, rows, inner = a.shape
-    out = xp.matmul(xp.reshape(a, (n, hkv, group * rows, inner)), b[:, :, 0, ...])
-    return xp.reshape(out, (n, hkv, group, rows, out.shape[-1]))
+    parts = [xp.matmul(xp.reshape(a[:, h, ...], (n, group * rows, inner)), b[h])
+             for h in range(hkv)]
+    return xp.reshape(xp.stack(parts, axis=1), (n, hkv, group, rows, b[0].shape[-1]))
 
 
 def _merged(xp: Any, state: tuple[Any, Any, Any], step: tuple[Any, Any, Any], pick: Any,

@@ -22,7 +22,7 @@ from portattn.masks import KINDS, Function, leaves
 from ._pytree import register_mask_pytrees
 
 if TYPE_CHECKING:
-    from portattn.kernel import AttentionInputs
+    from portattn.kernel import AttentionInputs, PagedInputs
 
 __all__ = ["JaxFlashKernel", "flash_plan"]
 
@@ -37,6 +37,7 @@ class JaxFlashKernel(Kernel):
     masks = frozenset(KINDS)
     bias = softcap = gqa = value_head_dim = empty = returns_lse = grad = True
     dropout = dropout_seed = True
+    paged = True  # one compiled loop per query-tile size (._paged)
     # the changes by distance, read by the loops at traced tile offsets (_flash_scores)
     score_mod = frozenset({"relative_position", "alibi"})
     deterministic = True
@@ -69,6 +70,12 @@ class JaxFlashKernel(Kernel):
         register_mask_pytrees()
         out, lse = attend(inputs)
         return out, lse if inputs.return_lse else None, None
+
+    def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:
+        from ._paged import attend_pages
+
+        register_mask_pytrees()
+        return attend_pages(call)
 
 
 def flash_plan(inputs: AttentionInputs) -> Any:
