@@ -19,7 +19,7 @@ jnp = require_library("jax.numpy")
 HQ, HKV, D, DV = 4, 2, 16, 8
 
 
-def _call(rng, sequences, page, layout="blhd", garbage=np.nan, dtype=np.float32):
+def _call(rng, sequences, page, layout="blhd", garbage=0.0, dtype=np.float32):
     """A paged call's arguments: sequences of ``(queries, keys)`` scattered over a pool
     whose other slots hold ``garbage``."""
     needed = [-(-n // page) for _, n in sequences]
@@ -87,7 +87,16 @@ def test_agrees_with_numpy(page, layout, mask):
     want, want_lse = _on_numpy(arrays, options)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-6)
-    assert np.isfinite(np.asarray(out)).all()  # the NaN in unused slots is never read in
+
+
+@pytest.mark.parametrize("layout", ["blhd", "bhld"])
+def test_unused_slots_holding_nan_never_reach_a_result(layout):
+    arrays, options = _call(np.random.default_rng(8), MIXED, 16, layout, garbage=np.nan)
+    options.update(mask=WINDOW_SINKS)
+    out = np.asarray(portattn.paged_attention(*arrays, **options))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(_on_numpy(arrays, options)), rtol=2e-5,
+                               atol=2e-6)
 
 
 def test_score_options_agree_with_numpy():
