@@ -32,7 +32,7 @@ from .kv_cache import KVCache
 from .linear import linear_attention
 from .multihead import MultiHeadAttention, multi_head_attention
 from .paged import explain_paged, paged_attention
-from .paged_cache import PagedKVCache
+from .paged_cache import PagedKVCache, PagedStep
 
 __all__ = [
     "KVCache",
@@ -40,6 +40,7 @@ __all__ = [
     "MultiHeadAttention",
     "PagedKVCache",
     "PagedPlan",
+    "PagedStep",
     "Plan",
     "__version__",
     "attention",

@@ -22,11 +22,13 @@ from ._models import (
     dimensions,
     namespace_of,
 )
+from .paged import check_mask
 
 if TYPE_CHECKING:
 
     from .kv_cache import KVCache
     from .masks import Mask
+    from .paged_cache import PagedKVCache, PagedStep
 
 __all__ = ["MultiHeadAttention", "multi_head_attention"]
 
@@ -35,7 +37,8 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
                          b_v: Any = None, b_o: Any = None, context: Any = None,
                          value_context: Any = None, mask: Mask | Any = None,
                          bias: Any = None, scale: float | None = None,
-                         kernel: str | None = None, cache: KVCache | None = None) -> Any:
+                         kernel: str | None = None,
+                         cache: KVCache | PagedStep | None = None) -> Any:
     """Multi-head (grouped-query, multi-query, cross) attention of ``x``.
 
     Shapes: ``x (..., L, d_model)``; ``w_q (d_model, num_heads * head_dim)``;
@@ -74,6 +77,10 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
             ``masks.causal()`` (bottom-right aligned) a step over new tokens equals the
             matching rows of a causal pass over the whole sequence. A ragged cache
             (:meth:`KVCache.ragged`) takes ``mask=None`` and applies its own mask.
+            Or a :class:`portattn.PagedStep` (:meth:`PagedKVCache.step`): ``x`` is
+            ``(T, d_model)``, the packed new tokens of several sequences, each
+            attending its own cached keys (:func:`portattn.paged_attention`; ``mask``
+            one that reads positions alone, no ``bias`` or ``kernel``).
 
     Returns:
         ``(..., L, d_out)``, in ``x``'s library and dtype.
@@ -132,6 +139,9 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
     value_source = _value_source(source, context, value_context, dims.d_value_context,
                                  d_context)
     mask, bias = additive_mask(xp, mask, bias)
+    if cache is not None and _is_paged(cache):
+        return _paged_step(xp, x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
+                           kv_heads, cache, mask, bias, scale, kernel)
 
     q = _split_heads(xp, _project(xp, x, w_q, b_q), num_heads)
     k = _split_heads(xp, _project(xp, source, w_k, b_k), kv_heads)
@@ -147,6 +157,37 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
             mask = cache.mask(q.shape[-2])
     out = attention(q, k, v, mask=mask, bias=bias, scale=scale, kernel=kernel)
     return _project(xp, _merge_heads(xp, out), w_o, b_o)
+
+
+def _is_paged(cache: Any) -> bool:
+    from .paged_cache import PagedStep
+
+    return isinstance(cache, PagedStep)
+
+
+def _paged_step(xp: Any, x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any,
+                b_v: Any, b_o: Any, num_heads: int, kv_heads: int, step: PagedStep,
+                mask: Any, bias: Any, scale: float | None, kernel: str | None) -> Any:
+    """A pass over packed tokens ``x (T, d_model)`` of a paged cache's sequences."""
+    if x.ndim != 2:
+        msg = (f"with a paged cache step, x holds the packed tokens, (T, d_model); got "
+               f"x.shape={tuple(x.shape)}")
+        raise ValueError(msg)
+    for name, given in (("bias", bias), ("kernel", kernel)):
+        if given is not None:
+            msg = (f"a paged cache step runs portattn.paged_attention, which takes no "
+                   f"{name}; got {name}={given!r}")
+            raise ValueError(msg)
+    check_mask(mask)  # before the cache is written
+    total = x.shape[0]
+
+    def heads(a: Any, count: int) -> Any:  # (T, H * d) -> (T, H, d)
+        return xp.reshape(a, (total, count, a.shape[-1] // count))
+
+    step.append(heads(_project(xp, x, w_k, b_k), kv_heads),
+                heads(_project(xp, x, w_v, b_v), kv_heads))
+    out = step.attention(heads(_project(xp, x, w_q, b_q), num_heads), mask=mask, scale=scale)
+    return _project(xp, xp.reshape(out, (total, -1)), w_o, b_o)
 
 
 def _value_source(source: Any, context: Any, value_context: Any, d_value: int,
@@ -378,7 +419,7 @@ class MultiHeadAttention:
                           scale=self.scale, kernel=self.kernel)
 
     def __call__(self, x: Any, context: Any = None, mask: Mask | Any = None,
-                 cache: KVCache | None = None, *, value_context: Any = None,
+                 cache: KVCache | PagedStep | None = None, *, value_context: Any = None,
                  bias: Any = None) -> Any:
         return multi_head_attention(x, **self.params, num_heads=self.num_heads,
                                     num_kv_heads=self.num_kv_heads, context=context,
@@ -406,6 +447,27 @@ class MultiHeadAttention:
         return KVCache.empty(batch_shape, self.num_kv_heads, self.head_dim, capacity,
                              value_head_dim=self.value_head_dim, xp=self.xp,
                              dtype=self.dtype, device=self.device)
+
+    def new_paged_cache(self, page_size: int, *, num_pages: int = 16,
+                        layout: str = "blhd") -> PagedKVCache:
+        """An empty :class:`portattn.PagedKVCache` for this layer's keys and values; a
+        forward pass takes one of its steps (:meth:`PagedKVCache.step`) as ``cache``.
+
+        Args:
+            page_size: tokens per page.
+            num_pages: pages to start with; the pool doubles when they run out.
+            layout: ``"blhd"`` or ``"bhld"`` (:meth:`PagedKVCache.empty`).
+
+        Returns:
+            A cache in the layer's library, device and dtype, with its key/value heads
+            and head dims.
+        """
+        from .paged_cache import PagedKVCache
+
+        return PagedKVCache.empty(page_size, self.num_kv_heads, self.head_dim,
+                                  value_head_dim=self.value_head_dim, num_pages=num_pages,
+                                  layout=layout, xp=self.xp, dtype=self.dtype,
+                                  device=self.device)
 
     def __repr__(self) -> str:
         kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"

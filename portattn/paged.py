@@ -201,11 +201,7 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
             raise ValueError(msg)
     starts = _starts(xp, dev, query_starts, sequences, q[0], lengths)
     host_table = _check_table(table, lengths, page, num_pages)
-    if mask is not None and not masks.reads_positions_alone(mask):
-        msg = (f"mask must read positions alone (causal, sliding_window, sink_tokens, "
-               f"chunks, combined with & and |), to mean the same in every sequence; "
-               f"got mask={mask!r}")
-        raise ValueError(msg)
+    check_mask(mask)
     if softcap is not None and not softcap > 0:
         msg = f"softcap must be > 0 or None; got softcap={softcap!r}"
         raise ValueError(msg)
@@ -218,6 +214,15 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
         softcap=None if softcap is None else float(softcap),
         alibi_slopes=_per_sequence(xp, dev, alibi_slopes, "alibi_slopes", sequences, q[1]),
         sinks=_per_sequence(xp, dev, sinks, "sinks", sequences, q[1]))
+
+
+def check_mask(mask: Any) -> None:
+    """A paged call's mask must mean the same in every sequence."""
+    if mask is not None and not masks.reads_positions_alone(mask):
+        msg = (f"mask must read positions alone (causal, sliding_window, sink_tokens, "
+               f"chunks, combined with & and |), to mean the same in every sequence; "
+               f"got mask={mask!r}")
+        raise ValueError(msg)
 
 
 def _starts(xp: Any, dev: Any, query_starts: Any, sequences: int, total: int,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from array_api_compat import array_namespace
 
@@ -28,7 +28,7 @@ from ._lib import check_like, dtype_name, namespace, resolve_dtype, safe_device
 from ._models import int_at_least
 from .paged import LAYOUTS, paged_attention
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "PagedStep"]
 
 
 class PagedKVCache:
@@ -215,6 +215,36 @@ class PagedKVCache:
         self.key_pages = self._write(self.key_pages, slots, key)
         self.value_pages = self._write(self.value_pages, slots, value)
 
+    def step(self, sequences: Sequence[int], counts: Sequence[int] | None = None) -> PagedStep:
+        """One forward pass over these sequences' new tokens, packed end to end: the
+        ``cache=`` of :class:`portattn.MultiHeadAttention` (each layer's own cache).
+
+        Args:
+            sequences: the sequences, each at most once.
+            counts: tokens per sequence in the pass; one each when None.
+
+        Returns:
+            The :class:`PagedStep`, whose :meth:`~PagedStep.append` and
+            :meth:`~PagedStep.attention` read the packed tokens that way.
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import MultiHeadAttention, masks
+            >>> layer = MultiHeadAttention.init(16, 4, 2)
+            >>> cache = layer.new_paged_cache(page_size=8)
+            >>> a, b = cache.add(), cache.add()
+            >>> x = np.ones((7, 16), dtype=np.float32)       # 5 tokens of a, 2 of b
+            >>> layer(x, mask=masks.causal(), cache=cache.step([a, b], [5, 2])).shape
+            (7, 16)
+            >>> cache.length(a), cache.length(b)
+            (5, 2)
+        """
+        seqs = tuple(operator.index(s) for s in sequences)
+        for seq in seqs:
+            self._pages_of(seq)  # an unknown sequence is named now, not in a layer
+        return PagedStep(self, seqs, None if counts is None else
+                         tuple(operator.index(n) for n in counts))
+
     def block_table(self, sequences: Sequence[int]) -> Any:
         """``(S, W)`` int32: the pages of each sequence in order, ``-1`` past its end
         (``W``: the most pages any of them holds)."""
@@ -363,6 +393,25 @@ class PagedKVCache:
                 f"value_head_dim={self.value_pages.shape[-1]}, layout={self._layout!r}, "
                 f"sequences={len(self._pages)}, pages_in_use={self.pages_in_use}, "
                 f"dtype={dtype_name(self.key_pages.dtype)})")
+
+
+class PagedStep(NamedTuple):
+    """One forward pass's tokens in a :class:`PagedKVCache` (:meth:`PagedKVCache.step`):
+    ``counts[i]`` packed tokens of ``sequences[i]`` after another (one each when
+    ``counts`` is None)."""
+
+    cache: PagedKVCache
+    sequences: tuple[int, ...]
+    counts: tuple[int, ...] | None
+
+    def append(self, key: Any, value: Any) -> None:
+        """Write the pass's keys ``(T, Hkv, D)`` and values ``(T, Hkv, Dv)``."""
+        self.cache.append(self.sequences, key, value, self.counts)
+
+    def attention(self, query: Any, **options: Any) -> Any:
+        """The pass's queries ``(T, Hq, D)`` attended to their sequences' keys (append
+        first): :meth:`PagedKVCache.attention`."""
+        return self.cache.attention(query, self.sequences, self.counts, **options)
 
 
 def _put(xp: Any, whole: Any, rows: list[int], new: Any) -> Any:

@@ -86,14 +86,14 @@ class PagedInputs(NamedTuple):
 
     @property
     def chunk_keys(self) -> int:
-        """Keys a query tile reads per step: whole pages, :data:`CHUNK_KEYS` or one page
+        """Keys a query tile reads per step: whole pages, ``CHUNK_KEYS`` (256) or one page
         when larger. Fixed by the page size alone, so never by the batch."""
         return max(1, CHUNK_KEYS // self.page_size) * self.page_size
 
     def query_tiles(self) -> list[QueryTiles]:
         """The call's query tiles, grouped by size (host work, one pass over the
         sequences). A sequence of ``n`` queries is cut into tiles of the next power of
-        two above ``n`` (at most :data:`MAX_TILE_QUERIES`): sizes fixed by the
+        two above ``n`` (at most ``MAX_TILE_QUERIES``, 64): sizes fixed by the
         sequence alone, never by the batch."""
         groups: dict[int, QueryTiles] = {}
         chunk = self.chunk_keys
