@@ -15,15 +15,16 @@ import functools
 import importlib.util
 import os
 import sys
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import Kernel
-from portattn.masks import KINDS
+from portattn.masks import KINDS, is_positional
 
 from ._distance import KINDS as DISTANCE_KINDS
 
 if TYPE_CHECKING:
-    from portattn.kernel import AttentionInputs
+    from portattn.kernel import AttentionInputs, PagedInputs
 
 __all__ = ["TritonFlashKernel"]
 
@@ -57,6 +58,7 @@ class TritonFlashKernel(Kernel):
     bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = grad = dropout = dropout_seed = True
     score_mod = DISTANCE_KINDS  # one row per head, read at each tile's diagonals
+    paged = True  # split-KV decode through the block table (._triton_paged)
     priority = 200
 
     @classmethod
@@ -98,6 +100,37 @@ class TritonFlashKernel(Kernel):
         if _sdpa_fuses(inputs):
             return ("torch_sdpa",)
         return ("torch_flex",) if inputs.mask is not None else ()
+
+    @classmethod
+    def paged_reasons(cls, call: PagedInputs) -> list[str]:
+        from ._launch_paged import paged_rows_limit
+
+        reasons = super().paged_reasons(call)
+        if call.namespace != "torch":
+            reasons.append(f"namespace={call.namespace} (paged calls: torch)")
+        if call.device == "cpu" and call.dtype == "bfloat16":
+            reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
+                           "is inexact)")
+        low, high = cls.head_dim
+        dims = (call.query.shape[2], call.value_pages.shape[-1])
+        if not all(low <= dim <= high for dim in dims):
+            reasons.append(f"head dims {dims} outside [{low}, {high}]")
+        if call.mask is not None and not is_positional(call.mask):
+            reasons.append(f"mask {call.mask!r} is not made of causal and window parts")
+        most = max((b - a for a, b in pairwise(call.query_starts)), default=0)
+        group = call.query.shape[1] // call.num_kv_heads
+        limit = paged_rows_limit(call)
+        if group * most > limit:
+            reasons.append(f"{group} query heads per K/V head x {most} queries of one "
+                           f"sequence > {limit} rows of a decode tile")
+        return reasons
+
+    def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:
+        from ._launch_paged import paged_forward
+
+        dev = call.query.device
+        capability = _capability(dev.index or 0) if dev.type == "cuda" else None
+        return paged_forward(call, capability)
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._autograd import attention

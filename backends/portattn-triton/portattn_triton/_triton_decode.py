@@ -158,7 +158,8 @@ def decode_merge_kernel(
     nan_row = tl.max((lses != lses).to(tl.int32), 0) > 0
     top = tl.max(lses, 0)
     seen = (top > float("-inf")) | nan_row
-    top_safe = tl.where(seen, top, 0.0)
+    # a NaN row whose max skipped the NaN may have top -inf: subtract 0 there, not -inf
+    top_safe = tl.where(top > float("-inf"), top, 0.0)
     weights = tl.math.exp2((lses - top_safe[None, :]) * LOG2E)  # [BLOCK_S, BLOCK_M]
     total = tl.sum(weights, 0)
     total_safe = tl.where(seen, total, 1.0)

@@ -35,7 +35,7 @@ from pathlib import Path
 #: (``_configs.EXTRAS``).
 _FORMULAS = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
              "HAS_QUERY_LENGTHS": True, "HAS_POISON": True, "SOFTCAP": True,
-             "REVERSE": True}
+             "REVERSE": True, "HAS_ALIBI": True}
 _BITS = {**_FORMULAS, "HAS_BAD": True, "HAS_BITS": True, "HAS_TABLE": True}
 _FEATURES = {**_BITS, "HAS_BIAS": True, "BIAS_GRAD": True}
 _DISTANCE = {"HAS_DISTANCE": True, "DISTANCE_GRAD": True}
@@ -69,12 +69,14 @@ def extra_of(variant: str) -> str | None:
 
 DTYPES = {"float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
 #: Kernels: the forward's three paths (pointers, tensor descriptors on sm_90 only,
-#: split-KV decode) and the two backward passes (the Delta pass is a plain elementwise
-#: reduction, compiled once per dtype and head dim as "delta").
-KERNELS = ("forward", "tma", "decode", "dkdv", "dq")
+#: split-KV decode), split-KV decode over pages, and the two backward passes (the Delta
+#: pass is a plain elementwise reduction, compiled once per dtype and head dim as
+#: "delta").
+KERNELS = ("forward", "tma", "decode", "paged", "dkdv", "dq")
 _FUNCTIONS = {"forward": ("_triton_kernel", "flash_forward_kernel"),
               "tma": ("_triton_tma", "flash_forward_tma_kernel"),
               "decode": ("_triton_decode", "decode_split_kernel"),
+              "paged": ("_triton_paged", "paged_split_kernel"),
               "dkdv": ("_triton_backward", "dkdv_kernel"),
               "dq": ("_triton_dq", "dq_kernel"),
               "delta": ("_triton_backward", "delta_kernel")}
@@ -84,7 +86,7 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 _INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
                   "stride_dkd", "stride_dvd", "stride_dqd", "stride_bn")
 _FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison", "Bad", "DBias",
-                   "Distance", "DDistance")
+                   "Distance", "DDistance", "Slopes")
 _DESCRIPTORS = {"DescQ": ("BLOCK_M", "BLOCK_D"), "DescK": ("BLOCK_N", "BLOCK_D"),
                 "DescV": ("BLOCK_N", "BLOCK_DV"), "DescO": ("BLOCK_M", "BLOCK_DV")}
 #: What the compiled code is searched for: PTX instructions and SASS opcodes.
@@ -101,7 +103,8 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     types = {name: f"*{elem}" for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
     # a float32 bias, the widest (half precision inputs sum it in float32 either way)
     types.update(dict.fromkeys((*_FLOAT_POINTERS, "Bias"), "*fp32"))
-    types.update(KeyLengths="*i32", QueryLengths="*i32", Table="*i32", Bits="*u8", Word="*i32")
+    types.update(KeyLengths="*i32", QueryLengths="*i32", Table="*i32", Bits="*u8", Word="*i32",
+                 Starts="*i32", Lengths="*i32")
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -139,7 +142,7 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
     extra = extra_of(variant)
     if kernel in ("forward", "tma"):
         return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim, extra)
-    if kernel == "decode":  # "plain": the fewest rows; else the most the launcher packs
+    if kernel in ("decode", "paged"):  # "plain": the fewest rows; else the most packed
         rows = 4 if variant == "plain" else decode_max_rows(DTYPES[dtype][1], dim)
         return decode_config(capability, DTYPES[dtype][1], head_dim, head_dim, rows, extra)
     if kernel == "delta":
@@ -177,6 +180,10 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
             return ["plain"]
         return ["plain", *(f"{level}_even" for level in levels), *(["ws"] if dim == 128
                                                                      else [])]
+    if kernel == "paged":  # the most rows, every feature, at the common head dims
+        if dim not in (64, 128):
+            return []
+        return ["formulas_even"]
     if kernel == "decode":  # the most rows and features; the fewest rows at one size
         if dtype == "float32" and dim > 128:  # no decode for float32 at head dim 256
             return []
@@ -224,7 +231,7 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
             **VARIANTS[variant],
         }
-    if kernel == "decode":
+    if kernel in ("decode", "paged"):
         constants["BLOCK_M"] = config.block_m
     if kernel == "tma":
         constants.pop("EVEN_D")
