@@ -12,6 +12,7 @@ import pytest
 import portattn
 from portattn import masks
 from portattn.testing import assert_close, oracle
+from portattn.testing.paged import scattered_pages
 
 # (queries, keys) per sequence: no query, a first token, decodes, a whole prompt, a
 # prompt's second chunk, a prefill beside a long cache
@@ -33,28 +34,8 @@ MASKS = {
 def _pool(rng, sequences, page, layout, garbage=np.nan):
     """Keys and values of each sequence scattered over a pool whose other slots hold
     ``garbage``; returns (k_pool, v_pool, table, own keys and values per sequence)."""
-    pages_needed = [-(-n // page) for _, n in sequences]
-    total = sum(pages_needed) + 3
-    order = rng.permutation(total)
-    k_pool = np.full((total, page, HKV, D), garbage, dtype=np.float32)
-    v_pool = np.full((total, page, HKV, DV), garbage, dtype=np.float32)
-    width = max(pages_needed)
-    table = np.full((len(sequences), width), -1, dtype=np.int32)
-    own, used = [], 0
-    for s, (_, n) in enumerate(sequences):
-        k = rng.standard_normal((n, HKV, D)).astype(np.float32)
-        v = rng.standard_normal((n, HKV, DV)).astype(np.float32)
-        for j in range(pages_needed[s]):
-            p = order[used]
-            used += 1
-            table[s, j] = p
-            rows = slice(j * page, min(n, (j + 1) * page))
-            k_pool[p, :rows.stop - rows.start] = k[rows]
-            v_pool[p, :rows.stop - rows.start] = v[rows]
-        own.append((k, v))
-    if layout == "bhld":
-        k_pool, v_pool = k_pool.transpose(0, 2, 1, 3).copy(), v_pool.transpose(0, 2, 1, 3).copy()
-    return k_pool, v_pool, table, own
+    return scattered_pages(rng, [n for _, n in sequences], page, HKV, D, DV, layout=layout,
+                           garbage=garbage, spare=3)
 
 
 def _expected(q, sequences, own, **kwargs):

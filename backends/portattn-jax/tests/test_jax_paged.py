@@ -11,6 +11,7 @@ from jaxcases import jax_backend
 
 import portattn
 from portattn import masks
+from portattn.testing.paged import scattered_pages
 from portattn.testing.plugin import require_library
 
 jax = require_library("jax")
@@ -22,20 +23,8 @@ HQ, HKV, D, DV = 4, 2, 16, 8
 def _call(rng, sequences, page, layout="blhd", garbage=0.0, dtype=np.float32):
     """A paged call's arguments: sequences of ``(queries, keys)`` scattered over a pool
     whose other slots hold ``garbage``."""
-    needed = [-(-n // page) for _, n in sequences]
-    pool_pages = sum(needed) + 2
-    order = iter(rng.permutation(pool_pages))
-    k_pool = np.full((pool_pages, page, HKV, D), garbage, dtype=np.float32)
-    v_pool = np.full((pool_pages, page, HKV, DV), garbage, dtype=np.float32)
-    table = np.full((len(sequences), max(needed) + 1), -1, dtype=np.int32)
-    for s, (_, n) in enumerate(sequences):
-        for j in range(needed[s]):
-            table[s, j] = p = next(order)
-            used = min(page, n - j * page)
-            k_pool[p, :used] = rng.standard_normal((used, HKV, D))
-            v_pool[p, :used] = rng.standard_normal((used, HKV, DV))
-    if layout == "bhld":
-        k_pool, v_pool = k_pool.transpose(0, 2, 1, 3), v_pool.transpose(0, 2, 1, 3)
+    k_pool, v_pool, table, _ = scattered_pages(rng, [n for _, n in sequences], page, HKV, D,
+                                               DV, layout=layout, garbage=garbage)
     starts = np.cumsum([0] + [q for q, _ in sequences])
     query = rng.standard_normal((starts[-1], HQ, D))
     arrays = tuple(jnp.asarray(np.ascontiguousarray(a).astype(dtype))

@@ -108,6 +108,7 @@ class TritonFlashKernel(Kernel):
         reasons = super().paged_reasons(call)
         if call.namespace != "torch":
             reasons.append(f"namespace={call.namespace} (paged calls: torch)")
+            return reasons  # the rest reads torch's shapes and dtypes
         if call.device == "cpu" and call.dtype == "bfloat16":
             reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
                            "is inexact)")

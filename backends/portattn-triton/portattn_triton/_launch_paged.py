@@ -21,7 +21,7 @@ def paged_rows_limit(call: PagedInputs) -> int:
     """The most packed rows (query heads of a group times a sequence's queries) one
     program's tile holds at this dtype and head dim."""
     dims = max(block_dim(call.query.shape[2]), block_dim(call.value_pages.shape[-1]))
-    return decode_max_rows(call.query.dtype.itemsize, dims)
+    return decode_max_rows(2 if call.dtype in ("float16", "bfloat16") else 4, dims)
 
 
 def paged_forward(call: PagedInputs, capability: tuple[int, int] | None,

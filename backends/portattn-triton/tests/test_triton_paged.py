@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from portattn.testing.paged import scattered_pages
 from portattn.testing.plugin import require_library
 
 torch = require_library("torch")
@@ -27,19 +28,8 @@ SEQUENCES = [(1, 70), (3, 21), (0, 9), (1, 1), (2, 40)]
 
 def _call(sequences, page, layout="blhd", garbage=0.0, dtype=torch.float32, seed=0):
     rng = np.random.default_rng(seed)
-    needed = [-(-n // page) for _, n in sequences]
-    order = iter(rng.permutation(sum(needed) + 2))
-    k_pool = np.full((sum(needed) + 2, page, HKV, D), garbage)
-    v_pool = np.full((sum(needed) + 2, page, HKV, DV), garbage)
-    table = np.full((len(sequences), max(needed) + 1), -1, dtype=np.int32)
-    for s, (_, n) in enumerate(sequences):
-        for j in range(needed[s]):
-            table[s, j] = p = next(order)
-            used = min(page, n - j * page)
-            k_pool[p, :used] = rng.standard_normal((used, HKV, D))
-            v_pool[p, :used] = rng.standard_normal((used, HKV, DV))
-    if layout == "bhld":
-        k_pool, v_pool = k_pool.transpose(0, 2, 1, 3), v_pool.transpose(0, 2, 1, 3)
+    k_pool, v_pool, table, _ = scattered_pages(rng, [n for _, n in sequences], page, HKV, D,
+                                               DV, layout=layout, garbage=garbage)
     starts = np.cumsum([0] + [q for q, _ in sequences])
     query = rng.standard_normal((starts[-1], HQ, D))
     arrays = tuple(torch.tensor(np.ascontiguousarray(a), dtype=dtype)
