@@ -9,6 +9,8 @@
   into a ``conftest.py``, or load ``pytest_plugins = ["portattn.testing.plugin"]`` from
   a top-level one), and ``require_backend`` / ``require_library`` for tests that need a
   particular one. ``PORTATTN_TEST_BACKENDS`` selects; selected and missing fails.
+- :mod:`portattn.testing.paged`: sequences' keys and values scattered over a page pool,
+  for tests of paged kernels.
 """
 
 from __future__ import annotations
