@@ -331,6 +331,24 @@ def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_d
     return Config(block_m, 32, 8, 2)
 
 
+# (element bytes, padded head dim) -> (block_n, warps, stages) of paged split-KV decode:
+# the widest key blocks that compile without spills on sm_80 and sm_90 with every
+# feature on (bands, ALiBi, softcap) at the most packed rows (compile tests).
+_PAGED: dict[tuple[int, int], tuple[int, int, int]] = {
+    (2, 16): (64, 4, 3), (2, 32): (64, 4, 3), (2, 64): (32, 4, 3), (2, 128): (64, 8, 3),
+    (2, 256): (32, 8, 2),
+    (4, 16): (64, 4, 3), (4, 32): (32, 4, 3), (4, 64): (64, 8, 3), (4, 128): (64, 8, 3),
+}
+
+
+def paged_config(element_bytes: int, head_dim: int, value_head_dim: int, rows: int) -> Config:
+    """Block sizes of the paged split-KV decode kernel for ``rows`` packed query rows
+    (at most :func:`decode_max_rows`)."""
+    block_m = max(16, 1 << (max(rows, 1) - 1).bit_length())
+    dim = max(block_dim(head_dim), block_dim(value_head_dim))
+    return Config(block_m, *_PAGED[2 if element_bytes <= 2 else 4, dim])
+
+
 def decode_splits(programs: int, kv_len: int, block_n: int, sm_count: int | None) -> int:
     """How many slices of the keys the decode spreads over: enough programs for about
     two per multiprocessor, each slice at least four key blocks long."""

@@ -129,9 +129,7 @@ class TritonFlashKernel(Kernel):
     def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:
         from ._launch_paged import paged_forward
 
-        dev = call.query.device
-        capability = _capability(dev.index or 0) if dev.type == "cuda" else None
-        return paged_forward(call, capability)
+        return paged_forward(call)
 
     def run(self, inputs: AttentionInputs) -> tuple[Any, Any, Any]:
         from ._autograd import attention

@@ -9,7 +9,7 @@ import math
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from ._configs import block_dim, decode_config, decode_max_rows, decode_splits
+from ._configs import block_dim, decode_max_rows, decode_splits, paged_config
 
 if TYPE_CHECKING:
     from portattn.kernel import PagedInputs
@@ -24,10 +24,10 @@ def paged_rows_limit(call: PagedInputs) -> int:
     return decode_max_rows(2 if call.dtype in ("float16", "bfloat16") else 4, dims)
 
 
-def paged_forward(call: PagedInputs, capability: tuple[int, int] | None,
-                  num_splits: int | None = None) -> tuple[Any, Any]:
+def paged_forward(call: PagedInputs, num_splits: int | None = None) -> tuple[Any, Any]:
     """``(out (T, Hq, Dv), lse (Hq, T) float32)`` of the paged call ``call`` (torch
-    tensors on the pools' device)."""
+    tensors on the pools' device); ``num_splits`` fixes the slices of the keys (None:
+    about two programs per multiprocessor)."""
     import torch
 
     from ._launching import on_device, precision
@@ -44,7 +44,7 @@ def paged_forward(call: PagedInputs, capability: tuple[int, int] | None,
     if total == 0 or most == 0:
         return (torch.zeros((total, hq, dv), dtype=q.dtype, device=dev),
                 torch.zeros((hq, total), dtype=torch.float32, device=dev))
-    config = decode_config(capability, q.element_size(), d, dv, group * most)
+    config = paged_config(q.element_size(), d, dv, group * most)
     longest = max(call.key_lengths)
     if num_splits is None:
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count

@@ -80,7 +80,7 @@ def test_several_splits_and_half_precision():
     arrays, options = _call([(1, 300), (2, 130)], 16, dtype=torch.float16, seed=3)
     call = _checked(*arrays, options["block_table"], options["key_lengths"],
                     options["query_starts"], masks.causal(), None, None, None, None, "blhd")
-    out, lse = paged_forward(call, None, num_splits=3)
+    out, lse = paged_forward(call, num_splits=3)
     want, want_lse = _portable(arrays, {**options, "mask": masks.causal(),
                                         "return_lse": True})
     torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)

@@ -133,6 +133,7 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
         decode_config,
         decode_max_rows,
         delta_rows,
+        paged_config,
         pick_backward_config,
         pick_config,
     )
@@ -144,6 +145,8 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
         return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim, extra)
     if kernel in ("decode", "paged"):  # "plain": the fewest rows; else the most packed
         rows = 4 if variant == "plain" else decode_max_rows(DTYPES[dtype][1], dim)
+        if kernel == "paged":
+            return paged_config(DTYPES[dtype][1], head_dim, head_dim, rows)
         return decode_config(capability, DTYPES[dtype][1], head_dim, head_dim, rows, extra)
     if kernel == "delta":
         return Config(delta_rows(dim), dim, 4, 1)
@@ -163,6 +166,7 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
         BACKWARD_MAX_DIM,
         DISTANCE_BACKWARD_MAX_DIM_FLOAT32,
         HEAVY_MAX_DIM_FLOAT32,
+        decode_max_rows,
     )
 
     levels = LEVELS if dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32 else ("formulas",)
@@ -180,10 +184,8 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
             return ["plain"]
         return ["plain", *(f"{level}_even" for level in levels), *(["ws"] if dim == 128
                                                                      else [])]
-    if kernel == "paged":  # the most rows, every feature, at the common head dims
-        if dim not in (64, 128):
-            return []
-        return ["formulas_even"]
+    if kernel == "paged":  # the most rows, every feature
+        return ["formulas_even"] if decode_max_rows(DTYPES[dtype][1], dim) else []
     if kernel == "decode":  # the most rows and features; the fewest rows at one size
         if dtype == "float32" and dim > 128:  # no decode for float32 at head dim 256
             return []
