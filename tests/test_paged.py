@@ -18,7 +18,7 @@ from portattn.testing.paged import scattered_pages
 # prompt's second chunk, a prefill beside a long cache
 SEQUENCES = [(0, 5), (1, 1), (1, 70), (37, 37), (20, 150), (1, 3), (5, 5)]
 HQ, HKV, D, DV = 4, 2, 16, 8
-#: The libraries whose rows do not depend on the batch, bit for bit (docs/serving.md).
+#: The backends whose rows do not depend on the batch, bit for bit (docs/serving.md).
 BATCH_INVARIANT = {"numpy", "torch", "array_api_strict", "dask"}
 
 MASKS = {
@@ -277,8 +277,8 @@ def test_the_pool_grows_with_the_pages_in_use_and_reuses_freed_ones(backend):
 @pytest.mark.parametrize("others", [1, 5, 31])
 def test_a_sequence_gives_the_same_bits_whatever_shares_its_batch(backend, others):
     if backend.name not in BATCH_INVARIANT:
-        pytest.skip(f"{backend.name} is not batch invariant: XLA on the CPU picks its "
-                    "loops by the shape of the whole batch (rows agree to an ulp)")
+        pytest.skip(f"{backend.name} is not batch invariant: its paged kernel's shapes "
+                    "follow the whole batch (docs/serving.md)")
     rng = np.random.default_rng(5)
     sequences = [(1, 300)] + [(int(rng.integers(1, 3)), int(rng.integers(3, 400)))
                               for _ in range(others)]
