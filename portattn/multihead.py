@@ -23,12 +23,13 @@ from ._models import (
     namespace_of,
 )
 from .paged import check_mask
+from .paged_cache import PagedStep
 
 if TYPE_CHECKING:
 
     from .kv_cache import KVCache
     from .masks import Mask
-    from .paged_cache import PagedKVCache, PagedStep
+    from .paged_cache import PagedKVCache
 
 __all__ = ["MultiHeadAttention", "multi_head_attention"]
 
@@ -139,7 +140,7 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
     value_source = _value_source(source, context, value_context, dims.d_value_context,
                                  d_context)
     mask, bias = additive_mask(xp, mask, bias)
-    if cache is not None and _is_paged(cache):
+    if isinstance(cache, PagedStep):
         return _paged_step(xp, x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
                            kv_heads, cache, mask, bias, scale, kernel)
 
@@ -157,12 +158,6 @@ def multi_head_attention(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_
             mask = cache.mask(q.shape[-2])
     out = attention(q, k, v, mask=mask, bias=bias, scale=scale, kernel=kernel)
     return _project(xp, _merge_heads(xp, out), w_o, b_o)
-
-
-def _is_paged(cache: Any) -> bool:
-    from .paged_cache import PagedStep
-
-    return isinstance(cache, PagedStep)
 
 
 def _paged_step(xp: Any, x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any,

@@ -76,6 +76,7 @@ def paged_split_kernel(
     if HAS_UPPER:
         hi = tl.minimum(hi, length + upper_off)
     lo = tl.maximum(lo, 0)
+    hi = tl.where(count > 0, hi, lo)  # a sequence with no query this call reads nothing
     table = Table + seq * stride_table
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
