@@ -10,8 +10,10 @@ pages, too).
 - ``portattn.paged_attention(q (16, Hq, D), pools, block_table, key_lengths)`` against
   ``portattn.attention(q (16, Hq, 1, D), K (16, Hkv, 4096, D), V)``, the same keys laid
   out contiguously, no mask, whichever kernel the dispatcher picks (``numpy_fast``,
-  ``torch_sdpa``, ``jax_dpa`` here), on NumPy, torch (CPU) and JAX (CPU).
-  Target: paged / contiguous <= 1.1.
+  ``torch_sdpa``, ``jax_dpa`` here), on NumPy, torch (CPU) and JAX (CPU). Paged calls
+  on torch and JAX go to ``numpy_fast``, which borrows their arrays through DLPack;
+  the ``*-own-loop`` cases disable it, for the library's own paged loop (torch: the
+  portable loop; JAX: ``jax_flash``). Target: paged / contiguous <= 1.1.
 - ``paged_attention`` on torch against torch's own paged attention:
   ``torch.nn.attention.experimental._paged_attention.PagedAttention`` (the same pages,
   its cache ``(1, Hkv, pages * 16, D)``) with ``flex_attention`` compiled by
@@ -26,7 +28,8 @@ pages, too).
 Each ratio is timed in turns (``in_turns``: min(ours) / min(peer) and the median of the
 per-round ratios); each case first checks the paged output against the peer's. torch
 runs on one thread (its small operations otherwise measure how its OpenMP threads wait
-for the machine's other users), NumPy and JAX on every core. Run::
+for the machine's other users), and so does ``numpy_fast`` where it runs torch's paged
+calls; NumPy and JAX on every core. Run::
 
     pytest -c pyproject.toml bench/test_paged.py --benchmark-only -p no:cacheprovider
 
@@ -109,18 +112,34 @@ def _on(library: str, data: dict[str, np.ndarray]) -> tuple[dict[str, Any], Any]
 @contextlib.contextmanager
 def _one_torch_thread(library: str) -> Iterator[None]:
     """torch on one thread: its many small operations, timed with other users on the
-    cores, otherwise measure how its OpenMP threads wait on each other."""
+    cores, otherwise measure how its OpenMP threads wait on each other. So is
+    ``numpy_fast``, which runs torch's paged calls: the two sides of a torch ratio use
+    the same threads."""
     if library != "torch":
         yield
         return
     import torch
 
-    threads = torch.get_num_threads()
+    numpy_plugin = _numpy_plugin()
+    threads, numpy_threads = torch.get_num_threads(), None
     torch.set_num_threads(1)
+    if numpy_plugin is not None:
+        numpy_threads = numpy_plugin.get_num_threads()
+        numpy_plugin.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+        if numpy_plugin is not None:
+            numpy_plugin.set_num_threads(numpy_threads)
+
+
+def _numpy_plugin() -> Any:
+    try:
+        import portattn_numpy
+    except ImportError:
+        return None
+    return portattn_numpy
 
 
 def _paged(arrays: dict[str, Any], layout: str, done: Any) -> Any:
@@ -132,18 +151,32 @@ def _paged(arrays: dict[str, Any], layout: str, done: Any) -> Any:
     return call
 
 
+#: Each library, and the kernels disabled for its paged calls: as dispatched, and
+#: each library's own paged loop where ``numpy_fast`` would take the call.
+CASES = {"numpy": ("numpy", ()), "torch": ("torch", ()), "jax": ("jax", ()),
+         "torch-own-loop": ("torch", ("numpy_fast",)),
+         "jax-own-loop": ("jax", ("numpy_fast",))}
+
+
 @pytest.mark.benchmark(group="paged decode / contiguous decode")
 @pytest.mark.parametrize("layout", ["blhd", "bhld"])
-@pytest.mark.parametrize("library", ["numpy", "torch", "jax"])
-def test_paged_over_contiguous(library: str, layout: str, decode_step: dict[str, np.ndarray],
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_over_contiguous(case: str, layout: str, decode_step: dict[str, np.ndarray],
                                in_turns: Any, benchmark: Any,
                                capsys: pytest.CaptureFixture[str]) -> None:
     """One decode step from the pages against the same from the contiguous cache."""
+    library, disabled = CASES[case]
     arrays, done = _on(library, decode_step)
     query = arrays["query"][:, :, None, :]  # (S, Hq, 1, D)
     key, value = arrays["key"], arrays["value"]
     kernel = portattn.explain(query, key, value).kernel.name
-    paged = _paged(arrays, layout, done)
+    with portattn.disable_kernels(*disabled):
+        plan = portattn.explain_paged(
+            arrays["query"], arrays[f"key_pages_{layout}"], arrays[f"value_pages_{layout}"],
+            block_table=arrays["block_table"], key_lengths=arrays["key_lengths"],
+            layout=layout)
+    paged_kernel = "portable loop" if plan.kernel is None else plan.kernel.name
+    paged = _disabled(disabled, _paged(arrays, layout, done))
 
     def contiguous() -> Any:
         return done(portattn.attention(query, key, value))
@@ -154,11 +187,20 @@ def test_paged_over_contiguous(library: str, layout: str, decode_step: dict[str,
         best, median = in_turns(paged, contiguous, ROUNDS)
     benchmark.extra_info.update(shape=SHAPE, library=library, layout=layout,
                                 torch_threads=1 if library == "torch" else None,
-                                contiguous_kernel=kernel, by_minimum=best,
-                                median_per_round=median, target=TARGET_CONTIGUOUS)
-    _say(capsys, f"\npaged ({layout}) / contiguous ({kernel}) decode on {library}, "
-                 f"in turns: {best:.2f} by minimum, {median:.2f} median per round "
-                 f"(target <= {TARGET_CONTIGUOUS})")
+                                paged_kernel=paged_kernel, contiguous_kernel=kernel,
+                                by_minimum=best, median_per_round=median,
+                                target=TARGET_CONTIGUOUS)
+    _say(capsys, f"\npaged ({layout}, {paged_kernel}) / contiguous ({kernel}) decode on "
+                 f"{library}, in turns: {best:.2f} by minimum, {median:.2f} median per "
+                 f"round (target <= {TARGET_CONTIGUOUS})")
+
+
+def _disabled(names: tuple[str, ...], call: Any) -> Any:
+    """``call`` with the kernels ``names`` disabled while it runs."""
+    def run() -> Any:
+        with portattn.disable_kernels(*names):
+            return call()
+    return run
 
 
 class _CompileTimeout(Exception):

@@ -415,6 +415,26 @@ def test_explain_paged_names_the_kernel_that_runs_the_call_and_why_not_the_other
         assert "disabled by portattn.disable_kernels()" in str(alone)
 
 
+def test_a_kernel_that_defers_leaves_the_call_to_the_kernel_it_names(monkeypatch):
+    from portattn._dispatch import paged_kernel
+    from portattn._kernels import ReferenceKernel, TiledKernel
+
+    # two kernels that take the call, tiled first in dispatch order and deferring
+    for kernel in (TiledKernel, ReferenceKernel):
+        monkeypatch.setattr(kernel, "paged", True)
+    monkeypatch.setattr(TiledKernel, "paged_defers_to",
+                        classmethod(lambda cls, call: ("no_such_kernel", "reference")))
+    able = [e.name for e, why in _plan().candidates if not why]
+    with portattn.disable_kernels(*able[:able.index("tiled")]):
+        plan = _plan()
+        assert plan.kernel.name == "reference"
+        assert paged_kernel(plan.call) is plan.kernel.kernel
+        assert dict((e.name, why) for e, why in plan.candidates)["tiled"] == (
+            "passed over: defers to reference",)
+        with portattn.disable_kernels("reference"):  # none it names can: it runs
+            assert _plan().kernel.name == "tiled"
+
+
 @pytest.mark.parametrize(("changes", "says"), [
     ({"alibi_slopes": np.ones(2, dtype=np.float32)}, "nothing: alibi_slopes"),
     ({"mask": masks.sliding_window(3)}, "nothing: mask=sliding_window"),

@@ -1,5 +1,6 @@
 """Which kernel runs a paged call: the first installed kernel, in dispatch order, that
-declares paged calls and takes this one; None leaves it to the portable loop.
+declares paged calls and takes this one, unless it defers to another that takes it
+too; None leaves it to the portable loop.
 :class:`PagedPlan` says so, with every kernel's reasons (:func:`portattn.explain_paged`)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from ._registry import availability, kernel_entries
-from ._select import current_overrides
+from ._select import PASSED_OVER, current_overrides
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -86,11 +87,36 @@ def _asked(call: PagedInputs) -> Iterator[tuple[KernelEntry, tuple[str, ...]]]:
 def paged_kernel(call: PagedInputs) -> Kernel | None:
     """The kernel that runs ``call``; None for the portable loop. Kernels disabled by
     :func:`portattn.disable_kernels` or ``PORTATTN_DISABLE_KERNELS`` are skipped."""
-    return next((entry.kernel for entry, why in _asked(call) if not why), None)
+    chosen, _ = _choose(call, every=False)
+    return None if chosen is None else chosen.kernel
 
 
 def paged_plan(call: PagedInputs, cascade: str) -> PagedPlan:
     """The :class:`PagedPlan` of ``call``; ``cascade`` says what ``cascade=True`` shares."""
-    candidates = tuple(_asked(call))
-    chosen = next((entry for entry, why in candidates if not why), None)
-    return PagedPlan(chosen, candidates, call, cascade)
+    return PagedPlan(*_choose(call, every=True), call, cascade)
+
+
+def _choose(call: PagedInputs, every: bool) -> tuple[
+        KernelEntry | None, tuple[tuple[KernelEntry, tuple[str, ...]], ...]]:
+    """The first kernel that can run ``call``, or a kernel it defers to that can
+    (:meth:`~portattn.kernel.Kernel.paged_defers_to`), with the kernels asked (all of
+    them with ``every``, else as few as the choice needs)."""
+    candidates: list[tuple[KernelEntry, tuple[str, ...]]] = []
+    chosen = deferring = None
+    wanted: tuple[str, ...] = ()
+    for entry, why in _asked(call):
+        candidates.append((entry, why))
+        if why:
+            continue
+        if chosen is None:
+            chosen, wanted = entry, entry.kernel.paged_defers_to(call)
+        elif deferring is None and entry.name in wanted:
+            deferring, chosen = chosen, entry
+        else:
+            continue
+        if not every and (deferring is not None or not wanted):
+            break
+    if deferring is not None:
+        note = (f"{PASSED_OVER}defers to {chosen.name}",)
+        candidates = [(e, note if e is deferring else why) for e, why in candidates]
+    return chosen, tuple(candidates)

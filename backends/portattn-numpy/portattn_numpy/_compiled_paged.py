@@ -1,28 +1,29 @@
-"""Decode steps on paged keys and values, compiled with Numba (``pip install
-portattn-numpy[jit]``); importing this module without Numba raises ``ImportError``.
+"""Paged attention compiled with Numba (``pip install portattn-numpy[jit]``); importing
+this module without Numba raises ``ImportError``.
 
-A decode step has a few queries per sequence (one, or a short speculative run) against
-that sequence's keys, which sit in pages of a shared pool in the order its block table
-gives. Gathering them into a contiguous copy first costs as much memory traffic as the
-attention itself; this loop reads each key and value row where it lies.
+Each sequence's queries attend its own keys, which sit in pages of a shared pool in the
+order its block table gives. One work item is one sequence, one key/value head and one
+tile of at most :data:`TILE_QUERIES` of the sequence's queries, with every query head
+that reads the key/value head (grouped-query attention); items run beside each other on
+the package's threads (:func:`~portattn_numpy.set_num_threads`).
 
-One work item is one sequence, run beside the others on the package's threads
-(:func:`~portattn_numpy.set_num_threads`); with head-major pages, one sequence and one
-key/value head (there each head's rows lie together; with token-major pages a key's
-heads lie together, and one item reads them in one pass). An item holds its
-sequence's query rows of every query head that reads its key/value heads
-(grouped-query attention), and visits the keys the mask's band allows in chunks
-of ``_CHUNK`` positions, aligned to the sequence's own positions: each key row and
-value row is loaded once for all those query rows. Across chunks an online softmax
-keeps each row's running maximum, denominator and weighted sum, all in float64
-whatever the input's dtype, and so does each score's product. Every size and order is
-the sequence's own, never the batch's: a sequence's output bits do not depend on the
-other sequences of the call.
+An item visits the keys its rows' bands allow, ``_CHUNK`` positions at a time, aligned
+to the sequence's own positions. The chunk's key rows, then its value rows, are copied
+from their pages into a scratch of ``_CHUNK`` rows that stays in cache (as BLAS packs
+its operands; nothing of the size of the sequence is made), and NumPy's own BLAS
+(``_cblas``) forms the chunk's scores and adds its weights times values to the item's
+accumulator. In between, each row's scores become their weights, base 2, in one
+vectorised pass (``_compiled_exp``), with the online softmax's running maximum and
+sum. A score change (softcap, ALiBi) is one more pass over the chunk's scores.
 
-Non-finite inputs keep the package's rule: a row whose allowed keys include one with a
-NaN or inf entry (a score that is not finite) or whose values make its sum not finite
-is NaN, with a NaN log-sum-exp; keys a row may not see, and page slots past a
-sequence's length, are never read into it.
+An item whose sums or outputs come out not finite is done again by a careful scalar
+loop (float64 throughout), which keeps the package's rule: a row whose allowed keys
+include one with a NaN or inf entry, or whose values make its sum not finite, is NaN,
+with a NaN log-sum-exp; keys a row may not see, and page slots past a sequence's
+length, are never read into it.
+
+Every size and order is the sequence's own, never the batch's: a sequence's output
+bits do not depend on the other sequences of the call.
 """
 
 from __future__ import annotations
@@ -33,146 +34,296 @@ from typing import Any
 import numba
 import numpy as np
 
+from . import _cblas
+from ._compiled_blocks import _NO_TRANS, _TRANS, _gemm
+from ._compiled_exp import LOOP_OPTIONS, _power, constants
 from ._threads import get_num_threads, run_parallel
 
-__all__ = ["paged_decode"]
+__all__ = ["TILE_QUERIES", "paged_forward"]
 
+#: The most queries of one sequence one work item takes; longer runs are cut in tiles.
+TILE_QUERIES = 64
 #: Key positions per step of the online softmax (several pages, or part of one).
-_CHUNK = 64
+_CHUNK = 256
 #: The band's open ends, as offsets no sequence reaches.
 _BELOW, _ABOVE = -(2**62), 2**62
-#: Reassociation lets the products over the head dimension run in SIMD lanes; no flag
-#: assumes finite values, so the checks for NaN and inf stay.
-_FASTMATH = {"contract", "reassoc"}
+_LOG2E = 1 / math.log(2)
 
 
-@numba.njit(nogil=True, boundscheck=False, cache=True, fastmath=_FASTMATH)
-def _decode(query: Any, key_pages: Any, value_pages: Any, head_major: bool, table: Any,
-            starts: Any, lengths: Any, lower: int, upper: int, scale: float,
-            softcap: float, slopes: Any, sinks: Any, spread: int, first_item: int,
-            stop_item: int, out: Any, lse: Any) -> None:  # pragma: no cover - compiled
-    heads, depth = query.shape[1], query.shape[2]
-    if head_major:
-        page, kv_heads = key_pages.shape[2], key_pages.shape[1]
-    else:
-        page, kv_heads = key_pages.shape[1], key_pages.shape[2]
-    value_depth = value_pages.shape[3]
-    group = heads // kv_heads
+@numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
+def _exp2_sum(row: Any, top: Any, c: Any) -> Any:  # pragma: no cover - compiled
+    """``2**(x - top)`` in place of each entry of ``row``, and their sum. Compiled
+    apart, with reassociation, so that the sum stays in the vector lanes."""
+    total = c.zero
+    for j in range(row.shape[0]):
+        y = _power(row[j] - top, c)
+        row[j] = y
+        total += y
+    return total
+
+
+@numba.njit(**LOOP_OPTIONS)
+def _row_max(row: Any, start: Any) -> Any:  # pragma: no cover - compiled
+    """The largest of ``start`` and the entries of ``row``, four lanes at a time (a
+    NaN among them shows later, in the sums)."""
+    m0 = m1 = m2 = m3 = start
+    fours = row.shape[0] - row.shape[0] % 4
+    for j in range(0, fours, 4):
+        m0, m1 = max(m0, row[j]), max(m1, row[j + 1])
+        m2, m3 = max(m2, row[j + 2]), max(m3, row[j + 3])
+    for j in range(fours, row.shape[0]):
+        m0 = max(m0, row[j])
+    return max(max(m0, m1), max(m2, m3))
+
+
+@numba.njit(**LOOP_OPTIONS)
+def _bands(length: int, count: int, q0: int, q1: int, lower: int,
+           upper: int) -> tuple[Any, Any]:  # pragma: no cover - compiled
+    """The first and last key each query ``q0 .. q1 - 1`` of a sequence may see (its
+    band within ``0 .. length - 1``); a query at position ``p = length - count + i``."""
+    lo = np.empty(q1 - q0, np.int64)
+    hi = np.empty(q1 - q0, np.int64)
+    for i in range(q0, q1):
+        p = length - count + i
+        lo[i - q0] = max(0, p + lower) if lower > _BELOW else 0
+        hi[i - q0] = min(length - 1, p + upper) if upper < _ABOVE else length - 1
+    return lo, hi
+
+
+@numba.njit(**LOOP_OPTIONS)
+def _rows(pages: Any, head_major: bool, table: Any, s: int, kv: int, c0: int, c1: int,
+          scratch: Any) -> tuple[int, int]:  # pragma: no cover - compiled
+    """Where BLAS reads rows ``c0 .. c1 - 1`` of sequence ``s``'s head ``kv``, as an
+    address and a leading dimension: in place where they lie evenly spaced in one page
+    (a page of a chunk or more, or a contiguous cache seen as one page), else copied
+    from their pages into ``scratch``."""
+    page = pages.shape[2] if head_major else pages.shape[1]
+    slot, at = table[s, c0 // page], c0 % page
+    size = pages.itemsize
+    step = pages.strides[2] if head_major else pages.strides[1]
+    if ((c1 - 1) // page == c0 // page and pages.strides[3] == size and step % size == 0
+            and step >= size * pages.shape[3]):
+        head = pages.strides[1] if head_major else pages.strides[2]
+        return (pages.ctypes.data + slot * pages.strides[0] + kv * head + at * step,
+                step // size)
+    for j in range(c0, c1):
+        slot, at = table[s, j // page], j % page
+        row = pages[slot, kv, at] if head_major else pages[slot, at, kv]
+        copy = scratch[j - c0]
+        for d in range(row.shape[0]):
+            copy[d] = row[d]
+    return scratch.ctypes.data, scratch.shape[1]
+
+
+@numba.njit(**LOOP_OPTIONS)
+def _fast(gemm: int, query: Any, key_pages: Any, value_pages: Any, head_major: bool,
+          table: Any, item: Any, starts: Any, lengths: Any, lower: int, upper: int,
+          scale: float, softcap: float, slopes: Any, sinks: Any, c: Any, one: Any,
+          out: Any, lse: Any) -> bool:  # pragma: no cover - compiled
+    """One item by BLAS (the module's docstring); False, writing nothing, where a sum
+    or an output is not finite."""
+    depth, value_depth = query.shape[2], value_pages.shape[3]
+    kv_heads = key_pages.shape[1] if head_major else key_pages.shape[2]
+    group = query.shape[1] // kv_heads
+    s, kv, q0, q1 = item[0], item[1], item[2], item[3]
+    first, count, length = starts[s], starts[s + 1] - starts[s], lengths[s]
+    rows = (q1 - q0) * group
+    changed = softcap > 0.0 or slopes.shape[0] > 0
+    zero = one - one
+    # Row (i - q0) * group + g: query i of s, head kv * group + g. Scores come out in
+    # base 2, or in the scores' own units where a change is applied first.
+    factor = scale if changed else scale * _LOG2E
+    q = np.empty((rows, depth), query.dtype)
+    for i in range(q0, q1):
+        for g in range(group):
+            source, scaled = query[first + i, kv * group + g], q[(i - q0) * group + g]
+            for d in range(depth):
+                scaled[d] = source[d] * factor
+    lo, hi = _bands(length, count, q0, q1, lower, upper)
+    top = np.full(rows, -np.inf, query.dtype)
+    total = np.zeros(rows, query.dtype)
+    acc = np.zeros((rows, value_depth), query.dtype)
+    span = np.empty((rows, _CHUNK), query.dtype)
+    keys = np.empty((_CHUNK, depth), query.dtype)
+    values = np.empty((_CHUNK, value_depth), query.dtype)
+    begin, end, last = lo[0], hi[q1 - q0 - 1], q1 - q0 - 1  # bands move right
+    for j0 in range((begin // _CHUNK) * _CHUNK, end + 1, _CHUNK):
+        c0, c1 = max(j0, begin), min(j0 + _CHUNK, end + 1)
+        n = c1 - c0
+        i0, i1 = 0, last + 1  # the queries that see a key of this chunk
+        while hi[i0] < c0:
+            i0 += 1
+        while lo[i1 - 1] >= c1:
+            i1 -= 1
+        r0, r1 = i0 * group, i1 * group
+        at, lead = _rows(key_pages, head_major, table, s, kv, c0, c1, keys)
+        _gemm(gemm, _NO_TRANS, _TRANS, r1 - r0, n, depth, one,
+              q.ctypes.data + r0 * depth * q.itemsize, depth, at, lead, zero,
+              span.ctypes.data + r0 * _CHUNK * span.itemsize, _CHUNK)
+        for r in range(r0, r1):
+            i = r // group
+            row = span[r, :n]
+            a, b = max(lo[i] - c0, 0), min(hi[i] - c0 + 1, n)
+            if changed:
+                slope = slopes[s, kv * group + r % group] if slopes.shape[0] else 0.0
+                p = length - count + q0 + i - c0  # the position, from the chunk's first
+                for j in range(a, b):
+                    x = row[j]
+                    if softcap > 0.0:
+                        x = softcap * math.tanh(x / softcap)
+                    row[j] = (x - slope * abs(p - j)) * _LOG2E
+            for j in range(a):
+                row[j] = -np.inf
+            for j in range(b, n):
+                row[j] = -np.inf
+            m = _row_max(row[a:b], top[r])
+            if m == -np.inf:  # nothing seen yet: weights 0
+                row[:] = 0
+                continue
+            if m > top[r]:
+                alpha = _power(top[r] - m, c)
+                total[r] *= alpha
+                acc[r] *= alpha
+                top[r] = m
+            total[r] += _exp2_sum(row, m, c)
+        at, lead = _rows(value_pages, head_major, table, s, kv, c0, c1, values)
+        _gemm(gemm, _NO_TRANS, _NO_TRANS, r1 - r0, value_depth, n, one,
+              span.ctypes.data + r0 * _CHUNK * span.itemsize, _CHUNK, at, lead, one,
+              acc.ctypes.data + r0 * value_depth * acc.itemsize, value_depth)
+    for r in range(rows):
+        if not (total[r] - total[r] == 0 and (top[r] - top[r] == 0 or top[r] == -np.inf)):
+            return False
+        for d in range(value_depth):
+            if not acc[r, d] - acc[r, d] == 0:  # NaN or inf give NaN
+                return False
+    for r in range(rows):
+        i, h = first + q0 + r // group, kv * group + r % group
+        m = top[r] / _LOG2E + math.log(total[r]) if total[r] > 0 else -np.inf
+        z = 1.0 / total[r] if total[r] > 0 else 0.0
+        if sinks.shape[0]:  # the sink joins the denominator, no value
+            joined = np.logaddexp(m, sinks[s, h])
+            z *= math.exp(m - joined) if m > -np.inf else 0.0
+            m = joined
+        for d in range(value_depth):
+            out[i, h, d] = acc[r, d] * z
+        lse[h, i] = m
+    return True
+
+
+@numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
+def _careful(query: Any, key_pages: Any, value_pages: Any, head_major: bool, table: Any,
+             item: Any, starts: Any, lengths: Any, lower: int, upper: int, scale: float,
+             softcap: float, slopes: Any, sinks: Any, out: Any,
+             lse: Any) -> None:  # pragma: no cover - compiled
+    """One item by a scalar loop in float64 that tells which rows see a non-finite
+    value (the module's docstring). Reassociation lets the products over the head
+    dimension run in SIMD lanes; no flag assumes finite values."""
+    depth, value_depth = query.shape[2], value_pages.shape[3]
+    page = key_pages.shape[2] if head_major else key_pages.shape[1]
+    kv_heads = key_pages.shape[1] if head_major else key_pages.shape[2]
+    group = query.shape[1] // kv_heads
     capped, biased, sunk = softcap > 0.0, slopes.shape[0] > 0, sinks.shape[0] > 0
-    parts = kv_heads // spread
-    for item in range(first_item, stop_item):
-        s, kv0 = item // parts, (item % parts) * spread
-        first, count, length = starts[s], starts[s + 1] - starts[s], lengths[s]
-        if count == 0:
-            continue
-        rows = spread * count * group
-        # Row ((c * count) + i) * group + g: query i of s, head (kv0 + c) * group + g.
-        q = np.empty((rows, depth))
-        for c in range(spread):
-            for i in range(count):
-                for g in range(group):
-                    for d in range(depth):
-                        q[(c * count + i) * group + g, d] = (
-                            query[first + i, (kv0 + c) * group + g, d] * scale)
-        # Keys row i may see: positions lo[i] to hi[i], its band within 0 .. length-1.
-        lo = np.empty(count, np.int64)
-        hi = np.empty(count, np.int64)
-        for i in range(count):
-            p = length - count + i
-            lo[i] = max(0, p + lower) if lower > _BELOW else 0
-            hi[i] = min(length - 1, p + upper) if upper < _ABOVE else length - 1
-        top = np.full(rows, -np.inf)
-        total = np.zeros(rows)
-        acc = np.zeros((rows, value_depth))
-        bad = np.zeros(rows, np.bool_)
-        scores = np.empty((rows, _CHUNK))
-        begin, end = lo[0], hi[count - 1]  # bands move right with the position
-        for j0 in range((begin // _CHUNK) * _CHUNK, end + 1, _CHUNK):
-            c0, c1 = max(j0, begin), min(j0 + _CHUNK, end + 1)
-            for j in range(c0, c1):
-                slot, at = table[s, j // page], j % page
-                for c in range(spread):
-                    kv = kv0 + c
-                    k = key_pages[slot, kv, at] if head_major else key_pages[slot, at, kv]
-                    for i in range(count):
-                        if j < lo[i] or j > hi[i]:
-                            continue
-                        for g in range(group):
-                            r = (c * count + i) * group + g
-                            x = 0.0
-                            for d in range(depth):
-                                x += q[r, d] * k[d]
-                            if not math.isfinite(x):
-                                bad[r] = True
-                            if capped:
-                                x = softcap * math.tanh(x / softcap)
-                            if biased:
-                                x -= slopes[s, kv * group + g] * abs(length - count + i - j)
-                            scores[r, j - j0] = x
+    s, kv, q0, q1 = item[0], item[1], item[2], item[3]
+    first, count, length = starts[s], starts[s + 1] - starts[s], lengths[s]
+    rows = (q1 - q0) * group
+    q = np.empty((rows, depth))
+    for r in range(rows):
+        for d in range(depth):
+            q[r, d] = query[first + q0 + r // group, kv * group + r % group, d] * scale
+    lo, hi = _bands(length, count, q0, q1, lower, upper)
+    top = np.full(rows, -np.inf)
+    total = np.zeros(rows)
+    acc = np.zeros((rows, value_depth))
+    bad = np.zeros(rows, np.bool_)
+    scores = np.empty((rows, _CHUNK))
+    begin, end = lo[0], hi[q1 - q0 - 1]
+    for j0 in range((begin // _CHUNK) * _CHUNK, end + 1, _CHUNK):
+        c0, c1 = max(j0, begin), min(j0 + _CHUNK, end + 1)
+        for j in range(c0, c1):
+            slot, at = table[s, j // page], j % page
+            k = key_pages[slot, kv, at] if head_major else key_pages[slot, at, kv]
             for r in range(rows):
-                i = (r // group) % count
-                a, b = max(c0, lo[i]), min(c1 - 1, hi[i])
-                if bad[r] or a > b:
+                i = r // group
+                if j < lo[i] or j > hi[i]:
                     continue
-                new = top[r]
-                for j in range(a, b + 1):
-                    new = max(new, scores[r, j - j0])
-                if new > top[r]:
-                    alpha = math.exp(top[r] - new)
-                    total[r] *= alpha
-                    for d in range(value_depth):
-                        acc[r, d] *= alpha
-                    top[r] = new
-                for j in range(a, b + 1):
-                    w = math.exp(scores[r, j - j0] - new)
-                    scores[r, j - j0] = w
-                    total[r] += w
-            for j in range(c0, c1):
-                slot, at = table[s, j // page], j % page
-                for c in range(spread):
-                    kv = kv0 + c
-                    v = value_pages[slot, kv, at] if head_major else value_pages[slot, at, kv]
-                    for i in range(count):
-                        if j < lo[i] or j > hi[i]:
-                            continue
-                        for g in range(group):
-                            r = (c * count + i) * group + g
-                            if bad[r]:
-                                continue
-                            w = scores[r, j - j0]
-                            for d in range(value_depth):
-                                acc[r, d] += w * v[d]
+                x = 0.0
+                for d in range(depth):
+                    x += q[r, d] * k[d]
+                if not math.isfinite(x):
+                    bad[r] = True
+                if capped:
+                    x = softcap * math.tanh(x / softcap)
+                if biased:
+                    x -= slopes[s, kv * group + r % group] * abs(length - count + q0 + i - j)
+                scores[r, j - j0] = x
         for r in range(rows):
-            c, i, g = r // (count * group), (r // group) % count, r % group
-            h = (kv0 + c) * group + g
-            m, z = top[r], total[r]
-            if sunk:  # the sink joins the denominator, no value
-                sink = sinks[s, h]
-                peak = max(m, sink)
-                if peak > -np.inf:
-                    z = z * math.exp(m - peak) + math.exp(sink - peak)
-                    for d in range(value_depth):
-                        acc[r, d] *= math.exp(m - peak)
-                    m = peak
-            finite = not bad[r]
+            i = r // group
+            a, b = max(c0, lo[i]), min(c1 - 1, hi[i])
+            if bad[r] or a > b:
+                continue
+            new = top[r]
+            for j in range(a, b + 1):
+                new = max(new, scores[r, j - j0])
+            if new > top[r]:
+                alpha = math.exp(top[r] - new)
+                total[r] *= alpha
+                for d in range(value_depth):
+                    acc[r, d] *= alpha
+                top[r] = new
+            for j in range(a, b + 1):
+                w = math.exp(scores[r, j - j0] - new)
+                scores[r, j - j0] = w
+                total[r] += w
+        for j in range(c0, c1):
+            slot, at = table[s, j // page], j % page
+            v = value_pages[slot, kv, at] if head_major else value_pages[slot, at, kv]
+            for r in range(rows):
+                i = r // group
+                if j < lo[i] or j > hi[i] or bad[r]:
+                    continue
+                w = scores[r, j - j0]
+                for d in range(value_depth):
+                    acc[r, d] += w * v[d]
+    for r in range(rows):
+        i, h = first + q0 + r // group, kv * group + r % group
+        m, z = top[r], total[r]
+        if sunk:  # the sink joins the denominator, no value
+            sink = sinks[s, h]
+            peak = max(m, sink)
+            if peak > -np.inf:
+                z = z * math.exp(m - peak) + math.exp(sink - peak)
+                for d in range(value_depth):
+                    acc[r, d] *= math.exp(m - peak)
+                m = peak
+        finite = not bad[r]
+        for d in range(value_depth):
+            if not math.isfinite(acc[r, d]):
+                finite = False
+        if not finite:
             for d in range(value_depth):
-                if not math.isfinite(acc[r, d]):
-                    finite = False
-            if not finite:
-                for d in range(value_depth):
-                    out[first + i, h, d] = np.nan
-                lse[h, first + i] = np.nan
-            elif z > 0.0:
-                for d in range(value_depth):
-                    out[first + i, h, d] = acc[r, d] / z
-                lse[h, first + i] = m + math.log(z)
+                out[i, h, d] = np.nan
+            lse[h, i] = np.nan
+        elif z > 0.0:
+            for d in range(value_depth):
+                out[i, h, d] = acc[r, d] / z
+            lse[h, i] = m + math.log(z)
 
 
-def paged_decode(query: Any, key_pages: Any, value_pages: Any, head_major: bool,
-                 block_table: Any, query_starts: Any, key_lengths: Any, lower: int | None,
-                 upper: int | None, scale: float, softcap: float | None,
-                 alibi_slopes: Any, sinks: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Attention of each sequence's few queries to its paged keys and values.
+def work_items(query_starts: Any, kv_heads: int) -> np.ndarray:
+    """``(sequence, kv_head, q0, q1)`` rows of int64: each sequence's queries cut in
+    tiles of :data:`TILE_QUERIES`, for each key/value head (sizes fixed by the sequence
+    alone)."""
+    items = [(s, kv, q0, min(q0 + TILE_QUERIES, n))
+             for s, n in enumerate(np.diff(np.asarray(query_starts)).tolist())
+             for q0 in range(0, n, TILE_QUERIES) for kv in range(kv_heads)]
+    return np.array(items, np.int64).reshape(-1, 4)
+
+
+def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool,
+                  block_table: Any, query_starts: Any, key_lengths: Any, lower: int | None,
+                  upper: int | None, scale: float, softcap: float | None,
+                  alibi_slopes: Any, sinks: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Attention of each sequence's queries to its paged keys and values.
 
     Args:
         query: ``(T, Hq, D)``, float32 or float64; sequence ``s`` owns rows
@@ -201,28 +352,27 @@ def paged_decode(query: Any, key_pages: Any, value_pages: Any, head_major: bool,
     """
     dtype = query.dtype
     query = np.ascontiguousarray(query)
-    key_pages = np.ascontiguousarray(key_pages, dtype)
-    value_pages = np.ascontiguousarray(value_pages, dtype)
-    count, heads = query.shape[0], query.shape[1]
-    out = np.zeros((count, heads, value_pages.shape[3]), dtype)
-    lse = np.full((heads, count), -np.inf, dtype)
+    key_pages, value_pages = np.asarray(key_pages, dtype), np.asarray(value_pages, dtype)
+    total, heads = query.shape[0], query.shape[1]
+    out = np.zeros((total, heads, value_pages.shape[3]), dtype)
+    lse = np.full((heads, total), -np.inf, dtype)
     none = np.empty((0, 0))
-    spread = 1 if head_major else key_pages.shape[2]
-    kv_heads = key_pages.shape[1 if head_major else 2]
-    arguments = (
-        query, key_pages, value_pages, bool(head_major),
-        np.ascontiguousarray(block_table, np.int32),
-        np.ascontiguousarray(query_starts, np.int64),
-        np.ascontiguousarray(key_lengths, np.int64),
-        _BELOW if lower is None else int(lower), _ABOVE if upper is None else int(upper),
-        float(scale), 0.0 if softcap is None else float(softcap),
-        none if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float64),
-        none if sinks is None else np.ascontiguousarray(sinks, np.float64), spread)
+    items = work_items(query_starts, key_pages.shape[1 if head_major else 2])
+    shared = (query, key_pages, value_pages, bool(head_major),
+              np.ascontiguousarray(block_table, np.int32))
+    rest = (np.ascontiguousarray(query_starts, np.int64),
+            np.ascontiguousarray(key_lengths, np.int64),
+            _BELOW if lower is None else int(lower), _ABOVE if upper is None else int(upper),
+            float(scale), 0.0 if softcap is None else float(softcap),
+            none if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float64),
+            none if sinks is None else np.ascontiguousarray(sinks, np.float64))
+    gemm = _cblas.gemm_address(dtype)
+    c, one = constants(dtype, base_e=False), dtype.type(1)
 
-    def worker(items: Any) -> None:
-        for item in items:  # each item writes rows of its own: no two touch one
-            _decode(*arguments, item, item + 1, out, lse)
+    def worker(units: Any) -> None:
+        for k in units:  # each item writes rows of its own: no two touch one
+            if gemm is None or not _fast(gemm, *shared, items[k], *rest, c, one, out, lse):
+                _careful(*shared, items[k], *rest, out, lse)
 
-    items = len(key_lengths) * (kv_heads // spread)
-    run_parallel(worker, list(range(items)), get_num_threads())
+    run_parallel(worker, list(range(len(items))), get_num_threads())
     return out, lse

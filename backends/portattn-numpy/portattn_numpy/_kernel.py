@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from portattn.kernel import Kernel
+from portattn.kernel import Kernel, values_readable
 from portattn.masks import KINDS, is_positional
 
 from ._config import current
@@ -13,19 +12,21 @@ from ._config import current
 if TYPE_CHECKING:
     from portattn.kernel import AttentionInputs, PagedInputs
 
-#: The most queries of one sequence the compiled paged loop takes (decode steps and
-#: short speculative ones); longer prompts are products for BLAS, in the portable loop.
-PAGED_QUERIES = 16
+__all__ = ["LENDING", "NumpyFastKernel"]
 
-__all__ = ["NumpyFastKernel"]
+#: The libraries whose CPU arrays paged calls borrow through DLPack, without a copy.
+LENDING = frozenset({"torch", "jax"})
 
 
 class NumpyFastKernel(Kernel):
     """Tiled, threaded attention for NumPy float32/float64 arrays on the CPU.
 
-    Paged calls of decode steps (at most :data:`PAGED_QUERIES` queries per sequence,
-    masks of causal and window parts) run a compiled loop that reads each sequence's
-    keys in place from its pages, where Numba is installed.
+    Paged calls (masks of causal and window parts) run a compiled loop that reads each
+    sequence's keys from its pages a chunk at a time, where Numba is installed
+    (``_compiled_paged``). Besides NumPy's arrays it takes any library's CPU arrays
+    that DLPack lends without a copy (torch's tensors, JAX's arrays outside a trace),
+    and gives the result back the same way: paged attention is forward only, so no
+    autograd is lost.
 
     Score changes (``score_mod``, :mod:`portattn.scores`) join the scores where a bias
     does: by distance (T5's buckets, ALiBi's slopes) from a vector per head whose views
@@ -72,13 +73,14 @@ class NumpyFastKernel(Kernel):
 
     @classmethod
     def paged_reasons(cls, call: PagedInputs) -> list[str]:
-        reasons = super().paged_reasons(call)
+        # the declared namespaces are those of attention calls: paged calls take the
+        # libraries of LENDING too, judged below
+        reasons = [why for why in super().paged_reasons(call)
+                   if not why.startswith("namespace=")]
+        if call.namespace != "numpy":
+            reasons += _lending_reasons(call)
         if call.mask is not None and not is_positional(call.mask):
             reasons.append(f"mask {call.mask!r} is not made of causal and window parts")
-        starts = call.query_starts
-        most = max((b - a for a, b in pairwise(starts)), default=0)
-        if most > PAGED_QUERIES:
-            reasons.append(f"{most} queries in one sequence > {PAGED_QUERIES}")
         if not reasons and _compiled_paged() is None:
             reasons.append("numba is not installed (portattn-numpy[jit])")
         return reasons
@@ -89,15 +91,32 @@ class NumpyFastKernel(Kernel):
         band = None if call.mask is None else call.mask.band(0, 0)
         lower, upper = (None, None) if band is None else (band.lower, band.upper)
 
-        def host(a: Any) -> Any:
-            return None if a is None else np.ascontiguousarray(a)
+        def borrowed(a: Any) -> Any:  # NumPy's view of the caller's memory, no copy
+            return a if a is None or call.namespace == "numpy" else np.from_dlpack(a)
 
-        return _compiled_paged().paged_decode(
-            call.query, call.key_pages, call.value_pages, call.head_major,
-            np.asarray(call.host_table, dtype=np.int32),
+        out, lse = _compiled_paged().paged_forward(
+            borrowed(call.query), borrowed(call.key_pages), borrowed(call.value_pages),
+            call.head_major, np.asarray(call.host_table, dtype=np.int32),
             np.asarray(call.query_starts, dtype=np.int64),
             np.asarray(call.key_lengths, dtype=np.int64), lower, upper, call.scale,
-            call.softcap, host(call.alibi_slopes), host(call.sinks))
+            call.softcap, borrowed(call.alibi_slopes), borrowed(call.sinks))
+        if call.namespace == "numpy":
+            return out, lse
+        return call.xp.from_dlpack(out), call.xp.from_dlpack(lse)
+
+
+def _lending_reasons(call: PagedInputs) -> list[str]:
+    """Why ``call``'s arrays, of another library than NumPy, cannot be lent to NumPy."""
+    reasons = []
+    if call.namespace not in LENDING:
+        reasons.append(f"namespace={call.namespace} (paged calls: "
+                       f"{', '.join(['numpy', *sorted(LENDING)])})")
+    arrays = (call.query, call.key_pages, call.value_pages)
+    if not all(values_readable(a) for a in arrays):
+        reasons.append("traced or lazy arrays cannot be lent to NumPy")
+    if any(getattr(a, "requires_grad", False) is True for a in arrays):
+        reasons.append("arrays that require gradients (paged calls run forward only here)")
+    return reasons
 
 
 def _compiled_paged() -> Any:

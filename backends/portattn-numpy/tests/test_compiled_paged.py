@@ -12,7 +12,7 @@ from portattn import masks
 
 pytest.importorskip("numba", reason="the compiled paged decode needs Numba (portattn-numpy[jit])")
 
-from portattn_numpy._compiled_paged import paged_decode
+from portattn_numpy._compiled_paged import paged_forward, work_items
 
 HQ, HKV, D, DV = 4, 2, 8, 6
 #: Each mask, and the band of key offsets it is to the compiled loop.
@@ -50,16 +50,18 @@ def _batch(rng, dtype, page, head_major, lengths, counts):
 
 
 def _oracle(batch, mask, head_major, **options):
+    """portattn's portable paged loop."""
     query, key_pages, value_pages, table, starts, lengths = batch
-    return portattn.paged_attention(
-        query, key_pages, value_pages, block_table=table, key_lengths=lengths,
-        query_starts=starts, mask=mask, return_lse=True,
-        layout="bhld" if head_major else "blhd", **options)
+    with portattn.disable_kernels("numpy_fast"):
+        return portattn.paged_attention(
+            query, key_pages, value_pages, block_table=table, key_lengths=lengths,
+            query_starts=starts, mask=mask, return_lse=True,
+            layout="bhld" if head_major else "blhd", **options)
 
 
 def _compiled(batch, band, head_major, scale, softcap=None, alibi_slopes=None, sinks=None):
     query, key_pages, value_pages, table, starts, lengths = batch
-    return paged_decode(query, key_pages, value_pages, head_major, table, starts, lengths,
+    return paged_forward(query, key_pages, value_pages, head_major, table, starts, lengths,
                         *band, scale, softcap, alibi_slopes, sinks)
 
 
@@ -141,3 +143,44 @@ def test_a_query_that_is_not_contiguous_is_read_as_it_is():
     expected_out, expected_lse = _compiled(batch, (None, None), False, 0.25)
     np.testing.assert_array_equal(out, expected_out)
     np.testing.assert_array_equal(lse, expected_lse)
+
+
+@pytest.mark.parametrize("page", [16, 512])  # 512: whole chunks read in place
+@pytest.mark.parametrize("head_major", [False, True], ids=["blhd", "bhld"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_prompts_longer_than_a_tile_match_portable_paged_attention(head_major, mask_name,
+                                                                   page):
+    # 150 queries: tiles of 64, 64 and 22; keys in three chunks of 256 and more
+    rng = np.random.default_rng(5)
+    lengths, counts = [700, 300, 9, 64], [150, 70, 9, 64]
+    batch = _batch(rng, np.float32, page, head_major, lengths, counts)
+    mask, band = MASKS[mask_name]
+    options = {"scale": 0.3, "alibi_slopes": rng.uniform(0.01, 0.1, (len(lengths), HQ))}
+    out, lse = _compiled(batch, band, head_major, **options)
+    expected_out, expected_lse = _oracle(batch, mask, head_major, **options)
+    np.testing.assert_allclose(out, expected_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, expected_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_work_items_are_cut_by_the_sequence_alone():
+    items = work_items(np.array([0, 1, 1, 131]), 2)
+    # sequence 0: one query; 1: none; 2: 130 queries in tiles of 64, 64, 2
+    assert items.tolist() == [[0, 0, 0, 1], [0, 1, 0, 1],
+                              [2, 0, 0, 64], [2, 1, 0, 64], [2, 0, 64, 128],
+                              [2, 1, 64, 128], [2, 0, 128, 130], [2, 1, 128, 130]]
+
+
+def test_a_pool_that_is_a_strided_view_is_read_in_place():
+    rng = np.random.default_rng(6)
+    query, key_pages, value_pages, *rest = _batch(rng, np.float64, 512, True, [600, 40],
+                                                  [3, 1])
+    # the same pools, each a view whose rows lie two rows apart
+    wide_keys = np.zeros((*key_pages.shape[:3], 2, D))
+    wide_values = np.zeros((*value_pages.shape[:3], 2, DV))
+    wide_keys[..., 0, :], wide_values[..., 0, :] = key_pages, value_pages
+    views = (query, wide_keys[..., 0, :], wide_values[..., 0, :], *rest)
+    out, lse = _compiled(views, (None, 0), True, 0.5)
+    expected_out, expected_lse = _compiled((query, key_pages, value_pages, *rest), (None, 0),
+                                           True, 0.5)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12, atol=1e-12)
