@@ -194,7 +194,7 @@ def _fast(gemm: int, query: Any, key_pages: Any, value_pages: Any, head_major: b
         if not (total[r] - total[r] == 0 and (top[r] - top[r] == 0 or top[r] == -np.inf)):
             return False
         for d in range(value_depth):
-            if not acc[r, d] - acc[r, d] == 0:  # NaN or inf give NaN
+            if acc[r, d] - acc[r, d] != 0:  # NaN or inf give NaN
                 return False
     for r in range(rows):
         i, h = first + q0 + r // group, kv * group + r % group
