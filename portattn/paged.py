@@ -20,7 +20,7 @@ from ._dispatch import PagedPlan, paged_kernel, paged_plan
 from ._inputs import PagedInputs
 from ._kernels import attend_pages, attend_pages_cascading, cascade_summary
 from ._lib import check_like, dtype_name, host_values, safe_device
-from ._models import host_ints, integer_array
+from ._models import integer_array
 
 if TYPE_CHECKING:
     from .masks import Mask
@@ -43,6 +43,12 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
     and they are its *last* positions: with ``n`` queries, query ``i`` sits at position
     ``key_lengths[s] - n + i`` (bottom-right aligned, as in a cache that holds the new
     tokens' keys already). A batch may mix prefill chunks and single-token decodes.
+
+    Under ``jax.jit`` the table, lengths and starts may be traced: the call is then
+    checked by its shapes alone and planned on the device by ``jax_flash`` (kernels
+    and the portable loop that plan on the host refuse it, naming the traced
+    arguments); values the eager call would refuse make NaN the rows of the sequences
+    they concern there.
 
     Args:
         query: ``(T, Hq, D)``, the queries of every sequence end to end.
@@ -74,7 +80,8 @@ def paged_attention(query: Any, key_pages: Any, value_pages: Any, /, *, block_ta
             with the rest of each sequence by log-sum-exp. Taken where every query of
             such a group sees every shared key (``mask`` None or ``causal()``, no
             ``alibi_slopes``); the rest as without. A sequence's bits then depend on
-            which others share its batch.
+            which others share its batch. Ignored where the table or lengths are traced
+            (the shared pages are found on the host): the result is the same.
 
     Returns:
         ``out`` ``(T, Hq, Dv)`` in the dtype of ``query``; with ``return_lse``,
@@ -117,7 +124,8 @@ def explain_paged(query: Any, key_pages: Any, value_pages: Any, /, **kwargs: Any
     """What :func:`paged_attention` would do with the same arguments (``return_lse``
     and ``cascade`` are taken and ignored): which kernel runs the call, or the portable
     loop, every kernel's reasons, and what ``cascade=True`` would share. Checks the
-    arguments as the call does.
+    arguments as the call does. Works under ``jax.jit`` too, where the report says
+    which arguments are traced and that the tiles are planned on the device.
 
     Returns:
         A :class:`~portattn.PagedPlan`; ``str(plan)`` reads like a report.
@@ -189,31 +197,87 @@ def _checked(query: Any, key_pages: Any, value_pages: Any, block_table: Any,
         msg = (f"the query heads must be a multiple of the key/value heads; got "
                f"Hq={q[1]}, Hkv={hkv}")
         raise ValueError(msg)
-    num_pages, page = k[0], (k[2] if head_major else k[1])
     table = integer_array(xp, dev, block_table, "block_table", 2, "query")
-    sequences, width = table.shape
-    lengths = host_ints(xp, dev, key_lengths, "key_lengths", (sequences,), "query")
-    capacity = width * page
-    for s, n in enumerate(lengths):
-        if not 0 <= n <= capacity:
-            msg = (f"key_lengths must lie in [0, block_table.shape[1] * page="
-                   f"{capacity}]; got key_lengths[{s}]={n}")
-            raise ValueError(msg)
-    starts = _starts(xp, dev, query_starts, sequences, q[0], lengths)
-    host_table = _check_table(table, lengths, page, num_pages)
+    sequences = table.shape[0]
+    counts = _counts(xp, dev, table, key_lengths, query_starts, q[0],
+                     page=k[2] if head_major else k[1], num_pages=k[0])
     check_mask(mask)
     if softcap is not None and not softcap > 0:
         msg = f"softcap must be > 0 or None; got softcap={softcap!r}"
         raise ValueError(msg)
     return PagedInputs(
         xp=xp, device_obj=dev, query=query, key_pages=key_pages, value_pages=value_pages,
-        head_major=head_major, block_table=xp.astype(table, xp.int32),
-        host_table=host_table, query_starts=starts, key_lengths=lengths,
-        key_counts=xp.asarray(lengths, dtype=xp.int32, device=dev), mask=mask,
+        head_major=head_major, block_table=xp.astype(table, xp.int32), **counts, mask=mask,
         scale=1.0 / math.sqrt(q[2]) if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap),
         alibi_slopes=_per_sequence(xp, dev, alibi_slopes, "alibi_slopes", sequences, q[1]),
         sinks=_per_sequence(xp, dev, sinks, "sinks", sequences, q[1]))
+
+
+def _counts(xp: Any, dev: Any, table: Any, key_lengths: Any, query_starts: Any,
+            total: int, page: int, num_pages: int) -> dict[str, Any]:
+    """The fields of :class:`PagedInputs` that the lengths, starts and table fill: read
+    and checked on the host; where any of them is traced, checked by shape alone (the
+    ones that can be read are kept as they are) and left to a kernel that plans the
+    call on the device."""
+    sequences = table.shape[0]
+    lengths = _integers(xp, dev, key_lengths, "key_lengths", (sequences,))
+    starts = None if query_starts is None else _integers(
+        xp, dev, query_starts, "query_starts", (sequences + 1,))
+    _check_query_count(total, sequences, starts)
+    host_table, host_lengths = host_values(table), _ints(host_values(lengths))
+    # without query_starts, one query per sequence: known whatever is traced
+    host_starts = list(range(sequences + 1)) if starts is None else _ints(host_values(starts))
+    if host_table is None or host_lengths is None or host_starts is None:
+        return {"host_table": host_table, "key_lengths": host_lengths,
+                "query_starts": host_starts, "key_counts": xp.astype(lengths, xp.int32),
+                "query_offsets": xp.asarray(host_starts, dtype=xp.int32, device=dev)
+                if starts is None else xp.astype(starts, xp.int32)}
+    return _host_counts(xp, dev, host_table, host_lengths, host_starts, page, num_pages,
+                        total)
+
+
+def _ints(host: Any) -> list[int] | None:
+    """A NumPy copy's values as ints; None stays None (values that cannot be read)."""
+    return None if host is None else [int(x) for x in host.reshape(-1)]
+
+
+def _integers(xp: Any, dev: Any, a: Any, name: str, shape: tuple[int, ...]) -> Any:
+    """``a``, checked to be an integer array of ``shape`` beside the query."""
+    a = integer_array(xp, dev, a, name, len(shape), "query")
+    if tuple(a.shape) != shape:
+        msg = f"{name} must have shape {shape}; got {name}.shape={tuple(a.shape)}"
+        raise ValueError(msg)
+    return a
+
+
+def _check_query_count(total: int, sequences: int, starts: Any) -> None:
+    """What the shapes alone say of the number of queries."""
+    if starts is None and total != sequences:
+        msg = (f"without query_starts, query holds one query per sequence; got "
+               f"query.shape[0]={total} for {sequences} sequences")
+        raise ValueError(msg)
+    if sequences == 0 and total:
+        msg = (f"with no sequences (block_table.shape[0]=0) query must be empty; got "
+               f"query.shape[0]={total}")
+        raise ValueError(msg)
+
+
+def _host_counts(xp: Any, dev: Any, host_table: Any, lengths: list[int], starts: list[int],
+                 page: int, num_pages: int, total: int) -> dict[str, Any]:
+    """The table, lengths and starts read on the host, checked, with their device
+    copies: the fields of :class:`PagedInputs` they fill."""
+    capacity = host_table.shape[1] * page
+    for s, n in enumerate(lengths):
+        if not 0 <= n <= capacity:
+            msg = (f"key_lengths must lie in [0, block_table.shape[1] * page="
+                   f"{capacity}]; got key_lengths[{s}]={n}")
+            raise ValueError(msg)
+    _check_starts(starts, total, lengths)
+    _check_table(host_table, lengths, page, num_pages)
+    return {"host_table": host_table, "query_starts": starts, "key_lengths": lengths,
+            "key_counts": xp.asarray(lengths, dtype=xp.int32, device=dev),
+            "query_offsets": xp.asarray(starts, dtype=xp.int32, device=dev)}
 
 
 def check_mask(mask: Any) -> None:
@@ -225,36 +289,23 @@ def check_mask(mask: Any) -> None:
         raise ValueError(msg)
 
 
-def _starts(xp: Any, dev: Any, query_starts: Any, sequences: int, total: int,
-            lengths: list[int]) -> list[int]:
-    if query_starts is None:
-        if total != sequences:
-            msg = (f"without query_starts, query holds one query per sequence; got "
-                   f"query.shape[0]={total} for {sequences} sequences")
-            raise ValueError(msg)
-        return list(range(sequences + 1))
-    starts = host_ints(xp, dev, query_starts, "query_starts", (sequences + 1,), "query")
+def _check_starts(starts: list[int], total: int, lengths: list[int]) -> None:
     if starts[0] != 0 or starts[-1] != total:
         msg = (f"query_starts must run from 0 to query.shape[0]={total}; got "
                f"query_starts[0]={starts[0]}, query_starts[-1]={starts[-1]}")
         raise ValueError(msg)
-    for s in range(sequences):
+    for s in range(len(lengths)):
         n = starts[s + 1] - starts[s]
         if not 0 <= n <= lengths[s]:
             msg = (f"sequence {s} has {n} queries, which must lie in [0, key_lengths[{s}]="
                    f"{lengths[s]}] (its queries are its last positions); got "
                    f"query_starts[{s}:{s + 2}]={starts[s:s + 2]}")
             raise ValueError(msg)
-    return starts
 
 
-def _check_table(table: Any, lengths: list[int], page: int, num_pages: int) -> Any:
-    """The table on the host, every entry a sequence reads checked to name a page of
+def _check_table(host: Any, lengths: list[int], page: int, num_pages: int) -> None:
+    """Every entry of the table (on the host) that a sequence reads must name a page of
     the pool (JAX would clamp an index outside it, silently)."""
-    host = host_values(table)
-    if host is None:
-        msg = "block_table must hold values that can be read now; got a traced array"
-        raise ValueError(msg)
     for s, n in enumerate(lengths):
         used = host[s, :-(-n // page)]
         if used.size and (int(used.min()) < 0 or int(used.max()) >= num_pages):
@@ -262,7 +313,6 @@ def _check_table(table: Any, lengths: list[int], page: int, num_pages: int) -> A
             msg = (f"block_table[{s}] names pages outside the pool of {num_pages} within "
                    f"the sequence's key_lengths[{s}]={n}; got pages {bad}")
             raise ValueError(msg)
-    return host
 
 
 def _per_sequence(xp: Any, dev: Any, a: Any, name: str, sequences: int,

@@ -13,6 +13,7 @@ import portattn
 from portattn import masks
 from portattn.testing import assert_close, oracle
 from portattn.testing.paged import scattered_pages
+from portattn.testing.plugin import require_backend
 
 # (queries, keys) per sequence: no query, a first token, decodes, a whole prompt, a
 # prompt's second chunk, a prefill beside a long cache
@@ -453,3 +454,31 @@ def test_explain_paged_checks_its_arguments_as_the_call_does():
     with pytest.raises(TypeError, match="needs key_lengths="):
         portattn.explain_paged(np.zeros((1, 2, 8)), np.zeros((1, 4, 2, 8)),
                                np.zeros((1, 4, 2, 8)), block_table=np.zeros((1, 1), int))
+
+
+def test_a_traced_call_left_to_the_portable_loop_names_the_traced_arguments():
+    """Under jax.jit the portable loop cannot plan its query tiles on the host: a clear
+    error naming what is traced (here the table and lengths; the starts are concrete)."""
+    jax_backend = require_backend("jax")
+    import jax
+
+    a = jax_backend.asarray
+    q = np.zeros((3, 4, 8), dtype=np.float32)
+    pool = np.zeros((4, 2, 2, 8), dtype=np.float32)
+    table, lengths = np.array([[0, 1], [2, -1]]), np.array([3, 2])
+    starts = a(np.array([0, 1, 3]))
+
+    def attend(q, pool, table, lengths):
+        options = {"block_table": table, "key_lengths": lengths, "query_starts": starts}
+        plan = portattn.explain_paged(q, pool, pool, **options)
+        assert "block_table, key_lengths traced: the query tiles are planned on the " \
+               "device" in str(plan)
+        assert plan.call.host_plan_reason() == ("block_table, key_lengths traced (this "
+                                                "kernel plans the call on the host)")
+        with portattn.disable_kernels(*(e.name for e, why in plan.candidates if not why)):
+            return portattn.paged_attention(q, pool, pool, **options)
+
+    text = ("a paged call's query tiles are planned on the host here, from block_table "
+            "and key_lengths; got traced values (under jax.jit or torch.compile)")
+    with pytest.raises(ValueError, match=re.escape(text)):
+        jax.eval_shape(attend, a(q), a(pool), a(table), a(lengths))

@@ -41,16 +41,11 @@ class PagedPlan:
 
     def __str__(self) -> str:
         call = self.call
-        starts, lengths = call.query_starts, call.key_lengths
-        counts = [b - a for a, b in pairwise(starts)]
-        decoding, more = sum(n == 1 for n in counts), sum(n > 1 for n in counts)
         hq, d = call.query.shape[1], call.query.shape[2]
         layout = "(P, Hkv, page, D)" if call.head_major else "(P, page, Hkv, D)"
         lines = [f"kernel: {self.kernel if self.kernel is not None else PORTABLE_LOOP}",
                  "call:",
-                 f"    {len(counts)} sequences, {starts[-1]} queries ({decoding} decoding one "
-                 f"token, {more} with more, {len(counts) - decoding - more} with none), keys "
-                 f"per sequence {min(lengths, default=0)} to {max(lengths, default=0)}",
+                 f"    {_sequences(call)}",
                  f"    pools {tuple(call.key_pages.shape)} {layout}, page {call.page_size}, "
                  f"Hq={hq}, Hkv={call.num_kv_heads}, D={d}, dtype={call.dtype}, "
                  f"{call.namespace} on {call.device}",
@@ -63,6 +58,20 @@ class PagedPlan:
             verdict = "chosen" if entry is self.kernel else "; ".join(why) or "can run"
             lines.append(f"    {entry}: {verdict}")
         return "\n".join(lines)
+
+
+def _sequences(call: PagedInputs) -> str:
+    """The sequences and queries of ``call``, as far as they can be read now."""
+    if call.traced:
+        return (f"{call.block_table.shape[0]} sequences, {call.query.shape[0]} queries; "
+                f"{', '.join(call.traced_arguments)} traced: the query tiles are planned "
+                f"on the device")
+    starts, lengths = call.query_starts, call.key_lengths
+    counts = [b - a for a, b in pairwise(starts)]
+    decoding, more = sum(n == 1 for n in counts), sum(n > 1 for n in counts)
+    return (f"{len(counts)} sequences, {starts[-1]} queries ({decoding} decoding one token, "
+            f"{more} with more, {len(counts) - decoding - more} with none), keys per "
+            f"sequence {min(lengths, default=0)} to {max(lengths, default=0)}")
 
 
 def _asked(call: PagedInputs) -> Iterator[tuple[KernelEntry, tuple[str, ...]]]:

@@ -1,6 +1,7 @@
 """A call of :func:`portattn.paged_attention` described: packed queries of many
 sequences, the page pools, the block table and the lengths, read on the host where
-the call is planned."""
+the call is planned, or kept on the device alone where they cannot be read (traced
+by ``jax.jit``): a kernel then plans the call on the device, or refuses it."""
 
 from __future__ import annotations
 
@@ -40,8 +41,16 @@ class PagedInputs(NamedTuple):
     ``query`` is ``(T, Hq, D)``; the pools ``(P, page, Hkv, D)``, or ``(P, Hkv, page,
     D)`` when ``head_major``; ``block_table`` ``(S, W)`` on the device and
     ``host_table`` its NumPy copy; ``query_starts`` (``S + 1`` ints) and
-    ``key_lengths`` (``S`` ints) are host copies, ``key_counts`` the key lengths on the
-    device. ``alibi_slopes`` and ``sinks`` are ``(S, Hq)``.
+    ``key_lengths`` (``S`` ints) are host copies, ``key_counts`` the key lengths and
+    ``query_offsets`` the query starts on the device (int32). ``alibi_slopes`` and
+    ``sinks`` are ``(S, Hq)``.
+
+    Where the table, the lengths or the starts cannot be read now (:attr:`traced`:
+    JAX tracers under ``jax.jit``), its host copy is None, the others' are kept as
+    they are, and only their shapes were checked (without ``query_starts``,
+    ``query_starts`` holds one query per sequence, known all the same): a kernel plans
+    such a call on the device or refuses it in ``paged_reasons``
+    (:meth:`host_plan_reason`).
     """
 
     xp: Any
@@ -52,9 +61,10 @@ class PagedInputs(NamedTuple):
     head_major: bool
     block_table: Any
     host_table: Any
-    query_starts: list[int]
-    key_lengths: list[int]
+    query_starts: list[int] | None
+    key_lengths: list[int] | None
     key_counts: Any
+    query_offsets: Any
     mask: Mask | None
     scale: float
     softcap: float | None
@@ -77,6 +87,28 @@ class PagedInputs(NamedTuple):
         return dtype_name(self.query.dtype)
 
     @property
+    def traced(self) -> bool:
+        """Whether the table, the lengths or the starts cannot be read now, so the call
+        cannot be planned on the host."""
+        return any(host is None for host in (self.host_table, self.key_lengths,
+                                             self.query_starts))
+
+    @property
+    def traced_arguments(self) -> list[str]:
+        """The arguments whose values cannot be read now, for messages."""
+        named = (("block_table", self.host_table), ("key_lengths", self.key_lengths),
+                 ("query_starts", self.query_starts))
+        return [name for name, host in named if host is None]
+
+    def host_plan_reason(self) -> str | None:
+        """Why a kernel that plans on the host cannot run this call (None: it can): a
+        reason for ``paged_reasons``."""
+        if not self.traced:
+            return None
+        return (f"{', '.join(self.traced_arguments)} traced (this kernel plans the call "
+                f"on the host)")
+
+    @property
     def page_size(self) -> int:
         return self.key_pages.shape[2 if self.head_major else 1]
 
@@ -95,6 +127,12 @@ class PagedInputs(NamedTuple):
         sequences). A sequence of ``n`` queries is cut into tiles of the next power of
         two above ``n`` (at most ``MAX_TILE_QUERIES``, 64): sizes fixed by the
         sequence alone, never by the batch."""
+        if self.traced:
+            msg = (f"a paged call's query tiles are planned on the host here, from "
+                   f"{' and '.join(self.traced_arguments)}; got traced values (under "
+                   f"jax.jit or torch.compile): pass concrete ones, or leave the call to "
+                   f"a kernel that plans it on the device (jax_flash, for JAX)")
+            raise ValueError(msg)
         groups: dict[int, QueryTiles] = {}
         chunk = self.chunk_keys
         for s, length in enumerate(self.key_lengths):

@@ -54,7 +54,7 @@ def attend_pages_cascading(call: PagedInputs,
     shared = call._replace(
         query=xp.take(call.query, ints(rows), axis=0), block_table=ints(padded),
         host_table=padded, query_starts=starts, key_lengths=shared_lengths,
-        key_counts=ints(shared_lengths), mask=None, sinks=None)
+        key_counts=ints(shared_lengths), query_offsets=ints(starts), mask=None, sinks=None)
     rest = call._replace(block_table=ints(table), host_table=table, key_lengths=lengths,
                          key_counts=ints(lengths))
     out, lse = attend(rest)
@@ -78,6 +78,9 @@ def attend_pages_cascading(call: PagedInputs,
 
 def cascade_summary(call: PagedInputs) -> str:
     """What ``cascade=True`` would share for ``call``, in words (for explain)."""
+    if call.traced:
+        return (f"nothing: {', '.join(call.traced_arguments)} traced (the shared pages "
+                f"are found on the host)")
     groups = shared_prefixes(call)
     if not groups:
         return "nothing: no two sequences with queries begin with the same full pages"
@@ -93,7 +96,10 @@ def cascade_summary(call: PagedInputs) -> str:
 def shared_prefixes(call: PagedInputs) -> list[tuple[list[int], int]]:
     """Groups of two or more sequences whose tables begin with the same pages, as
     ``(sequences, pages)``: the shared pages are full and lie before every query of
-    the group."""
+    the group. No group where the table, lengths or starts cannot be read now (traced):
+    the call then runs as without ``cascade``, to the same result."""
+    if call.traced:
+        return []
     page = call.page_size
     table = call.host_table
     by_first: dict[int, list[int]] = {}

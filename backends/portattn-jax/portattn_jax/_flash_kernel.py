@@ -75,13 +75,17 @@ class JaxFlashKernel(Kernel):
     def paged_defers_to(cls, call: PagedInputs) -> tuple[str, ...]:
         # On the CPU, numpy_fast's compiled loop reads JAX's arrays through DLPack and
         # ran a decode step (16 x 4096 keys) in about half this kernel's time
-        # (bench/test_paged.py)
-        return ("numpy_fast",) if call.device == "cpu" else ()
+        # (bench/test_paged.py); it plans the call on the host, so not a traced one
+        return ("numpy_fast",) if call.device == "cpu" and not call.traced else ()
 
     def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:
+        register_mask_pytrees()
+        if call.traced:  # under jax.jit: the tiles planned on the device
+            from ._paged_device import attend_traced
+
+            return attend_traced(call)
         from ._paged import attend_pages
 
-        register_mask_pytrees()
         return attend_pages(call)
 
 

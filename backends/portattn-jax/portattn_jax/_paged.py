@@ -8,7 +8,9 @@ pages from the pools through its row of the block table (a gather of one chunk, 
 a sequence whole) and joins it to an online softmax. The loop runs as many chunks as
 the longest tile needs, a traced bound; the tiles and the table's width are padded to
 powers of two, so a decode loop whose batch and lengths change every step compiles a
-handful of times, not once a step.
+handful of times, not once a step. Under ``jax.jit``, where the lengths, starts or
+table are traced, :mod:`._paged_device` plans the tiles on the device and runs the
+same loop.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the block's masks hide set to ``-inf`` (a mask's partial tiles, ``_blocks``), th
 ``exp2`` and row sums (``_compiled_exp.exp2_row_sums``; with a score change by
 distance added in the same pass, ``exp2_shifted_row_sums``), the weights times the
 values by BLAS, added into the unit's accumulator by the product itself (``beta =
-1``). BLAS is NumPy's own library, called by address (``_cblas``).
+1``). BLAS is NumPy's own library, called by address (``_cblas``, ``_compiled_gemm``).
 
 Unlike the other tiles (``_scores``), these are kept queries by keys: ``q @ k.T``, then
 ``weights @ v`` with no operand transposed, the shapes OpenBLAS's kernels run closest
@@ -25,50 +25,16 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
 from . import _cblas
 
 # Numba's cache checks this file's own date only: a change to the exponential reaches
 # the cached loops once this file changes too (or its cache is cleared).
 from ._compiled_exp import LOOP_OPTIONS, constants, exp2_row_sums, exp2_shifted_row_sums
+from ._compiled_gemm import NO_TRANS, TRANS, gemm
 
 __all__ = ["DTYPES", "CompiledBlocks", "compiled_blocks"]
-
-#: CBLAS's ``CblasRowMajor``, ``CblasNoTrans`` and ``CblasTrans``.
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-
-
-@intrinsic
-def _gemm(typingctx: Any, address: Any, trans_a: Any, trans_b: Any, m: Any, n: Any,
-          k: Any, alpha: Any, a: Any, lda: Any, b: Any, ldb: Any, beta: Any, c: Any,
-          ldc: Any) -> Any:
-    """``cblas_?gemm`` (row-major, 64-bit integers) at ``address``; ``a``, ``b`` and
-    ``c`` are addresses, ``alpha`` and ``beta`` of the matrices' float type."""
-    real = alpha
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        enum, integer, pointer = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-        scalar = context.get_value_type(real)
-        function = ir.FunctionType(ir.VoidType(), [
-            enum, enum, enum, integer, integer, integer, scalar, pointer, integer, pointer,
-            integer, scalar, pointer, integer])
-        (address_, trans_a_, trans_b_, m_, n_, k_, alpha_, a_, lda_, b_, ldb_, beta_, c_,
-         ldc_) = args
-        callee = builder.inttoptr(address_, function.as_pointer())
-        builder.call(callee, [
-            ir.Constant(enum, _ROW_MAJOR), builder.trunc(trans_a_, enum),
-            builder.trunc(trans_b_, enum), m_, n_, k_, alpha_,
-            builder.inttoptr(a_, pointer), lda_, builder.inttoptr(b_, pointer), ldb_, beta_,
-            builder.inttoptr(c_, pointer), ldc_])
-        return context.get_dummy_value()
-
-    int64 = types.int64
-    return types.void(int64, int64, int64, int64, int64, int64, real, int64, int64, int64,
-                      int64, real, int64, int64), codegen
-
 
 def _compile_accumulate(dtype: Any) -> Any:
     real = numba.from_dtype(np.dtype(dtype))
@@ -82,7 +48,7 @@ def _compile_accumulate(dtype: Any) -> Any:
                            types.Array(real, 1, "C", readonly=True), types.int64)
 
     @numba.njit(signature, **LOOP_OPTIONS)
-    def accumulate(gemm: int, alpha: float, q: Any, k: Any, v: Any, acc: Any, sums: Any,
+    def accumulate(address: int, alpha: float, q: Any, k: Any, v: Any, acc: Any, sums: Any,
                    span: Any, stride: int, blocks: Any, masks: Any, hidden: Any,
                    first_writes: bool, shift: Any,
                    origin: int) -> None:  # pragma: no cover - compiled
@@ -94,7 +60,7 @@ def _compile_accumulate(dtype: Any) -> Any:
         for i in range(blocks.shape[0]):
             k0, k1, r0, r1 = blocks[i, 0], blocks[i, 1], blocks[i, 2], blocks[i, 3]
             keys, rows = k1 - k0, r1 - r0
-            _gemm(gemm, _NO_TRANS, _TRANS, rows, keys, d, alpha,
+            gemm(address, NO_TRANS, TRANS, rows, keys, d, alpha,
                   q.ctypes.data + r0 * ldq * size, ldq,
                   k.ctypes.data + k0 * ldk * size, ldk, zero, span.ctypes.data, stride)
             while m < masks.shape[0] and masks[m, 0] == i:  # hidden scores: exp2 gives 0
@@ -114,7 +80,7 @@ def _compile_accumulate(dtype: Any) -> Any:
                                       origin + k0 - r0)
             else:
                 exp2_row_sums(span, stride, keys, sums[r0:r1], writes, c)
-            _gemm(gemm, _NO_TRANS, _NO_TRANS, rows, dv, keys, one, span.ctypes.data, stride,
+            gemm(address, NO_TRANS, NO_TRANS, rows, dv, keys, one, span.ctypes.data, stride,
                   v.ctypes.data + k0 * ldv * size, ldv, zero if writes else one,
                   acc.ctypes.data + r0 * ldacc * size, ldacc)
 

@@ -37,7 +37,7 @@ from numba import types
 from numba.extending import intrinsic
 
 __all__ = ["DTYPES", "LOOP_OPTIONS", "constants", "exp2_in_place", "exp2_row_sums", "exp2_rows",
-           "exp2_shifted_row_sums", "exp_in_place", "exp_rows"]
+           "exp2_shifted_row_sums", "exp_in_place", "exp_rows", "power"]
 
 _INTEGER = {32: types.int32, 64: types.int64}
 _FLOAT = {32: types.float32, 64: types.float64}
@@ -82,7 +82,7 @@ class _Constants(NamedTuple):
 
 
 @numba.njit(inline="always")
-def _power(x: Any, c: Any) -> Any:  # pragma: no cover - compiled
+def power(x: Any, c: Any) -> Any:  # pragma: no cover - compiled
     """``e**x`` or ``2**x`` of one entry (``c``: its ``_Constants``). Defined here, not
     in ``_compile``: a nested one would change its callers' cache keys in each process."""
     if c.base_e:
@@ -113,7 +113,7 @@ def _rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
     """``exp`` or ``exp2`` (``c``: their ``_Constants``) in place of the ``keys x
     rows`` entries of 1-D contiguous ``span`` whose rows start ``stride`` entries apart
     (what lies between is left alone), with each column's sum written to ``sums``
-    unless it is empty. Module-level, like :func:`_power`.
+    unless it is empty. Module-level, like :func:`power`.
 
     The inner loops run over rows themselves (not over an ``out`` that may alias them)
     and sum into a fresh array: LLVM then vectorises them with no overlap check. Rows
@@ -129,15 +129,15 @@ def _rows_of(span: Any, stride: int, keys: int, rows: int, sums: Any,
         r2 = span[(i + 2) * stride:(i + 2) * stride + rows]
         r3 = span[(i + 3) * stride:(i + 3) * stride + rows]
         for j in range(rows):
-            y0, y1 = _power(r0[j], c), _power(r1[j], c)
-            y2, y3 = _power(r2[j], c), _power(r3[j], c)
+            y0, y1 = power(r0[j], c), power(r1[j], c)
+            y2, y3 = power(r2[j], c), power(r3[j], c)
             r0[j], r1[j], r2[j], r3[j] = y0, y1, y2, y3
             if summing:
                 total[j] += (y0 + y1) + (y2 + y3)
     for i in range(fours, keys):
         row = span[i * stride:i * stride + rows]
         for j in range(rows):
-            y = _power(row[j], c)
+            y = power(row[j], c)
             row[j] = y
             if summing:
                 total[j] += y
@@ -165,7 +165,7 @@ def exp2_row_sums(span: Any, stride: int, keys: int, sums: Any, first: bool,
         row = span[j * stride:j * stride + keys]
         total = c.zero
         for i in range(keys):
-            y = _power(row[i], c)
+            y = power(row[i], c)
             row[i] = y
             total += y
         sums[j] = total if first else sums[j] + total
@@ -182,7 +182,7 @@ def exp2_shifted_row_sums(span: Any, stride: int, keys: int, sums: Any, first: b
         added = shift[start - j:start - j + keys]
         total = c.zero
         for i in range(keys):
-            y = _power(row[i] + added[i], c)
+            y = power(row[i] + added[i], c)
             row[i] = y
             total += y
         sums[j] = total if first else sums[j] + total

@@ -35,8 +35,8 @@ import numba
 import numpy as np
 
 from . import _cblas
-from ._compiled_blocks import _NO_TRANS, _TRANS, _gemm
-from ._compiled_exp import LOOP_OPTIONS, _power, constants
+from ._compiled_exp import LOOP_OPTIONS, constants, power
+from ._compiled_gemm import NO_TRANS, TRANS, gemm
 from ._threads import get_num_threads, run_parallel
 
 __all__ = ["TILE_QUERIES", "paged_forward"]
@@ -56,7 +56,7 @@ def _exp2_sum(row: Any, top: Any, c: Any) -> Any:  # pragma: no cover - compiled
     apart, with reassociation, so that the sum stays in the vector lanes."""
     total = c.zero
     for j in range(row.shape[0]):
-        y = _power(row[j] - top, c)
+        y = power(row[j] - top, c)
         row[j] = y
         total += y
     return total
@@ -116,7 +116,7 @@ def _rows(pages: Any, head_major: bool, table: Any, s: int, kv: int, c0: int, c1
 
 
 @numba.njit(**LOOP_OPTIONS)
-def _fast(gemm: int, query: Any, key_pages: Any, value_pages: Any, head_major: bool,
+def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major: bool,
           table: Any, item: Any, starts: Any, lengths: Any, lower: int, upper: int,
           scale: float, softcap: float, slopes: Any, sinks: Any, c: Any, one: Any,
           out: Any, lse: Any) -> bool:  # pragma: no cover - compiled
@@ -157,7 +157,7 @@ def _fast(gemm: int, query: Any, key_pages: Any, value_pages: Any, head_major: b
             i1 -= 1
         r0, r1 = i0 * group, i1 * group
         at, lead = _rows(key_pages, head_major, table, s, kv, c0, c1, keys)
-        _gemm(gemm, _NO_TRANS, _TRANS, r1 - r0, n, depth, one,
+        gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
               q.ctypes.data + r0 * depth * q.itemsize, depth, at, lead, zero,
               span.ctypes.data + r0 * _CHUNK * span.itemsize, _CHUNK)
         for r in range(r0, r1):
@@ -181,13 +181,13 @@ def _fast(gemm: int, query: Any, key_pages: Any, value_pages: Any, head_major: b
                 row[:] = 0
                 continue
             if m > top[r]:
-                alpha = _power(top[r] - m, c)
+                alpha = power(top[r] - m, c)
                 total[r] *= alpha
                 acc[r] *= alpha
                 top[r] = m
             total[r] += _exp2_sum(row, m, c)
         at, lead = _rows(value_pages, head_major, table, s, kv, c0, c1, values)
-        _gemm(gemm, _NO_TRANS, _NO_TRANS, r1 - r0, value_depth, n, one,
+        gemm(address, NO_TRANS, NO_TRANS, r1 - r0, value_depth, n, one,
               span.ctypes.data + r0 * _CHUNK * span.itemsize, _CHUNK, at, lead, one,
               acc.ctypes.data + r0 * value_depth * acc.itemsize, value_depth)
     for r in range(rows):
@@ -366,12 +366,12 @@ def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool
             float(scale), 0.0 if softcap is None else float(softcap),
             none if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float64),
             none if sinks is None else np.ascontiguousarray(sinks, np.float64))
-    gemm = _cblas.gemm_address(dtype)
+    address = _cblas.gemm_address(dtype)
     c, one = constants(dtype, base_e=False), dtype.type(1)
 
     def worker(units: Any) -> None:
         for k in units:  # each item writes rows of its own: no two touch one
-            if gemm is None or not _fast(gemm, *shared, items[k], *rest, c, one, out, lse):
+            if address is None or not _fast(address, *shared, items[k], *rest, c, one, out, lse):
                 _careful(*shared, items[k], *rest, out, lse)
 
     run_parallel(worker, list(range(len(items))), get_num_threads())

@@ -79,6 +79,9 @@ class NumpyFastKernel(Kernel):
                    if not why.startswith("namespace=")]
         if call.namespace != "numpy":
             reasons += _lending_reasons(call)
+        traced = call.host_plan_reason()
+        if traced is not None:
+            reasons.append(traced)
         if call.mask is not None and not is_positional(call.mask):
             reasons.append(f"mask {call.mask!r} is not made of causal and window parts")
         if not reasons and _compiled_paged() is None:

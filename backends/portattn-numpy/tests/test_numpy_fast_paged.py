@@ -1,5 +1,5 @@
-"""Which paged calls numpy_fast takes (decode steps under causal and window masks, with
-Numba), that dispatch gives them to it, and that it answers as the portable loop does."""
+"""Which paged calls numpy_fast takes (causal and window masks, with Numba), that
+dispatch gives them to it, and that it answers as the portable loop does."""
 
 from __future__ import annotations
 
@@ -64,8 +64,11 @@ def test_decode_steps_run_the_compiled_loop_and_agree(mask, monkeypatch):
     np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
 
 
+def test_prompts_run_the_compiled_loop_too():
+    assert NumpyFastKernel.paged_reasons(_described(*_decode(90))) == []
+
+
 @pytest.mark.parametrize(("queries", "mask", "reason"), [
-    (17, masks.causal(), "17 queries in one sequence > 16"),
     (1, masks.causal() | masks.sink_tokens(2), "is not made of causal and window parts"),
     (1, masks.causal() & masks.chunks(8), "is not made of causal and window parts"),
 ])

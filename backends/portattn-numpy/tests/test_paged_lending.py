@@ -86,3 +86,21 @@ def test_jax_flash_defers_to_the_compiled_loop_on_the_cpu():
     reasons = dict((entry.name, why) for entry, why in plan.candidates)
     assert reasons["jax_flash"] == ("passed over: defers to numpy_fast",)
     assert "passed over: defers to numpy_fast" in str(plan)
+
+
+def test_a_call_with_traced_lengths_is_not_planned_on_the_host():
+    jax = require_library("jax")
+    jnp = require_library("jax.numpy")
+    call = {k: jnp.asarray(v) for k, v in _call(np.random.default_rng(3)).items()}
+    reasons = {}
+
+    @jax.jit
+    def explain(lengths):  # the arrays are closed over: readable, the lengths traced
+        plan = portattn.explain_paged(call["query"], call["key_pages"], call["value_pages"],
+                                      block_table=call["block_table"], key_lengths=lengths,
+                                      query_starts=call["query_starts"])
+        reasons.update((entry.name, why) for entry, why in plan.candidates)
+        return lengths
+
+    explain(call["key_lengths"])
+    assert "key_lengths traced (this kernel plans the call on the host)" in reasons["numpy_fast"]
