@@ -91,61 +91,65 @@ def _bands(length: int, count: int, q0: int, q1: int, lower: int,
 
 
 @numba.njit(**LOOP_OPTIONS)
-def _rows(pages: Any, head_major: bool, table: Any, s: int, kv: int, c0: int, c1: int,
-          scratch: Any) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Where BLAS reads rows ``c0 .. c1 - 1`` of sequence ``s``'s head ``kv``, as an
-    address and a leading dimension: in place where they lie evenly spaced in one page
-    (a page of a chunk or more, or a contiguous cache seen as one page), else copied
-    from their pages into ``scratch``."""
+def _rows(pages: Any, head_major: bool, table: Any, s: int, kv0: int, spread: int, c0: int,
+          c1: int, scratch: Any) -> tuple[int, int, int]:  # pragma: no cover - compiled
+    """Where BLAS reads rows ``c0 .. c1 - 1`` of sequence ``s``'s heads ``kv0 ..
+    kv0 + spread - 1``: the address of head ``kv0``'s first row, the leading dimension
+    and the bytes from one head's rows to the next's. In place where the rows lie
+    evenly spaced in one page (a page of a chunk or more, or a contiguous cache seen as
+    one page), else copied from their pages into ``scratch`` (``(_CHUNK, spread,
+    D)``: a key's heads side by side, as a token-major page holds them)."""
     page = pages.shape[2] if head_major else pages.shape[1]
-    slot, at = table[s, c0 // page], c0 % page
-    size = pages.itemsize
+    size, depth = pages.itemsize, pages.shape[3]
     step = pages.strides[2] if head_major else pages.strides[1]
+    head = pages.strides[1] if head_major else pages.strides[2]
     if ((c1 - 1) // page == c0 // page and pages.strides[3] == size and step % size == 0
-            and step >= size * pages.shape[3]):
-        head = pages.strides[1] if head_major else pages.strides[2]
-        return (pages.ctypes.data + slot * pages.strides[0] + kv * head + at * step,
-                step // size)
+            and step >= size * depth):
+        slot, at = table[s, c0 // page], c0 % page
+        return (pages.ctypes.data + slot * pages.strides[0] + kv0 * head + at * step,
+                step // size, head)
     for j in range(c0, c1):
         slot, at = table[s, j // page], j % page
-        row = pages[slot, kv, at] if head_major else pages[slot, at, kv]
-        copy = scratch[j - c0]
-        for d in range(row.shape[0]):
-            copy[d] = row[d]
-    return scratch.ctypes.data, scratch.shape[1]
+        for c in range(spread):
+            row = pages[slot, kv0 + c, at] if head_major else pages[slot, at, kv0 + c]
+            copy = scratch[j - c0, c]
+            for d in range(depth):
+                copy[d] = row[d]
+    return scratch.ctypes.data, spread * depth, depth * size
 
 
 @numba.njit(**LOOP_OPTIONS)
 def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major: bool,
-          table: Any, item: Any, starts: Any, lengths: Any, lower: int, upper: int,
-          scale: float, softcap: float, slopes: Any, sinks: Any, c: Any, one: Any,
-          out: Any, lse: Any) -> bool:  # pragma: no cover - compiled
+          table: Any, item: Any, spread: int, starts: Any, lengths: Any, lower: int,
+          upper: int, scale: float, softcap: float, slopes: Any, sinks: Any, c: Any,
+          one: Any, out: Any, lse: Any) -> bool:  # pragma: no cover - compiled
     """One item by BLAS (the module's docstring); False, writing nothing, where a sum
     or an output is not finite."""
     depth, value_depth = query.shape[2], value_pages.shape[3]
     kv_heads = key_pages.shape[1] if head_major else key_pages.shape[2]
     group = query.shape[1] // kv_heads
-    s, kv, q0, q1 = item[0], item[1], item[2], item[3]
+    s, kv0, q0, q1 = item[0], item[1], item[2], item[3]
     first, count, length = starts[s], starts[s + 1] - starts[s], lengths[s]
-    rows = (q1 - q0) * group
+    rows = (q1 - q0) * group  # per key/value head
     changed = softcap > 0.0 or slopes.shape[0] > 0
     zero = one - one
-    # Row (i - q0) * group + g: query i of s, head kv * group + g. Scores come out in
-    # base 2, or in the scores' own units where a change is applied first.
+    size = query.itemsize
+    # Row c * rows + (i - q0) * group + g: query i of s, head (kv0 + c) * group + g.
+    # Scores come out in base 2, or in their own units where a change comes first.
     factor = scale if changed else scale * _LOG2E
-    q = np.empty((rows, depth), query.dtype)
-    for i in range(q0, q1):
-        for g in range(group):
-            source, scaled = query[first + i, kv * group + g], q[(i - q0) * group + g]
-            for d in range(depth):
-                scaled[d] = source[d] * factor
+    q = np.empty((spread * rows, depth), query.dtype)
+    for r in range(spread * rows):
+        head = (kv0 + r // rows) * group + r % group
+        source, scaled = query[first + q0 + (r % rows) // group, head], q[r]
+        for d in range(depth):
+            scaled[d] = source[d] * factor
     lo, hi = _bands(length, count, q0, q1, lower, upper)
-    top = np.full(rows, -np.inf, query.dtype)
-    total = np.zeros(rows, query.dtype)
-    acc = np.zeros((rows, value_depth), query.dtype)
-    span = np.empty((rows, _CHUNK), query.dtype)
-    keys = np.empty((_CHUNK, depth), query.dtype)
-    values = np.empty((_CHUNK, value_depth), query.dtype)
+    top = np.full(spread * rows, -np.inf, query.dtype)
+    total = np.zeros(spread * rows, query.dtype)
+    acc = np.zeros((spread * rows, value_depth), query.dtype)
+    span = np.empty((spread * rows, _CHUNK), query.dtype)
+    keys = np.empty((_CHUNK, spread, depth), query.dtype)
+    values = np.empty((_CHUNK, spread, value_depth), query.dtype)
     begin, end, last = lo[0], hi[q1 - q0 - 1], q1 - q0 - 1  # bands move right
     for j0 in range((begin // _CHUNK) * _CHUNK, end + 1, _CHUNK):
         c0, c1 = max(j0, begin), min(j0 + _CHUNK, end + 1)
@@ -155,49 +159,53 @@ def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major
             i0 += 1
         while lo[i1 - 1] >= c1:
             i1 -= 1
-        r0, r1 = i0 * group, i1 * group
-        at, lead = _rows(key_pages, head_major, table, s, kv, c0, c1, keys)
-        gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
-              q.ctypes.data + r0 * depth * q.itemsize, depth, at, lead, zero,
-              span.ctypes.data + r0 * _CHUNK * span.itemsize, _CHUNK)
-        for r in range(r0, r1):
-            i = r // group
-            row = span[r, :n]
-            a, b = max(lo[i] - c0, 0), min(hi[i] - c0 + 1, n)
-            if changed:
-                slope = slopes[s, kv * group + r % group] if slopes.shape[0] else 0.0
-                p = length - count + q0 + i - c0  # the position, from the chunk's first
-                for j in range(a, b):
-                    x = row[j]
-                    if softcap > 0.0:
-                        x = softcap * math.tanh(x / softcap)
-                    row[j] = (x - slope * abs(p - j)) * _LOG2E
-            for j in range(a):
-                row[j] = -np.inf
-            for j in range(b, n):
-                row[j] = -np.inf
-            m = _row_max(row[a:b], top[r])
-            if m == -np.inf:  # nothing seen yet: weights 0
-                row[:] = 0
-                continue
-            if m > top[r]:
-                alpha = power(top[r] - m, c)
-                total[r] *= alpha
-                acc[r] *= alpha
-                top[r] = m
-            total[r] += _exp2_sum(row, m, c)
-        at, lead = _rows(value_pages, head_major, table, s, kv, c0, c1, values)
-        gemm(address, NO_TRANS, NO_TRANS, r1 - r0, value_depth, n, one,
-              span.ctypes.data + r0 * _CHUNK * span.itemsize, _CHUNK, at, lead, one,
-              acc.ctypes.data + r0 * value_depth * acc.itemsize, value_depth)
-    for r in range(rows):
+        at, lead, apart = _rows(key_pages, head_major, table, s, kv0, spread, c0, c1, keys)
+        for h in range(spread):
+            r0, r1 = h * rows + i0 * group, h * rows + i1 * group
+            gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
+                 q.ctypes.data + r0 * depth * size, depth, at + h * apart, lead, zero,
+                 span.ctypes.data + r0 * _CHUNK * size, _CHUNK)
+            for r in range(r0, r1):
+                i = (r - h * rows) // group
+                row = span[r, :n]
+                a, b = max(lo[i] - c0, 0), min(hi[i] - c0 + 1, n)
+                if changed:
+                    slope = slopes[s, (kv0 + h) * group + r % group] if slopes.shape[0] else 0.0
+                    p = length - count + q0 + i - c0  # the position, from the chunk's first
+                    for j in range(a, b):
+                        x = row[j]
+                        if softcap > 0.0:
+                            x = softcap * math.tanh(x / softcap)
+                        row[j] = (x - slope * abs(p - j)) * _LOG2E
+                for j in range(a):
+                    row[j] = -np.inf
+                for j in range(b, n):
+                    row[j] = -np.inf
+                m = _row_max(row[a:b], top[r])
+                if m == -np.inf:  # nothing seen yet: weights 0
+                    row[:] = 0
+                    continue
+                if m > top[r]:
+                    alpha = power(top[r] - m, c)
+                    total[r] *= alpha
+                    acc[r] *= alpha
+                    top[r] = m
+                total[r] += _exp2_sum(row, m, c)
+        at, lead, apart = _rows(value_pages, head_major, table, s, kv0, spread, c0, c1,
+                                values)
+        for h in range(spread):
+            r0, r1 = h * rows + i0 * group, h * rows + i1 * group
+            gemm(address, NO_TRANS, NO_TRANS, r1 - r0, value_depth, n, one,
+                 span.ctypes.data + r0 * _CHUNK * size, _CHUNK, at + h * apart, lead, one,
+                 acc.ctypes.data + r0 * value_depth * size, value_depth)
+    for r in range(spread * rows):
         if not (total[r] - total[r] == 0 and (top[r] - top[r] == 0 or top[r] == -np.inf)):
             return False
         for d in range(value_depth):
             if acc[r, d] - acc[r, d] != 0:  # NaN or inf give NaN
                 return False
-    for r in range(rows):
-        i, h = first + q0 + r // group, kv * group + r % group
+    for r in range(spread * rows):
+        i, h = first + q0 + (r % rows) // group, (kv0 + r // rows) * group + r % group
         m = top[r] / _LOG2E + math.log(total[r]) if total[r] > 0 else -np.inf
         z = 1.0 / total[r] if total[r] > 0 else 0.0
         if sinks.shape[0]:  # the sink joins the denominator, no value
@@ -309,13 +317,13 @@ def _careful(query: Any, key_pages: Any, value_pages: Any, head_major: bool, tab
             lse[h, i] = m + math.log(z)
 
 
-def work_items(query_starts: Any, kv_heads: int) -> np.ndarray:
-    """``(sequence, kv_head, q0, q1)`` rows of int64: each sequence's queries cut in
-    tiles of :data:`TILE_QUERIES`, for each key/value head (sizes fixed by the sequence
-    alone)."""
+def work_items(query_starts: Any, kv_heads: int, spread: int) -> np.ndarray:
+    """``(sequence, first kv_head, q0, q1)`` rows of int64: each sequence's queries cut
+    in tiles of :data:`TILE_QUERIES`, for each run of ``spread`` key/value heads (sizes
+    fixed by the sequence alone)."""
     items = [(s, kv, q0, min(q0 + TILE_QUERIES, n))
              for s, n in enumerate(np.diff(np.asarray(query_starts)).tolist())
-             for q0 in range(0, n, TILE_QUERIES) for kv in range(kv_heads)]
+             for q0 in range(0, n, TILE_QUERIES) for kv in range(0, kv_heads, spread)]
     return np.array(items, np.int64).reshape(-1, 4)
 
 
@@ -357,7 +365,10 @@ def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool
     out = np.zeros((total, heads, value_pages.shape[3]), dtype)
     lse = np.full((heads, total), -np.inf, dtype)
     none = np.empty((0, 0))
-    items = work_items(query_starts, key_pages.shape[1 if head_major else 2])
+    kv_heads = key_pages.shape[1 if head_major else 2]
+    # token-major pages hold a key's heads side by side: one item reads them together
+    spread = 1 if head_major else kv_heads
+    items = work_items(query_starts, kv_heads, spread)
     shared = (query, key_pages, value_pages, bool(head_major),
               np.ascontiguousarray(block_table, np.int32))
     rest = (np.ascontiguousarray(query_starts, np.int64),
@@ -371,8 +382,12 @@ def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool
 
     def worker(units: Any) -> None:
         for k in units:  # each item writes rows of its own: no two touch one
-            if address is None or not _fast(address, *shared, items[k], *rest, c, one, out, lse):
-                _careful(*shared, items[k], *rest, out, lse)
+            item = items[k]
+            if address is None or not _fast(address, *shared, item, spread, *rest, c, one,
+                                            out, lse):
+                for kv in range(item[1], item[1] + spread):  # one head at a time
+                    _careful(*shared, np.array([item[0], kv, item[2], item[3]]), *rest,
+                             out, lse)
 
     run_parallel(worker, list(range(len(items))), get_num_threads())
     return out, lse

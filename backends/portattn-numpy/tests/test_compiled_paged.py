@@ -163,11 +163,14 @@ def test_prompts_longer_than_a_tile_match_portable_paged_attention(head_major, m
 
 
 def test_work_items_are_cut_by_the_sequence_alone():
-    items = work_items(np.array([0, 1, 1, 131]), 2)
+    items = work_items(np.array([0, 1, 1, 131]), 2, 1)
     # sequence 0: one query; 1: none; 2: 130 queries in tiles of 64, 64, 2
     assert items.tolist() == [[0, 0, 0, 1], [0, 1, 0, 1],
                               [2, 0, 0, 64], [2, 1, 0, 64], [2, 0, 64, 128],
                               [2, 1, 64, 128], [2, 0, 128, 130], [2, 1, 128, 130]]
+    # both heads in one item (token-major pages)
+    assert work_items(np.array([0, 1, 1, 131]), 2, 2).tolist() == [
+        [0, 0, 0, 1], [2, 0, 0, 64], [2, 0, 64, 128], [2, 0, 128, 130]]
 
 
 def test_a_pool_that_is_a_strided_view_is_read_in_place():
