@@ -1,9 +1,9 @@
-"""NumPy's own BLAS matrix product, for compiled loops to call without the GIL.
+"""NumPy's own BLAS matrix products, for compiled loops to call without the GIL.
 
 NumPy does not export its BLAS, but the library is loaded, and threadpoolctl (which
 ``_threads`` uses to hold it to one thread per call) knows its path. A compiled loop
-can call its CBLAS ``gemm`` by address, as NumPy's ``matmul`` does, with no Python
-between the calls.
+can call its CBLAS ``gemm`` and ``gemv`` by address, as NumPy's ``matmul`` does, with
+no Python between the calls.
 
 Only the 64-bit-integer interface is used, under the names that say so: NumPy's wheels
 bundle OpenBLAS as ``scipy_cblas_sgemm64_`` (``scipy-openblas64``), and OpenBLAS built
@@ -23,20 +23,31 @@ import numpy as np
 
 from ._threads import blas_library_paths
 
-__all__ = ["gemm_address"]
+__all__ = ["gemm_address", "gemv_address"]
 
-#: The ILP64 CBLAS names of ``?gemm``, by dtype, the preferred first.
+#: The ILP64 CBLAS names of each function, by dtype, the preferred first.
 SYMBOLS = {
-    np.dtype(np.float32): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
-    np.dtype(np.float64): ("scipy_cblas_dgemm64_", "cblas_dgemm64_"),
+    ("gemm", np.dtype(np.float32)): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
+    ("gemm", np.dtype(np.float64)): ("scipy_cblas_dgemm64_", "cblas_dgemm64_"),
+    ("gemv", np.dtype(np.float32)): ("scipy_cblas_sgemv64_", "cblas_sgemv64_"),
+    ("gemv", np.dtype(np.float64)): ("scipy_cblas_dgemv64_", "cblas_dgemv64_"),
 }
 
 
-@functools.cache
 def gemm_address(dtype: np.dtype[Any]) -> int | None:
     """The address of ``cblas_?gemm`` with 64-bit integers for ``dtype`` in a BLAS
     library this process has loaded, or None."""
-    names = SYMBOLS.get(np.dtype(dtype), ())
+    return _address("gemm", np.dtype(dtype))
+
+
+def gemv_address(dtype: np.dtype[Any]) -> int | None:
+    """The same for ``cblas_?gemv`` (a matrix times a vector)."""
+    return _address("gemv", np.dtype(dtype))
+
+
+@functools.cache
+def _address(function_name: str, dtype: np.dtype[Any]) -> int | None:
+    names = SYMBOLS.get((function_name, dtype), ())
     for path in blas_library_paths():
         try:
             library = ctypes.CDLL(path)  # already loaded: the same handle

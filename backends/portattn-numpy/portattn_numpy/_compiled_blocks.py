@@ -6,7 +6,7 @@ the block's masks hide set to ``-inf`` (a mask's partial tiles, ``_blocks``), th
 ``exp2`` and row sums (``_compiled_exp.exp2_row_sums``; with a score change by
 distance added in the same pass, ``exp2_shifted_row_sums``), the weights times the
 values by BLAS, added into the unit's accumulator by the product itself (``beta =
-1``). BLAS is NumPy's own library, called by address (``_cblas``, ``_compiled_gemm``).
+1``). BLAS is NumPy's own library, called by address (``_cblas``, ``_compiled_blas``).
 
 Unlike the other tiles (``_scores``), these are kept queries by keys: ``q @ k.T``, then
 ``weights @ v`` with no operand transposed, the shapes OpenBLAS's kernels run closest
@@ -28,11 +28,11 @@ import numpy as np
 from numba import types
 
 from . import _cblas
+from ._compiled_blas import NO_TRANS, TRANS, gemm
 
 # Numba's cache checks this file's own date only: a change to the exponential reaches
 # the cached loops once this file changes too (or its cache is cleared).
 from ._compiled_exp import LOOP_OPTIONS, constants, exp2_row_sums, exp2_shifted_row_sums
-from ._compiled_gemm import NO_TRANS, TRANS, gemm
 
 __all__ = ["DTYPES", "CompiledBlocks", "compiled_blocks"]
 

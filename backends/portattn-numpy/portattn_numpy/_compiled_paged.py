@@ -35,8 +35,8 @@ import numba
 import numpy as np
 
 from . import _cblas
-from ._compiled_exp import LOOP_OPTIONS, constants, power
-from ._compiled_gemm import NO_TRANS, TRANS, gemm
+from ._compiled_blas import NO_TRANS, TRANS, gemm, gemv
+from ._compiled_exp import DTYPES, LOOP_OPTIONS, constants, power
 from ._threads import get_num_threads, run_parallel
 
 __all__ = ["TILE_QUERIES", "paged_forward"]
@@ -48,6 +48,8 @@ _CHUNK = 256
 #: The band's open ends, as offsets no sequence reaches.
 _BELOW, _ABOVE = -(2**62), 2**62
 _LOG2E = 1 / math.log(2)
+#: ``exp2``'s constants by dtype (made once: they take a decimal logarithm).
+_EXP2 = {dt: constants(dt, base_e=False) for dt in DTYPES}
 
 
 @numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
@@ -97,7 +99,7 @@ def _rows(pages: Any, head_major: bool, table: Any, s: int, kv0: int, spread: in
     kv0 + spread - 1``: the address of head ``kv0``'s first row, the leading dimension
     and the bytes from one head's rows to the next's. In place where the rows lie
     evenly spaced in one page (a page of a chunk or more, or a contiguous cache seen as
-    one page), else copied from their pages into ``scratch`` (``(_CHUNK, spread,
+    one page), else copied from their pages into ``scratch`` (``(chunk, spread,
     D)``: a key's heads side by side, as a token-major page holds them)."""
     page = pages.shape[2] if head_major else pages.shape[1]
     size, depth = pages.itemsize, pages.shape[3]
@@ -119,12 +121,14 @@ def _rows(pages: Any, head_major: bool, table: Any, s: int, kv0: int, spread: in
 
 
 @numba.njit(**LOOP_OPTIONS)
-def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major: bool,
-          table: Any, item: Any, spread: int, starts: Any, lengths: Any, lower: int,
-          upper: int, scale: float, softcap: float, slopes: Any, sinks: Any, c: Any,
+def _fast(address: int, vector_address: int, query: Any, key_pages: Any, value_pages: Any,
+          head_major: bool, table: Any, item: Any, spread: int, starts: Any, lengths: Any,
+          lower: int, upper: int, scale: float, softcap: float, slopes: Any, sinks: Any, c: Any,
           one: Any, out: Any, lse: Any) -> bool:  # pragma: no cover - compiled
     """One item by BLAS (the module's docstring); False, writing nothing, where a sum
-    or an output is not finite."""
+    or an output is not finite. ``address`` is ``?gemm``'s, ``vector_address``
+    ``?gemv``'s (0: none), which takes a head's products when it has one row (a decode
+    step without grouped heads): ``gemm`` handles that case several times slower."""
     depth, value_depth = query.shape[2], value_pages.shape[3]
     kv_heads = key_pages.shape[1] if head_major else key_pages.shape[2]
     group = query.shape[1] // kv_heads
@@ -147,12 +151,13 @@ def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major
     top = np.full(spread * rows, -np.inf, query.dtype)
     total = np.zeros(spread * rows, query.dtype)
     acc = np.zeros((spread * rows, value_depth), query.dtype)
-    span = np.empty((spread * rows, _CHUNK), query.dtype)
-    keys = np.empty((_CHUNK, spread, depth), query.dtype)
-    values = np.empty((_CHUNK, spread, value_depth), query.dtype)
+    chunk = _CHUNK
+    span = np.empty((spread * rows, chunk), query.dtype)
+    keys = np.empty((chunk, spread, depth), query.dtype)
+    values = np.empty((chunk, spread, value_depth), query.dtype)
     begin, end, last = lo[0], hi[q1 - q0 - 1], q1 - q0 - 1  # bands move right
-    for j0 in range((begin // _CHUNK) * _CHUNK, end + 1, _CHUNK):
-        c0, c1 = max(j0, begin), min(j0 + _CHUNK, end + 1)
+    for j0 in range((begin // chunk) * chunk, end + 1, chunk):
+        c0, c1 = max(j0, begin), min(j0 + chunk, end + 1)
         n = c1 - c0
         i0, i1 = 0, last + 1  # the queries that see a key of this chunk
         while hi[i0] < c0:
@@ -162,9 +167,14 @@ def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major
         at, lead, apart = _rows(key_pages, head_major, table, s, kv0, spread, c0, c1, keys)
         for h in range(spread):
             r0, r1 = h * rows + i0 * group, h * rows + i1 * group
-            gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
-                 q.ctypes.data + r0 * depth * size, depth, at + h * apart, lead, zero,
-                 span.ctypes.data + r0 * _CHUNK * size, _CHUNK)
+            if r1 - r0 == 1 and vector_address:
+                gemv(vector_address, NO_TRANS, n, depth, one, at + h * apart, lead,
+                     q.ctypes.data + r0 * depth * size, zero,
+                     span.ctypes.data + r0 * chunk * size)
+            else:
+                gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
+                     q.ctypes.data + r0 * depth * size, depth, at + h * apart, lead, zero,
+                     span.ctypes.data + r0 * chunk * size, chunk)
             for r in range(r0, r1):
                 i = (r - h * rows) // group
                 row = span[r, :n]
@@ -195,9 +205,14 @@ def _fast(address: int, query: Any, key_pages: Any, value_pages: Any, head_major
                                 values)
         for h in range(spread):
             r0, r1 = h * rows + i0 * group, h * rows + i1 * group
-            gemm(address, NO_TRANS, NO_TRANS, r1 - r0, value_depth, n, one,
-                 span.ctypes.data + r0 * _CHUNK * size, _CHUNK, at + h * apart, lead, one,
-                 acc.ctypes.data + r0 * value_depth * size, value_depth)
+            if r1 - r0 == 1 and vector_address:
+                gemv(vector_address, TRANS, n, value_depth, one, at + h * apart, lead,
+                     span.ctypes.data + r0 * chunk * size, one,
+                     acc.ctypes.data + r0 * value_depth * size)
+            else:
+                gemm(address, NO_TRANS, NO_TRANS, r1 - r0, value_depth, n, one,
+                     span.ctypes.data + r0 * chunk * size, chunk, at + h * apart, lead,
+                     one, acc.ctypes.data + r0 * value_depth * size, value_depth)
     for r in range(spread * rows):
         if not (total[r] - total[r] == 0 and (top[r] - top[r] == 0 or top[r] == -np.inf)):
             return False
@@ -377,14 +392,14 @@ def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool
             float(scale), 0.0 if softcap is None else float(softcap),
             none if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float64),
             none if sinks is None else np.ascontiguousarray(sinks, np.float64))
-    address = _cblas.gemm_address(dtype)
-    c, one = constants(dtype, base_e=False), dtype.type(1)
+    address, vector_address = _cblas.gemm_address(dtype), _cblas.gemv_address(dtype) or 0
+    c, one = _EXP2[dtype], dtype.type(1)
 
     def worker(units: Any) -> None:
         for k in units:  # each item writes rows of its own: no two touch one
             item = items[k]
-            if address is None or not _fast(address, *shared, item, spread, *rest, c, one,
-                                            out, lse):
+            if address is None or not _fast(address, vector_address, *shared, item, spread,
+                                            *rest, c, one, out, lse):
                 for kv in range(item[1], item[1] + spread):  # one head at a time
                     _careful(*shared, np.array([item[0], kv, item[2], item[3]]), *rest,
                              out, lse)

@@ -187,3 +187,18 @@ def test_a_pool_that_is_a_strided_view_is_read_in_place():
                                            True, 0.5)
     np.testing.assert_allclose(out, expected_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["blhd", "bhld"])
+@pytest.mark.parametrize("extras", ["plain", "softcap"])
+def test_one_row_per_head_matches_portable_paged_attention(head_major, extras):
+    # as many query heads as key/value heads, one query each: a head's products are
+    # matrix-vector ones
+    rng = np.random.default_rng(8)
+    query, *rest = _batch(rng, np.float32, 16, head_major, [300, 9, 1, 700], [1, 1, 1, 1])
+    batch = (query[:, :HKV], *rest)
+    options = {"scale": 0.3, **({"softcap": 2.0} if extras == "softcap" else {})}
+    out, lse = _compiled(batch, (None, None), head_major, **options)
+    expected_out, expected_lse = _oracle(batch, None, head_major, **options)
+    np.testing.assert_allclose(out, expected_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, expected_lse, rtol=2e-5, atol=2e-5)
