@@ -74,7 +74,7 @@ class JaxFlashKernel(Kernel):
     @classmethod
     def paged_defers_to(cls, call: PagedInputs) -> tuple[str, ...]:
         # On the CPU, numpy_fast's compiled loop reads JAX's arrays through DLPack and
-        # ran a decode step (16 x 4096 keys) in about half this kernel's time
+        # ran a decode step (16 x 4096 keys) in 0.4-0.7x this kernel's time
         # (bench/test_paged.py); it plans the call on the host, so not a traced one
         return ("numpy_fast",) if call.device == "cpu" and not call.traced else ()
 
