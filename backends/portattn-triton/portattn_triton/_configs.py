@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 __all__ = ["ARCHS", "BACKWARD_MAX_DIM", "BLOCK_DIMS", "DECODE_MAX_QUERIES", "DECODE_MAX_ROWS",
            "DISTANCE_BACKWARD_MAX_DIM_FLOAT32", "EXTRAS", "HEAVY_MAX_DIM_FLOAT32",
-           "BackwardConfig", "Config", "autotune_candidates", "backward_extra", "block_dim",
-           "decode_config",
-           "decode_max_rows",
-           "decode_splits", "delta_rows", "is_even", "pick_backward_config", "pick_config"]
+           "PAGED_STAGES", "BackwardConfig", "Config", "autotune_candidates",
+           "backward_extra", "block_dim", "decode_config", "decode_max_rows",
+           "decode_splits", "delta_rows", "is_even", "merge_warps", "paged_config",
+           "paged_heights", "paged_max_rows", "pick_backward_config", "pick_config"]
 
 
 @dataclass(frozen=True)
@@ -331,22 +331,62 @@ def decode_config(capability: tuple[int, int] | None, element_bytes: int, head_d
     return Config(block_m, 32, 8, 2)
 
 
-# (element bytes, padded head dim) -> (block_n, warps, stages) of paged split-KV decode:
-# the widest key blocks that compile without spills on sm_80 and sm_90 with every
-# feature on (bands, ALiBi, softcap) at the most packed rows (compile tests).
-_PAGED: dict[tuple[int, int], tuple[int, int, int]] = {
-    (2, 16): (64, 4, 3), (2, 32): (64, 4, 3), (2, 64): (32, 4, 3), (2, 128): (64, 8, 3),
-    (2, 256): (32, 8, 2),
-    (4, 16): (64, 4, 3), (4, 32): (32, 4, 3), (4, 64): (64, 8, 3), (4, 128): (64, 8, 3),
+# (element bytes, padded head dim, tile rows) -> (block_n, warps) of paged attention: a
+# decode step's tile is as tall as its rows, a prefill's the tallest listed. Each entry
+# is the widest key block found to compile without spills on sm_80 and sm_90 at that
+# height, with every feature on (bands, ALiBi, softcap, sinks) and with none but the
+# causal band, from a sweep of 16-128 keys and 4 or 8 warps (ptxas spills a few
+# narrower ones, so the widths do not fall monotonically). The pages are gathered row by
+# row, which Triton does not pipeline: the stages change nothing. float32 at head dim
+# 256 spills at 16 rows already; those calls go to another kernel.
+_PAGED: dict[tuple[int, int, int], tuple[int, int]] = {
+    (2, 16, 16): (128, 8), (2, 16, 32): (128, 8), (2, 16, 64): (128, 8),
+    (2, 16, 128): (128, 8),
+    (2, 32, 16): (128, 8), (2, 32, 32): (64, 8), (2, 32, 64): (64, 8), (2, 32, 128): (64, 8),
+    (2, 64, 16): (128, 8), (2, 64, 32): (128, 8), (2, 64, 64): (64, 8), (2, 64, 128): (64, 8),
+    (2, 128, 16): (128, 8), (2, 128, 32): (128, 8), (2, 128, 64): (64, 8),
+    (2, 256, 16): (64, 8), (2, 256, 32): (64, 8), (2, 256, 64): (32, 8),
+    (4, 16, 16): (64, 4), (4, 16, 32): (64, 4), (4, 16, 64): (64, 4),
+    (4, 32, 16): (128, 8), (4, 32, 32): (32, 8), (4, 32, 64): (32, 8),
+    (4, 64, 16): (64, 4), (4, 64, 32): (64, 8), (4, 64, 64): (16, 8),
+    (4, 128, 16): (64, 8),
 }
+#: Software pipeline stages of paged attention (see ``_PAGED``).
+PAGED_STAGES = 2
+
+
+def paged_heights(element_bytes: int, padded_dim: int) -> tuple[int, ...]:
+    """The tile heights (packed query rows) paged attention has at this element size
+    and padded head dim, shortest first; none where every tile would spill."""
+    size = 2 if element_bytes <= 2 else 4
+    return tuple(sorted(m for s, d, m in _PAGED if (s, d) == (size, padded_dim)))
+
+
+def paged_max_rows(element_bytes: int, padded_dim: int) -> int:
+    """The tallest tile of paged attention at this element size and padded head dim;
+    0 where there is none."""
+    return max(paged_heights(element_bytes, padded_dim), default=0)
 
 
 def paged_config(element_bytes: int, head_dim: int, value_head_dim: int, rows: int) -> Config:
-    """Block sizes of the paged split-KV decode kernel for ``rows`` packed query rows
-    (at most :func:`decode_max_rows`)."""
-    block_m = max(16, 1 << (max(rows, 1) - 1).bit_length())
+    """Block sizes of paged attention for tiles of ``rows`` packed query rows: the next
+    power of two (at least 16), at most :func:`paged_max_rows` (a sequence with more
+    rows is cut into several tiles)."""
     dim = max(block_dim(head_dim), block_dim(value_head_dim))
-    return Config(block_m, *_PAGED[2 if element_bytes <= 2 else 4, dim])
+    size = 2 if element_bytes <= 2 else 4
+    tallest = paged_max_rows(size, dim)
+    if not tallest:
+        msg = (f"paged attention has no tile for {element_bytes}-byte elements at head "
+               f"dims {head_dim}, {value_head_dim}")
+        raise ValueError(msg)
+    block_m = min(tallest, max(16, 1 << (max(rows, 1) - 1).bit_length()))
+    return Config(block_m, *_PAGED[size, dim, block_m], PAGED_STAGES)
+
+
+def merge_warps(block_m: int, padded_value_dim: int) -> int:
+    """Warps of the kernels that merge split-KV partial results: eight where the
+    float32 accumulator of ``block_m`` rows would spill from four warps' registers."""
+    return 4 if block_m * padded_value_dim <= 64 * 128 else 8
 
 
 def decode_splits(programs: int, kv_len: int, block_n: int, sm_count: int | None) -> int:

@@ -15,7 +15,6 @@ import functools
 import importlib.util
 import os
 import sys
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from portattn.kernel import Kernel
@@ -58,7 +57,7 @@ class TritonFlashKernel(Kernel):
     bias = softcap = gqa = value_head_dim = empty = True
     returns_lse = grad = dropout = dropout_seed = True
     score_mod = DISTANCE_KINDS  # one row per head, read at each tile's diagonals
-    paged = True  # split-KV decode through the block table (._triton_paged)
+    paged = True  # query tiles x key splits through the block table (._triton_paged)
     priority = 200
 
     @classmethod
@@ -109,6 +108,9 @@ class TritonFlashKernel(Kernel):
         if call.namespace != "torch":
             reasons.append(f"namespace={call.namespace} (paged calls: torch)")
             return reasons  # the rest reads torch's shapes and dtypes
+        traced = call.host_plan_reason()  # the tiles are planned on the host
+        if traced is not None:
+            reasons.append(traced)
         if call.device == "cpu" and call.dtype == "bfloat16":
             reasons.append("dtype=bfloat16 on cpu (the Triton interpreter's bfloat16 dot "
                            "is inexact)")
@@ -116,14 +118,11 @@ class TritonFlashKernel(Kernel):
         dims = (call.query.shape[2], call.value_pages.shape[-1])
         if not all(low <= dim <= high for dim in dims):
             reasons.append(f"head dims {dims} outside [{low}, {high}]")
+        elif call.dtype in cls.dtypes and not paged_rows_limit(call):
+            reasons.append(f"dtype={call.dtype} with head dims {dims} (no paged tile "
+                           "without register spills)")
         if call.mask is not None and not is_positional(call.mask):
             reasons.append(f"mask {call.mask!r} is not made of causal and window parts")
-        most = max((b - a for a, b in pairwise(call.query_starts)), default=0)
-        group = call.query.shape[1] // call.num_kv_heads
-        limit = paged_rows_limit(call)
-        if group * most > limit:
-            reasons.append(f"{group} query heads per K/V head x {most} queries of one "
-                           f"sequence > {limit} rows of a decode tile")
         return reasons
 
     def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:

@@ -18,6 +18,7 @@ from ._configs import (
     decode_max_rows,
     decode_splits,
     is_even,
+    merge_warps,
 )
 from ._distance import check_tiles
 
@@ -95,5 +96,5 @@ def decode_forward(q: Any, k: Any, v: Any, scale: float, softcap: float | None,
         decode_merge_kernel[(z * hkv,)](
             part_out, part_lse, out, lse, *out.stride(), hkv, hq, group, lq, dv,
             num_splits, BLOCK_M=config.block_m, BLOCK_DV=bdv,
-            BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), num_warps=4)
+            num_warps=merge_warps(config.block_m, bdv))
     return out, lse

@@ -25,7 +25,7 @@ from ._triton_kernel import LOG2E, finish_rows, fold_tile, keys_and_values
 from ._triton_masks import bias_tile, table_row
 from ._triton_walk import valid_lengths
 
-__all__ = ["decode_merge_kernel", "decode_split_kernel"]
+__all__ = ["decode_merge_kernel", "decode_split_kernel", "merge_parts"]
 
 
 @triton.jit
@@ -137,42 +137,57 @@ def decode_split_kernel(
 
 
 @triton.jit
+def merge_parts(PartOut, PartLse, base, step, num_splits, BLOCK_M: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
+    """``(out, lse)`` of ``BLOCK_M`` rows merged from ``num_splits`` partial results,
+    split ``s`` at part ``base + s * step`` (``PartOut`` ``[part, BLOCK_M, BLOCK_DV]``,
+    ``PartLse`` ``[part, BLOCK_M]``): out = sum_s w_s o_s / sum_s w_s with
+    ``w_s = exp(lse_s - max lse)``; lse = max + log(sum w). Two passes over the splits
+    (the max, then the sums), so no tile grows with their number. Splits that saw no
+    key have lse -inf and weight 0; rows no split saw give 0 and -inf; a row with a
+    NaN lse in any split is NaN (whether ``tl.maximum`` skips NaN or not)."""
+    rows = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    nan_row = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for s in range(num_splits):
+        lse = tl.load(PartLse + (base + s * step) * BLOCK_M + rows)
+        nan_row |= (lse != lse).to(tl.int32)
+        top = tl.maximum(top, lse)
+    seen = (top > float("-inf")) | (nan_row > 0)
+    # a NaN row whose max skipped the NaN may have top -inf: subtract 0 there, not -inf
+    top_safe = tl.where(top > float("-inf"), top, 0.0)
+
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        part = base + s * step
+        w = tl.load(PartLse + part * BLOCK_M + rows)
+        w = tl.where(seen, tl.math.exp2((w - top_safe) * LOG2E), 0.0)
+        o = tl.load(PartOut + part * BLOCK_M * BLOCK_DV + rows[:, None] * BLOCK_DV
+                    + offs_dv[None, :])
+        total += w
+        acc += w[:, None] * o
+    total_safe = tl.where(seen, total, 1.0)
+    out = tl.where(seen[:, None], acc / total_safe[:, None], 0.0)
+    lse = tl.where(seen, top_safe + tl.log(total_safe), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def decode_merge_kernel(
         PartOut, PartLse, Out, Lse, stride_oz, stride_oh, stride_om, stride_od,
         num_kv_heads, num_heads, group_size, q_len, value_head_dim, num_splits,
-        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid ``(Z * num_kv_heads,)``: out = sum_s w_s o_s / sum_s w_s with
-    ``w_s = exp(lse_s - max lse)``; lse = max + log(sum w). Splits that saw no key
-    have lse -inf and weight 0; rows no split saw give 0 and -inf; a row with a NaN
-    lse in any split is NaN (whether ``tl.max`` skips NaN or not)."""
+        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Grid ``(Z * num_kv_heads,)``: each packed row's splits merged
+    (:func:`merge_parts`) and stored at its head and query."""
     pid_zh = tl.program_id(0).to(tl.int64)
     off_z = pid_zh // num_kv_heads
     off_kvh = pid_zh % num_kv_heads
     rows = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    splits = tl.arange(0, BLOCK_S)
-    base = pid_zh * num_splits
-
-    lse_ptrs = PartLse + (base + splits[:, None]) * BLOCK_M + rows[None, :]
-    lses = tl.load(lse_ptrs, mask=splits[:, None] < num_splits, other=float("-inf"))
-    nan_row = tl.max((lses != lses).to(tl.int32), 0) > 0
-    top = tl.max(lses, 0)
-    seen = (top > float("-inf")) | nan_row
-    # a NaN row whose max skipped the NaN may have top -inf: subtract 0 there, not -inf
-    top_safe = tl.where(top > float("-inf"), top, 0.0)
-    weights = tl.math.exp2((lses - top_safe[None, :]) * LOG2E)  # [BLOCK_S, BLOCK_M]
-    total = tl.sum(weights, 0)
-    total_safe = tl.where(seen, total, 1.0)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        w = tl.load(PartLse + (base + s) * BLOCK_M + rows)
-        w = tl.where(seen, tl.math.exp2((w - top_safe) * LOG2E), 0.0)
-        o = tl.load(PartOut + (base + s) * BLOCK_M * BLOCK_DV + rows[:, None] * BLOCK_DV
-                    + offs_dv[None, :])
-        acc += w[:, None] * o
-    out = tl.where(seen[:, None], acc / total_safe[:, None], 0.0)
-    lse = tl.where(seen, top_safe + tl.log(total_safe), float("-inf"))
+    out, lse = merge_parts(PartOut, PartLse, pid_zh * num_splits, 1, num_splits, BLOCK_M,
+                           BLOCK_DV)
 
     head = off_kvh * group_size + rows // q_len
     pos = rows % q_len

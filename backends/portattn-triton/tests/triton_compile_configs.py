@@ -35,7 +35,7 @@ from pathlib import Path
 #: (``_configs.EXTRAS``).
 _FORMULAS = {"HAS_LOWER": True, "HAS_UPPER": True, "HAS_KEY_LENGTHS": True,
              "HAS_QUERY_LENGTHS": True, "HAS_POISON": True, "SOFTCAP": True,
-             "REVERSE": True, "HAS_ALIBI": True}
+             "REVERSE": True, "HAS_ALIBI": True, "HAS_SINKS": True}
 _BITS = {**_FORMULAS, "HAS_BAD": True, "HAS_BITS": True, "HAS_TABLE": True}
 _FEATURES = {**_BITS, "HAS_BIAS": True, "BIAS_GRAD": True}
 _DISTANCE = {"HAS_DISTANCE": True, "DISTANCE_GRAD": True}
@@ -55,6 +55,9 @@ VARIANTS = {
     # dropout (pointer forward and backward only), with bit tiles and with everything
     "dropout_bits_even": {**_BITS, "DROPOUT": True},
     "dropout_all_even": {**_FEATURES, "DROPOUT": True},
+    # paged attention's shorter tiles (a decode step's), every feature; its
+    # "formulas_even" is the tallest tile (a prefill's), "plain" the shortest
+    **{f"formulas_m{rows}": _FORMULAS for rows in (16, 32, 64)},
 }
 #: The extra (``_configs.EXTRAS``) each level of variants is launched with.
 EXTRA_OF = {"formulas": None, "bits": "bits", "all": "bias", "distance": "distance",
@@ -69,24 +72,27 @@ def extra_of(variant: str) -> str | None:
 
 DTYPES = {"float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
 #: Kernels: the forward's three paths (pointers, tensor descriptors on sm_90 only,
-#: split-KV decode), split-KV decode over pages, and the two backward passes (the Delta
+#: split-KV decode), paged attention's tiles, and the two backward passes (the Delta
 #: pass is a plain elementwise reduction, compiled once per dtype and head dim as
-#: "delta").
+#: "delta"; the merge of paged attention's splits, with no product, as "paged_merge").
 KERNELS = ("forward", "tma", "decode", "paged", "dkdv", "dq")
 _FUNCTIONS = {"forward": ("_triton_kernel", "flash_forward_kernel"),
               "tma": ("_triton_tma", "flash_forward_tma_kernel"),
               "decode": ("_triton_decode", "decode_split_kernel"),
-              "paged": ("_triton_paged", "paged_split_kernel"),
+              "paged": ("_triton_paged", "paged_tile_kernel"),
               "dkdv": ("_triton_backward", "dkdv_kernel"),
               "dq": ("_triton_dq", "dq_kernel"),
-              "delta": ("_triton_backward", "delta_kernel")}
+              "delta": ("_triton_backward", "delta_kernel"),
+              "paged_merge": ("_triton_paged", "paged_merge_kernel")}
+#: Kernels with no product (no tensor-core instructions to look for).
+ELEMENTWISE = ("delta", "paged_merge")
 #: Shared memory a block may use, bytes (A100 and H100/H200 opt-in maxima).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 _INNER_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod",
                   "stride_dkd", "stride_dvd", "stride_dqd", "stride_bn")
 _FLOAT_POINTERS = ("Lse", "Delta", "DLse", "PartOut", "PartLse", "Poison", "Bad", "DBias",
-                   "Distance", "DDistance", "Slopes")
+                   "Distance", "DDistance", "Slopes", "Sinks")
 _DESCRIPTORS = {"DescQ": ("BLOCK_M", "BLOCK_D"), "DescK": ("BLOCK_N", "BLOCK_D"),
                 "DescV": ("BLOCK_N", "BLOCK_DV"), "DescO": ("BLOCK_M", "BLOCK_DV")}
 #: What the compiled code is searched for: PTX instructions and SASS opcodes.
@@ -104,7 +110,7 @@ def _signature(fn, dtype: str, constants: dict) -> tuple[dict, dict]:
     # a float32 bias, the widest (half precision inputs sum it in float32 either way)
     types.update(dict.fromkeys((*_FLOAT_POINTERS, "Bias"), "*fp32"))
     types.update(KeyLengths="*i32", QueryLengths="*i32", Table="*i32", Bits="*u8", Word="*i32",
-                 Starts="*i32", Lengths="*i32")
+                 Starts="*i32", Lengths="*i32", Items="*i32", Merges="*i32")
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -133,6 +139,7 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
         decode_config,
         decode_max_rows,
         delta_rows,
+        merge_warps,
         paged_config,
         pick_backward_config,
         pick_config,
@@ -143,15 +150,31 @@ def launcher_config(arch: int, dtype: str, dim: int, variant: str, kernel: str =
     extra = extra_of(variant)
     if kernel in ("forward", "tma"):
         return pick_config(capability, DTYPES[dtype][1], head_dim, head_dim, extra)
-    if kernel in ("decode", "paged"):  # "plain": the fewest rows; else the most packed
-        rows = 4 if variant == "plain" else decode_max_rows(DTYPES[dtype][1], dim)
+    if kernel in ("paged", "paged_merge"):
+        config = paged_config(DTYPES[dtype][1], head_dim, head_dim,
+                              _paged_rows(dtype, dim, variant))
         if kernel == "paged":
-            return paged_config(DTYPES[dtype][1], head_dim, head_dim, rows)
+            return config
+        return Config(config.block_m, dim, merge_warps(config.block_m, dim), 3)
+    if kernel == "decode":  # "plain": the fewest rows; else the most packed
+        rows = 4 if variant == "plain" else decode_max_rows(DTYPES[dtype][1], dim)
         return decode_config(capability, DTYPES[dtype][1], head_dim, head_dim, rows, extra)
     if kernel == "delta":
         return Config(delta_rows(dim), dim, 4, 1)
     return getattr(pick_backward_config(capability, DTYPES[dtype][1], head_dim, head_dim,
                                         backward_extra(extra)), kernel)
+
+
+def _paged_rows(dtype: str, dim: int, variant: str) -> int:
+    """The tile height of a paged variant: "plain" the shortest, "formulas_m<rows>"
+    its own, any other the tallest (see ``VARIANTS``)."""
+    from portattn_triton._configs import paged_max_rows
+
+    if variant == "plain":
+        return 16
+    if variant.startswith("formulas_m"):
+        return int(variant.removeprefix("formulas_m"))
+    return paged_max_rows(DTYPES[dtype][1], dim)
 
 
 def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[str]:
@@ -166,7 +189,7 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
         BACKWARD_MAX_DIM,
         DISTANCE_BACKWARD_MAX_DIM_FLOAT32,
         HEAVY_MAX_DIM_FLOAT32,
-        decode_max_rows,
+        paged_heights,
     )
 
     levels = LEVELS if dtype != "float32" or dim <= HEAVY_MAX_DIM_FLOAT32 else ("formulas",)
@@ -184,8 +207,13 @@ def variants(arch: int, dtype: str, dim: int, kernel: str = "forward") -> list[s
             return ["plain"]
         return ["plain", *(f"{level}_even" for level in levels), *(["ws"] if dim == 128
                                                                      else [])]
-    if kernel == "paged":  # the most rows, every feature
-        return ["formulas_even"] if decode_max_rows(DTYPES[dtype][1], dim) else []
+    heights = paged_heights(DTYPES[dtype][1], dim)
+    if kernel == "paged":  # every tile height: the shortest plain too, the tallest last
+        if not heights:
+            return []
+        return ["plain", *(f"formulas_m{rows}" for rows in heights[:-1]), "formulas_even"]
+    if kernel == "paged_merge":  # the tallest tile
+        return ["formulas_even"] if heights else []
     if kernel == "decode":  # the most rows and features; the fewest rows at one size
         if dtype == "float32" and dim > 128:  # no decode for float32 at head dim 256
             return []
@@ -221,6 +249,8 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
         config = launcher_config(arch, dtype, dim, variant, kernel)
     if kernel == "delta":
         constants = {"BLOCK_M": config.block_m, "BLOCK_DV": dim, "HAS_DLSE": True}
+    elif kernel == "paged_merge":
+        constants = {"BLOCK_M": config.block_m, "BLOCK_DV": dim, "HAS_SINKS": True}
     else:
         constants = {
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": dim,
@@ -229,7 +259,7 @@ def compile_one(arch: int, dtype: str, dim: int, variant: str, config=None,
             "HAS_BAD": False, "HAS_BITS": False, "HAS_BIAS": False, "HAS_TABLE": False,
             "BIAS_GRAD": False, "HAS_DISTANCE": False, "DISTANCE_GRAD": False, "DROPOUT": False,
             "SOFTCAP": False,
-            "REVERSE": False,
+            "REVERSE": False, "HAS_ALIBI": False, "HAS_SINKS": False,
             "INPUT_PRECISION": "tf32x3" if dtype == "float32" else "tf32",
             **VARIANTS[variant],
         }
