@@ -387,14 +387,15 @@ class Kernel:
     def paged_defers_to(cls, call: PagedInputs) -> tuple[str, ...]:
         """Kernels that should run the paged call ``call`` instead of this one, when one
         of them can (measured faster on such calls); empty by default. Dispatch then
-        runs the first of them that can, and :func:`portattn.explain_paged` shows this
-        kernel as ``"passed over: defers to ..."``. From the description alone, cheap.
+        runs the first of them, in dispatch order, that can, and
+        :func:`portattn.explain_paged` shows this kernel as ``"passed over: defers to
+        ..."``. From the description alone, cheap.
 
         Args:
             call: the paged call's description.
 
         Returns:
-            Kernel names, the preferred first.
+            Kernel names.
         """
         return ()
 
