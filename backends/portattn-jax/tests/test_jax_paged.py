@@ -277,7 +277,7 @@ def test_a_jitted_decode_loop_compiles_once_whatever_its_lengths():
     traces = []
 
     @jax.jit
-    def step(q, table, lengths):
+    def step(q, k_pool, v_pool, table, lengths):  # the pools as arguments, as a server has
         traces.append(1)  # runs when jit traces the function: once per compile
         return portattn.paged_attention(q, k_pool, v_pool, block_table=table,
                                         key_lengths=lengths, mask=masks.causal(),
@@ -286,7 +286,7 @@ def test_a_jitted_decode_loop_compiles_once_whatever_its_lengths():
     for i in range(12):
         lengths = jnp.asarray([1 + i * 9 + 5 * s for s in range(batch)], dtype=jnp.int32)
         q = jnp.asarray(rng.standard_normal((batch, HQ, D)), dtype=jnp.float32)
-        out = step(q, table, lengths)
+        out = step(q, k_pool, v_pool, table, lengths)
     assert len(traces) == 1
     eager = portattn.paged_attention(q, k_pool, v_pool, block_table=table,
                                      key_lengths=lengths, mask=masks.causal())
