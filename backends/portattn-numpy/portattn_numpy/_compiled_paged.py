@@ -2,10 +2,11 @@
 this module without Numba raises ``ImportError``.
 
 Each sequence's queries attend its own keys, which sit in pages of a shared pool in the
-order its block table gives. One work item is one sequence, one key/value head and one
-tile of at most :data:`TILE_QUERIES` of the sequence's queries, with every query head
-that reads the key/value head (grouped-query attention); items run beside each other on
-the package's threads (:func:`~portattn_numpy.set_num_threads`).
+order its block table gives. One work item is one tile of at most
+:data:`TILE_QUERIES` of a sequence's queries with its key/value heads (all of them
+with token-major pages, which hold a key's heads side by side; one with head-major
+pages), each with every query head that reads it (grouped-query attention); items run
+beside each other on the package's threads (:func:`~portattn_numpy.set_num_threads`).
 
 An item visits the keys its rows' bands allow, ``_CHUNK`` positions at a time, aligned
 to the sequence's own positions. The chunk's key rows, then its value rows, are copied
