@@ -3,6 +3,10 @@ unselected skips, with no selection a missing backend skips."""
 
 from __future__ import annotations
 
+import itertools
+import sys
+import types
+
 import pytest
 
 from portattn.testing import plugin
@@ -62,3 +66,28 @@ def test_unknown_names_are_a_usage_error(monkeypatch):
 
 def test_the_fixture_runs_on_each_selected_backend(backend, request):
     assert request.node.callspec.id == backend.name
+
+
+def test_the_suite_drops_jax_programs_near_the_mapping_limit(monkeypatch):
+    """XLA's compiled CPU programs each map code pages; past half the kernel's limit the
+    suite drops them, checking once every ``_MAPPINGS_CHECK_EVERY`` tests."""
+    cleared = []
+    monkeypatch.setitem(sys.modules, "jax",
+                        types.SimpleNamespace(clear_caches=lambda: cleared.append(1)))
+    monkeypatch.setattr(plugin, "_finished_tests", itertools.count(1))
+    monkeypatch.setattr(plugin, "_process_mappings", lambda: (30_000, 65_530))
+    for _ in range(2 * plugin._MAPPINGS_CHECK_EVERY):
+        plugin.pytest_runtest_teardown(None)
+    assert cleared == []
+    monkeypatch.setattr(plugin, "_process_mappings", lambda: (40_000, 65_530))
+    for _ in range(2 * plugin._MAPPINGS_CHECK_EVERY):
+        plugin.pytest_runtest_teardown(None)
+    assert cleared == [1, 1]
+
+
+def test_the_mapping_count_reads_this_process():
+    mappings = plugin._process_mappings()
+    if mappings is None:
+        pytest.skip("no /proc here")
+    in_use, limit = mappings
+    assert 0 < in_use < limit

@@ -14,7 +14,9 @@ selected backend stands on (:func:`require_library`).
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -141,6 +143,38 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cross: needs two array libraries (run with -m cross where both are "
                    "selected: the cross tox env)")
+
+
+#: Every program XLA compiles for the CPU maps its code into the process, and a long run
+#: on JAX compiles thousands: at the kernel's limit on mappings (``vm.max_map_count``,
+#: 65,530 by default) XLA's compiler crashes the process. Past half the limit, checked
+#: every ``_MAPPINGS_CHECK_EVERY`` tests, the suite drops JAX's compiled programs.
+_MAPPINGS_CHECK_EVERY = 25
+_finished_tests = itertools.count(1)
+
+
+def _process_mappings() -> tuple[int, int] | None:
+    """This process's memory mappings and the system's limit on them.
+
+    Returns:
+        ``(in use, limit)``; None where ``/proc`` does not tell (not Linux).
+    """
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            in_use = f.read().count(b"\n")
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return in_use, limit
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if next(_finished_tests) % _MAPPINGS_CHECK_EVERY or "jax" not in sys.modules:
+        return
+    mappings = _process_mappings()
+    if mappings is not None and mappings[0] > mappings[1] // 2:
+        sys.modules["jax"].clear_caches()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
