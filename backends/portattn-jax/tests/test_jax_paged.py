@@ -264,49 +264,32 @@ def test_under_jit_values_the_eager_call_refuses_make_their_sequences_rows_nan()
     assert np.isnan(np.asarray(out)).all()
 
 
-#: The jitted decode loop, run in a fresh process (see the test below).
-_DECODE_LOOP = """
-import jax, jax.numpy as jnp, numpy as np, portattn
-from portattn import masks
-HQ, HKV, D, DV = {HQ}, {HKV}, {D}, {DV}
-rng = np.random.default_rng(13)
-page, pool_pages, batch = 16, 64, 6
-k_pool = jnp.asarray(rng.standard_normal((pool_pages, page, HKV, D)), dtype=jnp.float32)
-v_pool = jnp.asarray(rng.standard_normal((pool_pages, page, HKV, DV)), dtype=jnp.float32)
-table = jnp.asarray(rng.permutation(pool_pages)[:batch * 8].reshape(batch, 8),
-                    dtype=jnp.int32)
-traces = []
-
-@jax.jit
-def step(q, k_pool, v_pool, table, lengths):  # the pools as arguments, as a server has
-    traces.append(1)  # runs when jit traces the function: once per compile
-    return portattn.paged_attention(q, k_pool, v_pool, block_table=table,
-                                    key_lengths=lengths, mask=masks.causal(), cascade=True)
-
-for i in range(12):
-    lengths = jnp.asarray([1 + i * 9 + 5 * s for s in range(batch)], dtype=jnp.int32)
-    q = jnp.asarray(rng.standard_normal((batch, HQ, D)), dtype=jnp.float32)
-    out = step(q, k_pool, v_pool, table, lengths)
-eager = portattn.paged_attention(q, k_pool, v_pool, block_table=table, key_lengths=lengths,
-                                 mask=masks.causal())
-np.testing.assert_allclose(np.asarray(out), np.asarray(eager), rtol=2e-5, atol=2e-6)
-print("traces", len(traces))
-"""
-
-
 def test_a_jitted_decode_loop_compiles_once_whatever_its_lengths():
     """Lengths that change every step are traced values of one shape; ``cascade`` is
-    ignored under the trace, to the same result. In a fresh process: late in the jax
-    env's long run, XLA's CPU compiler crashed (SIGSEGV) compiling this step in two of
-    three runs, while alone, and with the file's other tests, it compiles cleanly."""
-    import subprocess
-    import sys
+    ignored under the trace, to the same result."""
+    rng = np.random.default_rng(13)
+    page, pool_pages, batch = 16, 64, 6
+    k_pool = jnp.asarray(rng.standard_normal((pool_pages, page, HKV, D)), dtype=jnp.float32)
+    v_pool = jnp.asarray(rng.standard_normal((pool_pages, page, HKV, DV)), dtype=jnp.float32)
+    table = jnp.asarray(rng.permutation(pool_pages)[:batch * 8].reshape(batch, 8),
+                        dtype=jnp.int32)
+    traces = []
 
-    script = _DECODE_LOOP.format(HQ=HQ, HKV=HKV, D=D, DV=DV)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-2:] == ["traces", "1"]
+    @jax.jit
+    def step(q, k_pool, v_pool, table, lengths):  # the pools as arguments, as a server has
+        traces.append(1)  # runs when jit traces the function: once per compile
+        return portattn.paged_attention(q, k_pool, v_pool, block_table=table,
+                                        key_lengths=lengths, mask=masks.causal(),
+                                        cascade=True)
+
+    for i in range(12):
+        lengths = jnp.asarray([1 + i * 9 + 5 * s for s in range(batch)], dtype=jnp.int32)
+        q = jnp.asarray(rng.standard_normal((batch, HQ, D)), dtype=jnp.float32)
+        out = step(q, k_pool, v_pool, table, lengths)
+    eager = portattn.paged_attention(q, k_pool, v_pool, block_table=table,
+                                     key_lengths=lengths, mask=masks.causal())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(eager), rtol=2e-5, atol=2e-6)
+    assert len(traces) == 1
 
 
 def test_explain_paged_under_jit_says_the_tiles_are_planned_on_the_device():
