@@ -145,11 +145,15 @@ def _counting_backend(label: str) -> Callable[..., Any]:
 
 def compile_settings(grad: bool) -> Any:
     """The dynamo settings of a compiled call: Python floats (the scale, a softcap) and
-    ints (the mask's) static, and room for :data:`RECOMPILE_LIMIT` graphs per kind. Not
-    while torch.compile traces a caller: its own settings hold there. With ``grad``,
-    dynamo's tracing reads ``.grad`` of non-leaf inputs (projections of a model's
-    activations), which warns: not the caller's to act on."""
+    ints (the mask's) static, and room for :data:`RECOMPILE_LIMIT` graphs per kind. The
+    query's and key's lengths get a symbol each even when the first call has them equal
+    (no "duck" shapes): else a kind first met as self-attention (``Lq == Lk``) compiles
+    again for its first chunk of a prefill or cross-attention call. Not while
+    torch.compile traces a caller: its own settings hold there. With ``grad``, dynamo's
+    tracing reads ``.grad`` of non-leaf inputs (projections of a model's activations),
+    which warns: not the caller's to act on."""
     import torch
+    import torch.fx.experimental._config as shapes
 
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
@@ -157,8 +161,16 @@ def compile_settings(grad: bool) -> Any:
                 "recompile_limit": RECOMPILE_LIMIT}
     config = torch._dynamo.config
     patch = config.patch(**{k: v for k, v in settings.items() if hasattr(config, k)})
+    if hasattr(shapes, "use_duck_shape"):
+        patch = _both(patch, shapes.patch(use_duck_shape=False))
     patch = _cached_lookups_ignored(patch)
     return _non_leaf_grad_ignored(patch) if grad else patch
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 @contextlib.contextmanager

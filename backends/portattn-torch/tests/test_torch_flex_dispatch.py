@@ -125,6 +125,25 @@ def test_a_kind_of_call_compiles_once_for_every_length():
     assert _flex_compile.compilations() == first
 
 
+def test_a_kind_first_met_with_equal_lengths_serves_unequal_ones():
+    # a prefill (Lq == Lk), then chunks of one against a longer cache
+    def call(q_len, k_len):
+        g = torch.Generator().manual_seed(q_len + k_len)
+        q = torch.randn(2, 2, q_len, 16, generator=g)
+        k, v = (torch.randn(2, 2, k_len, 16, generator=g) for _ in range(2))
+        out, _, _ = AnyCallOnCPU().run(describe(q, k, v, mask=masks.causal("bottom_right")))
+        want = portattn.attention(q.double(), k.double(), v.double(), kernel="reference",
+                                  mask=masks.causal("bottom_right"))
+        torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+
+    before = _flex_compile.compilations()
+    call(48, 48)
+    assert _flex_compile.compilations() == before + 1
+    for q_len, k_len in ((32, 64), (40, 104), (100, 100)):
+        call(q_len, k_len)
+    assert _flex_compile.compilations() == before + 1
+
+
 def test_a_new_closure_of_the_same_mask_function_compiles_nothing_new():
     def strided(length):
         step = 3
