@@ -145,10 +145,10 @@ def _counting_backend(label: str) -> Callable[..., Any]:
 
 def compile_settings(grad: bool) -> Any:
     """The dynamo settings of a compiled call: Python floats (the scale, a softcap) and
-    ints (the mask's) static, and room for :data:`RECOMPILE_LIMIT` graphs per kind. The
-    query's and key's lengths get a symbol each even when the first call has them equal
-    (no "duck" shapes): else a kind first met as self-attention (``Lq == Lk``) compiles
-    again for its first chunk of a prefill or cross-attention call. Not while
+    ints (the mask's) static, and room for :data:`RECOMPILE_LIMIT` graphs per kind. Sizes
+    that happen to be equal in the first call get a symbol each (no "duck" shapes):
+    else a kind first met as self-attention (``Lq == Lk``) compiles again for its first
+    chunk of a prefill or cross-attention call. Not while
     torch.compile traces a caller: its own settings hold there. With ``grad``, dynamo's
     tracing reads ``.grad`` of non-leaf inputs (projections of a model's activations),
     which warns: not the caller's to act on."""
