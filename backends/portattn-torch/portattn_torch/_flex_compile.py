@@ -148,10 +148,10 @@ def compile_settings(grad: bool) -> Any:
     ints (the mask's) static, and room for :data:`RECOMPILE_LIMIT` graphs per kind. Sizes
     that happen to be equal in the first call get a symbol each (no "duck" shapes):
     else a kind first met as self-attention (``Lq == Lk``) compiles again for its first
-    chunk of a prefill or cross-attention call. Not while
-    torch.compile traces a caller: its own settings hold there. With ``grad``, dynamo's
-    tracing reads ``.grad`` of non-leaf inputs (projections of a model's activations),
-    which warns: not the caller's to act on."""
+    chunk of a prefill or cross-attention call. Not while torch.compile traces a
+    caller: its own settings hold there. With ``grad``, dynamo's tracing reads ``.grad``
+    of non-leaf inputs (projections of a model's activations), which warns: not the
+    caller's to act on."""
     import torch
     import torch.fx.experimental._config as shapes
 

@@ -323,9 +323,7 @@ def _sass_marks(compiled) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:500]}
     marks = dict.fromkeys(SASS_MARKS, 0)
     for opcode in _SASS_OPCODE.findall(sass):
-        mark = _SASS_MARK_OF.get(opcode)
-        if mark is not None:
-            marks[mark] += 1
+        marks[_SASS_MARK_OF[opcode]] += 1
     marks["total"] = len(_SASS_INSTRUCTION.findall(sass))
     return marks
 
