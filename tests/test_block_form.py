@@ -114,6 +114,32 @@ def test_allows_at_indices_equals_the_tile(name, shape):
     np.testing.assert_array_equal(got, _truth(mask, lq, lk))
 
 
+#: Kinds whose rows each attend one run of keys, and say so (``Mask.key_spans``).
+RUNS = {"causal", "causal_top_left", "window", "documents", "causal_documents", "two_windows",
+        "key_lengths", "query_lengths"}
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@settings(max_examples=15, deadline=None)
+@given(shape=shapes)
+def test_runs_of_keys_are_the_tile(name, shape):
+    lq, lk, _, _, seed = shape
+    mask = _bound(name, lq, lk, seed)
+    spans = mask.key_spans(lq, lk)
+    assert (spans is not None) == (name in RUNS)
+    if spans is None:
+        return
+    start, stop = (np.broadcast_to(a, (*BATCH, HEADS, lq))[..., None] for a in spans)
+    keys = np.arange(lk)
+    np.testing.assert_array_equal((keys >= start) & (keys < stop), _truth(mask, lq, lk))
+
+
+def test_documents_whose_keys_lie_apart_have_no_runs():
+    ids = np.array([[0, 0, 1, 1, 0], [0, 0, 1, 1, 2]])
+    assert masks.documents(ids).bind(np, (2,), 1, 5, 5).key_spans(5, 5) is None
+    assert masks.documents(ids[1]).key_spans(5, 5) is None  # not bound: not read
+
+
 @pytest.mark.parametrize("name", ["documents", "key_lengths", "global_tokens_per_batch",
                                   "causal_documents", "prefix_lm"])
 def test_restricted_masks_keep_their_pairs(name):

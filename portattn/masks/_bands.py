@@ -33,6 +33,9 @@ class _Positional(Mask):
     def key_range(self, q0, q1, lq, lk):
         return self.band(lq, lk).key_range(q0, q1, lk)
 
+    def key_spans(self, lq, lk):
+        return self.band(lq, lk).key_spans(lq, lk)
+
     def covers(self, q0, q1, k0, k1, lq, lk):
         return self.band(lq, lk).covers(q0, q1, k0, k1)
 

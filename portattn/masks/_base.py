@@ -88,6 +88,17 @@ class Band:
         hi = lk if self.upper is None else q1 + self.upper
         return min(max(lo, 0), lk), max(min(hi, lk), 0)
 
+    def key_spans(self, lq: int, lk: int) -> tuple[Any, Any]:
+        """Each row's keys, ``(start, stop)``: NumPy int64 arrays of ``Lq`` entries,
+        row ``i`` attending keys ``start[i] <= j < stop[i]`` (none where ``stop <=
+        start``)."""
+        import numpy as np
+
+        rows = np.arange(lq, dtype=np.int64)
+        start = np.zeros(lq, np.int64) if self.lower is None else rows + self.lower
+        stop = np.full(lq, lk, np.int64) if self.upper is None else rows + self.upper + 1
+        return np.clip(start, 0, lk), np.clip(stop, 0, lk)
+
     def covers(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Every pair of the tile is allowed."""
         return ((self.lower is None or k0 - (q1 - 1) >= self.lower)
@@ -519,6 +530,28 @@ class Mask:
         """Half-open range of keys that some query in ``[q0, q1)`` may attend."""
         return 0, lk
 
+    def key_spans(self, lq: int, lk: int) -> tuple[Any, Any] | None:
+        """Where each query row attends one run of keys: ``(start, stop)``, NumPy int64
+        arrays shaped ``(*lead, Lq)`` whose leading axes broadcast against ``(*batch,
+        H)``, row ``i`` attending keys ``start[i] <= j < stop[i]`` (none where ``stop <=
+        start``). None when a row may attend keys apart from each other, or when the
+        values cannot be read now (traced, lazy or unbound arrays).
+
+        A structural query: a planner lays blocks along these runs (a staircase, a
+        window, the documents of a packed row) without evaluating pairs.
+
+        Example:
+            >>> import numpy as np
+            >>> from portattn import masks
+            >>> ids = np.array([0, 0, 0, 1, 1])
+            >>> mask = (masks.causal() & masks.documents(ids)).bind(np, (1,), 1, 5, 5)
+            >>> [a.tolist() for a in mask.key_spans(5, 5)]
+            [[[[0, 0, 0, 3, 3]]], [[[1, 2, 3, 4, 5]]]]
+            >>> print(masks.sink_tokens(1).key_spans(5, 5))  # keys 0 and i - 1 apart
+            None
+        """
+        return None
+
     def covers(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int) -> bool:
         """True when every pair in the tile is allowed, known without reading data."""
         return tile_state(self, q0, q1, k0, k1, lq, lk) == FULL
@@ -761,6 +794,22 @@ class Intersection(_Combination):
             plo, phi = p.key_range(q0, q1, lq, lk)
             lo, hi = max(lo, plo), min(hi, phi)
         return lo, hi
+
+    def key_spans(self, lq, lk):
+        import numpy as np
+
+        band = self.band(lq, lk)
+        spans = [] if band is None else [band.key_spans(lq, lk)]
+        for p in self.members:
+            if p.kind not in POSITIONAL:
+                found = p.key_spans(lq, lk)
+                if found is None:
+                    return None
+                spans.append(found)
+        start, stop = spans[0]
+        for a, z in spans[1:]:
+            start, stop = np.maximum(start, a), np.minimum(stop, z)
+        return start, stop
 
     def covers(self, q0, q1, k0, k1, lq, lk):
         return all(p.covers(q0, q1, k0, k1, lq, lk) for p in self.members)

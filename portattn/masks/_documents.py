@@ -89,6 +89,29 @@ def _runs(lo: Any, hi: Any, pad: Any) -> Any:
     return np.where(single, np.cumsum(starts) - 1, -1)
 
 
+def _document_spans(query_ids: Any, key_ids: Any) -> tuple[Any, Any] | None:
+    """Each query's run of keys of its own document, ``(start, stop)``, where every
+    document's keys lie together in ``key_ids`` (1-d); None where one's lie apart."""
+    import numpy as np
+
+    cuts = np.flatnonzero(np.diff(key_ids)) + 1
+    starts = np.concatenate([[0], cuts]).astype(np.int64)
+    stops = np.concatenate([cuts, [len(key_ids)]]).astype(np.int64)
+    ids = key_ids[starts] if len(key_ids) else key_ids[:0]
+    kept = ids >= 0
+    ids, starts, stops = ids[kept], starts[kept], stops[kept]
+    order = np.argsort(ids, kind="stable")
+    ids, starts, stops = ids[order], starts[order], stops[order]
+    if (ids[1:] == ids[:-1]).any():  # a document's keys in two runs or more
+        return None
+    empty = np.zeros(len(query_ids), np.int64)
+    if not len(ids):
+        return empty, empty
+    at = np.minimum(np.searchsorted(ids, query_ids), len(ids) - 1)
+    found = (ids[at] == query_ids) & (query_ids >= 0)
+    return np.where(found, starts[at], empty), np.where(found, stops[at], empty)
+
+
 def _block_ids(reduce: Any, ids: Any) -> tuple[Any, Any, Any]:
     """Per block: the smallest and largest non-negative id (``lo > hi`` when the block
     is all padding) and whether the block has no padding."""
@@ -189,6 +212,23 @@ class Documents(Mask):
         mask was bound to its call; None when they could not be read (traced, lazy) or
         it is not bound."""
         return self.host
+
+    def key_spans(self, lq, lk):
+        # a run per row where each document's keys lie together (packed sequences)
+        if self.host is None:
+            return None
+        import numpy as np
+
+        q, k = self.host
+        lead = np.broadcast_shapes(q.shape[:-1], k.shape[:-1])
+        q = np.broadcast_to(q, (*lead, lq)).reshape(-1, lq)
+        k = np.broadcast_to(k, (*lead, lk)).reshape(-1, lk)
+        spans = [_document_spans(a, b) for a, b in zip(q, k, strict=True)]
+        if any(found is None for found in spans):
+            return None
+        start, stop = (np.stack([found[i] for found in spans]).reshape(*lead, 1, lq)
+                       for i in (0, 1))  # the head axis: one document layout for all
+        return start, stop
 
     def block_states(self, grid):
         if self.host is None:

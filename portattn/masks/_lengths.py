@@ -125,6 +125,15 @@ class KeyLengths(_PaddingLengths):
     def block_states(self, grid):
         return self._states(grid.k_first[None, :], grid.k_last[None, :], self._host_column())
 
+    def key_spans(self, lq, lk):
+        if self.host is None:
+            return None
+        import numpy as np
+
+        stop = np.broadcast_to(np.minimum(self._host_column()[..., 0], lk).astype(np.int64),
+                               (*self.host.shape, 1, lq))
+        return np.zeros_like(stop), stop
+
     def allows(self, xp, b, h, q, k, lq, lk):
         return k < per_batch(xp, self.lengths, b)
 
@@ -154,6 +163,14 @@ class QueryLengths(_PaddingLengths):
 
     def block_states(self, grid):
         return self._states(grid.q_first[:, None], grid.q_last[:, None], self._host_column())
+
+    def key_spans(self, lq, lk):
+        if self.host is None:
+            return None
+        import numpy as np
+
+        kept = np.arange(lq) < self._host_column()[..., 0]  # (*batch, 1, Lq)
+        return np.zeros(kept.shape, np.int64), np.where(kept, lk, 0).astype(np.int64)
 
     def allows(self, xp, b, h, q, k, lq, lk):
         return q < per_batch(xp, self.lengths, b)

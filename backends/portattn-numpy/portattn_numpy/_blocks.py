@@ -40,6 +40,7 @@ import numpy as np
 from portattn.masks import FULL, HIDDEN, PARTIAL
 
 from ._pairs import alike, blocks_of, runs_of
+from ._spans import span_blocks
 from ._units import Unit, UnitBlocks
 
 if TYPE_CHECKING:
@@ -125,9 +126,10 @@ def unit_blocks(p: Problem, plans: CallPlans, b: tuple[int, ...], h: int, q0: in
                             for k0 in range(0, p.kv_len, p.block_k)], 0, n)
         plans.keep(slot, found)
         return found
-    states, edges = unit_states(p, lead, q0, q1)
-    regions = _regions(p, states, edges)
-    found, shared = blocks_of(p, plans, b, h, q0, regions, n)
+    found, shared = span_blocks(p, plans, lead, q0, q1), True
+    if found is None:
+        states, edges = unit_states(p, lead, q0, q1)
+        found, shared = blocks_of(p, plans, b, h, q0, _regions(p, states, edges), n)
     if not shared:
         plans.keep(slot, _PER_HEAD)
     plans.keep(slot if shared else ("head", *b, h, q0, q1), found)

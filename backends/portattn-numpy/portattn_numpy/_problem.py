@@ -7,6 +7,7 @@ How it is computed is kept apart, in its plan (``_units.Plan``, made by ``_plan`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,6 +54,13 @@ class Problem:
     change: Any = None
     """The call's score change as the loops add it (a ``_changes.Shift``, which reads
     this module's views), or None."""
+
+    @cached_property
+    def spans(self) -> tuple[Any, Any] | None:
+        """Each row's one run of keys (``Mask.key_spans``: ``(start, stop)``, shaped
+        ``(*lead, Lq)``), where the mask has them; read once, by the first plan that
+        asks."""
+        return None if self.mask is None else self.mask.key_spans(self.q_len, self.kv_len)
 
 
 def head_view(full: Any, b: tuple[int, ...], h: int) -> Any:

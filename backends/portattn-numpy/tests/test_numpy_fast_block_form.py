@@ -33,6 +33,13 @@ def _documents(ids: np.ndarray) -> masks.Mask:
 #: Masks whose tiles differ per batch element, per position and by union.
 MASKS = {
     "documents": lambda: masks.causal() & _documents(_ids()),
+    # one run of keys per row (``_spans``): documents without padding, windows
+    "packed": lambda: masks.causal() & _documents(np.sort(
+        np.random.default_rng(2).integers(0, 5, (BATCH, LK)), axis=1)),
+    "window_in_documents": lambda: masks.sliding_window(7, 3) & masks.documents(np.sort(
+        np.random.default_rng(3).integers(0, 4, (BATCH, LQ)), axis=1), np.sort(
+        np.random.default_rng(4).integers(0, 4, (BATCH, LK)), axis=1)),
+    "top_left_window": lambda: masks.causal("top_left") & masks.sliding_window(11),
     "window_or_global": lambda: masks.sliding_window(6) | masks.global_tokens(
         np.array([[4, 40, -1], [20, 21, 69]])),
     "chunks": lambda: masks.chunks(16),
@@ -136,8 +143,18 @@ def test_plans_are_not_shared_where_the_mask_varies_and_its_block_form_does_not(
                  "float32", "out")
 
 
-def test_no_mask_is_materialised_for_the_whole_call(monkeypatch):
-    # tiles of the block form's partial tiles only, never the whole Lq x Lk
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "tiles"])
+def test_no_mask_is_materialised_for_the_whole_call(monkeypatch, runs):
+    # one run of keys per row: planned from the runs, no pair evaluated; else tiles of
+    # the block form's partial tiles only, never the whole Lq x Lk
+    rng = np.random.default_rng(4)
+    n = 2048
+    q, k, v = (rng.standard_normal((1, 2, n, 16)).astype(np.float32) for _ in range(3))
+    ids = np.repeat(np.arange(8), n // 8)[None]
+    mask = masks.causal() & masks.documents(ids)
+    if not runs:  # keys apart: a window and sink tokens
+        mask = mask & (masks.sliding_window(300) | masks.sink_tokens(4))
+    expected = attention(q, k, v, mask=mask, kernel="reference")
     seen: list[int] = []
     real = masks.Intersection.tile
 
@@ -146,13 +163,13 @@ def test_no_mask_is_materialised_for_the_whole_call(monkeypatch):
         return real(self, xp, q0, q1, k0, k1, *args, **kwargs)
 
     monkeypatch.setattr(masks.Intersection, "tile", recorded)
-    rng = np.random.default_rng(4)
-    n = 2048
-    q, k, v = (rng.standard_normal((1, 2, n, 16)).astype(np.float32) for _ in range(3))
-    ids = np.repeat(np.arange(8), n // 8)[None]
-    attention(q, k, v, mask=masks.causal() & masks.documents(ids), kernel="numpy_fast")
-    assert seen
-    assert sum(seen) < n * n / 4
+    assert_close(attention(q, k, v, mask=mask, kernel="numpy_fast"), expected, "float32",
+                 "out")
+    if runs:
+        assert not seen
+    else:
+        assert seen
+        assert sum(seen) < n * n / 4
 
 
 def test_every_kind_is_declared_and_packed_documents_dispatch_here():
@@ -185,13 +202,13 @@ def _packed(n: int = 512) -> tuple[tuple[np.ndarray, ...], masks.Mask]:
 def test_each_plan_is_made_once_and_threads_change_nothing(monkeypatch, threads):
     arrays, mask = _packed()
     made = []
-    real = _blocks.blocks_of  # called once for each plan made
+    real = _blocks.span_blocks  # called once for each plan made
 
-    def counted(p, plans, b, h, q0, regions, n):
-        made.append((b, h, q0, n))
-        return real(p, plans, b, h, q0, regions, n)
+    def counted(p, plans, lead, q0, q1):
+        made.append((lead, q0, q1))
+        return real(p, plans, lead, q0, q1)
 
-    monkeypatch.setattr(_blocks, "blocks_of", counted)
+    monkeypatch.setattr(_blocks, "span_blocks", counted)
     # many units, heads sharing a plan; the same tiles with any number of threads
     with configured(tile_bytes=16 << 10, min_units_per_thread=1):
         threads(1)
@@ -206,14 +223,17 @@ def test_each_plan_is_made_once_and_threads_change_nothing(monkeypatch, threads)
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_mask_that_fails_fails_the_call_on_every_thread(monkeypatch, threads):
+@pytest.mark.parametrize("method", ["tile", "key_spans"])
+def test_a_mask_that_fails_fails_the_call_on_every_thread(monkeypatch, threads, method):
     arrays, mask = _packed()
 
     def broken(*args, **kwargs):
         msg = "no tile today"
         raise RuntimeError(msg)
 
-    monkeypatch.setattr(masks.Documents, "tile", broken)
+    if method == "tile":  # planned from the block form and tiles, not from runs
+        monkeypatch.setattr(masks.Documents, "key_spans", lambda self, lq, lk: None)
+    monkeypatch.setattr(masks.Documents, method, broken)
     threads(3)
     with configured(tile_bytes=16 << 10), pytest.raises(RuntimeError, match="no tile today"):
         attention(*arrays, mask=mask, kernel="numpy_fast")
