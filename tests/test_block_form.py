@@ -134,6 +134,14 @@ def test_runs_of_keys_are_the_tile(name, shape):
     np.testing.assert_array_equal((keys >= start) & (keys < stop), _truth(mask, lq, lk))
 
 
+@pytest.mark.parametrize("lk", [0, 5])
+def test_a_function_over_no_query_has_no_tile(lk):
+    mask = masks.function(lambda b, h, q, k: (q + k) % 3 == 0).bind(np, BATCH, HEADS, 0, lk)
+    assert mask.block_states(masks.Grid(np.zeros(1, np.int64), np.array([0, lk]), 0,
+                                        lk)).shape == (0, 1)
+    assert masks.block_mask(mask, 0, lk, 4, 4).states.size == 0
+
+
 def test_documents_whose_keys_lie_apart_have_no_runs():
     ids = np.array([[0, 0, 1, 1, 0], [0, 0, 1, 1, 2]])
     assert masks.documents(ids).bind(np, (2,), 1, 5, 5).key_spans(5, 5) is None

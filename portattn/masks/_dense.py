@@ -266,6 +266,8 @@ class Function(Mask):
         """Every pair of the grid, a few query blocks at a time."""
         import numpy as np
 
+        if len(grid.q_edges) < 2:  # no query block: no pair to evaluate
+            return np.zeros((0, len(grid.k_edges) - 1), np.int8)
         rows = max(1, CHUNK_PAIRS // max(1, int(grid.k_edges[-1] - grid.k_edges[0])
                                          * math.prod(self.batch_shape or ())
                                          * (self.num_heads or 1)))
