@@ -116,7 +116,7 @@ def test_allows_at_indices_equals_the_tile(name, shape):
 
 #: Kinds whose rows each attend one run of keys, and say so (``Mask.key_spans``).
 RUNS = {"causal", "causal_top_left", "window", "documents", "causal_documents", "two_windows",
-        "key_lengths", "query_lengths"}
+        "key_lengths", "query_lengths", "key_ranges", "query_ranges", "sequence_window"}
 
 
 @pytest.mark.parametrize("name", KIND_NAMES)
@@ -149,7 +149,8 @@ def test_documents_whose_keys_lie_apart_have_no_runs():
 
 
 @pytest.mark.parametrize("name", ["documents", "key_lengths", "global_tokens_per_batch",
-                                  "causal_documents", "prefix_lm"])
+                                  "causal_documents", "prefix_lm", "sequence_window",
+                                  "key_ranges"])
 def test_restricted_masks_keep_their_pairs(name):
     lq, lk = 23, 29
     mask = _bound(name, lq, lk, 3)
@@ -159,6 +160,12 @@ def test_restricted_masks_keep_their_pairs(name):
         got = np.broadcast_to(part.tile(np, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0),
                               (*BATCH, HEADS, q1 - q0, k1 - k0))
         np.testing.assert_array_equal(got, truth[..., q0:q1, k0:k1])
+        spans = part.key_spans(q1 - q0, k1 - k0)
+        if spans is not None:  # the runs of keys follow the part too
+            start, stop = (np.broadcast_to(a, (*BATCH, HEADS, q1 - q0))[..., None]
+                           for a in spans)
+            keys = np.arange(k1 - k0)
+            np.testing.assert_array_equal((keys >= start) & (keys < stop), got)
         form = masks.block_mask(part, q1 - q0, k1 - k0, 4, 4)
         states = np.broadcast_to(form.states, (*BATCH, HEADS, *form.states.shape[-2:]))
         hidden = states == HIDDEN

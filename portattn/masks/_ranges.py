@@ -123,6 +123,16 @@ class _Ranges(Mask):
         hidden = (last < start) | (first >= stop) | (start >= stop)
         return tile_states(hidden, (first >= start) & (last < stop), xp)
 
+    def _host_spans(self, length: int) -> tuple[Any, Any] | None:
+        """``(start, stop)`` shaped ``(*batch, 1, length)``, from the host copies."""
+        if self.host is None:
+            return None
+        import numpy as np
+
+        start, stop = (np.broadcast_to(a.reshape(*a.shape, 1, 1).astype(np.int64),
+                                       (*a.shape, 1, length)) for a in self.host)
+        return start, stop
+
     def _host_ranges(self) -> Any:
         return None if self.host is None else tuple(a.reshape(*a.shape, 1, 1, 1)
                                                     for a in self.host)
@@ -166,6 +176,9 @@ class KeyRanges(_Ranges):
 
     def key_range(self, q0, q1, lq, lk):
         return self._span(0, lk)
+
+    def key_spans(self, lq, lk):
+        return self._host_spans(lq)
 
     def block_states(self, grid):
         return self._states(grid.k_first[None, :], grid.k_last[None, :], self._host_ranges())
@@ -211,6 +224,16 @@ class QueryRanges(_Ranges):
 
     def key_range(self, q0, q1, lq, lk):
         return (0, 0) if self._hidden(q0, q1) else (0, lk)
+
+    def key_spans(self, lq, lk):
+        ranges = self._host_spans(lq)
+        if ranges is None:
+            return None
+        import numpy as np
+
+        rows = np.arange(lq)
+        kept = (ranges[0] <= rows) & (rows < ranges[1])
+        return np.zeros(kept.shape, np.int64), np.where(kept, lk, 0).astype(np.int64)
 
     def block_states(self, grid):
         return self._states(grid.q_first[:, None], grid.q_last[:, None], self._host_ranges())
@@ -336,6 +359,18 @@ class SequenceWindow(Mask):
     def key_range(self, q0, q1, lq, lk):
         band = self._outer()
         return (0, lk) if band is None else band.key_range(q0, q1, lk)
+
+    def key_spans(self, lq, lk):
+        if self.host is None:
+            return None
+        import numpy as np
+
+        # query i of b sits at i + key_lengths[b] - query_lengths[b] (+ shift)
+        at = np.arange(lq) + self.host.reshape(*self.host.shape, 1, 1).astype(np.int64) + (
+            self.shift)
+        start = np.zeros_like(at) if self.left is None else at - self.left
+        stop = np.full_like(at, lk) if self.right is None else at + self.right + 1
+        return np.clip(start, 0, lk), np.clip(stop, 0, lk)
 
     def hides(self, q0, q1, k0, k1, lq, lk):
         band = self._outer()
