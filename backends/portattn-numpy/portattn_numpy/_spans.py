@@ -8,8 +8,9 @@ row of tiles then sees every key of a piece or none, so no block holds a tile th
 block form hides. When the runs' starts and stops grow with the row, the rows that see
 a piece are one run, and so are those that see all of it; consecutive pieces seen by
 the same rows make one block, and the rows that see a piece in part get its entries
-masked, from their runs. Units whose runs do not grow, or with a row that sees no key,
-are planned from the block form instead (``_blocks``).
+masked, from their runs. Rows at either end that see no key are left out; units whose
+runs do not grow, or with such a row between others, are planned from the block form
+instead (``_blocks``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,16 @@ def span_blocks(p: Problem, plans: CallPlans, lead: tuple[int, ...], q0: int,
     runs = _unit_runs(p, lead, q0, q1)
     if runs is None:
         return None
-    start, stop = runs
+    first, start, stop = runs
+    if not len(start):
+        return UnitBlocks([], 0, 0)
     # the rows of the block form's tiles: between two cuts, each sees every key or none
-    step = p.blocks.block_q
-    edges = np.clip(np.arange(q0 // step, -(-q1 // step) + 1) * step, q0, q1) - q0
-    cuts = np.unique(np.concatenate([start[edges[:-1]], stop[edges[1:] - 1]]))
+    # (cut where it starts and stops seeing them, and around keys its rows skip)
+    step, r0, r1 = p.blocks.block_q, q0 + first, q0 + first + len(start)
+    edges = np.clip(np.arange(r0 // step, -(-r1 // step) + 1) * step, r0, r1) - r0
+    gaps = np.flatnonzero(stop[:-1] < start[1:])
+    cuts = np.unique(np.concatenate([start[edges[:-1]], stop[edges[1:] - 1], stop[gaps],
+                                     start[gaps + 1]]))
     pieces = [np.arange(a, z, p.block_k) for a, z in zip(cuts[:-1].tolist(), cuts[1:].tolist(),
                                                           strict=True)]
     c0 = np.concatenate([*pieces, cuts[-1:]])
@@ -64,11 +70,12 @@ def span_blocks(p: Problem, plans: CallPlans, lead: tuple[int, ...], q0: int,
         else:
             block = [k0, k1, a, z, []]
             blocks.append(block)
-        for r0, r1 in ((a, w0), (w1, z)):  # the rows that see them in part
-            if r1 > r0:
-                block[4].append((k0 - block[0], r0 - a,
-                                 _hidden(made, start[r0:r1] - k0, stop[r0:r1] - k0, k1 - k0)))
-    return UnitBlocks([tuple(b) for b in blocks], 0, q1 - q0)
+        for b0, b1 in ((a, w0), (w1, z)):  # the rows that see them in part
+            if b1 > b0:
+                block[4].append((k0 - block[0], b0 - a,
+                                 _hidden(made, start[b0:b1] - k0, stop[b0:b1] - k0, k1 - k0)))
+    return UnitBlocks([(k0, k1, a + first, z + first, hidden)
+                       for k0, k1, a, z, hidden in blocks], first, first + len(start))
 
 
 def _hidden(made: dict, start: Any, stop: Any, keys: int) -> Any:
@@ -83,10 +90,12 @@ def _hidden(made: dict, start: Any, stop: Any, keys: int) -> Any:
     return hidden
 
 
-def _unit_runs(p: Problem, lead: tuple[int, ...], q0: int, q1: int) -> tuple[Any, Any] | None:
-    """The runs of rows ``q0:q1``, read where the states are read at ``lead``; None when
-    the mask has none, varies where the states do not, or they do not grow or leave a
-    row without keys."""
+def _unit_runs(p: Problem, lead: tuple[int, ...], q0: int,
+               q1: int) -> tuple[int, Any, Any] | None:
+    """``(first, start, stop)``: the runs of the rows of ``q0:q1`` that see some key, from
+    row ``first`` of the unit, read where the states are read at ``lead``; None when the
+    mask has none, varies where the states do not, or the runs do not grow or leave rows
+    without keys between others."""
     spans = p.spans
     if spans is None or q1 <= q0:
         return None
@@ -101,6 +110,13 @@ def _unit_runs(p: Problem, lead: tuple[int, ...], q0: int, q1: int) -> tuple[Any
             return None
         at.append(0 if size == 1 else i)
     start, stop = start[tuple(at)][q0:q1], stop[tuple(at)][q0:q1]
-    if (stop <= start).any() or (np.diff(start) < 0).any() or (np.diff(stop) < 0).any():
+    rows = np.flatnonzero(stop > start)
+    if not rows.size:
+        return 0, start[:0], stop[:0]
+    first, end = int(rows[0]), int(rows[-1]) + 1
+    if len(rows) != end - first:
         return None
-    return start, stop
+    start, stop = start[first:end], stop[first:end]
+    if (np.diff(start) < 0).any() or (np.diff(stop) < 0).any():
+        return None
+    return first, start, stop

@@ -40,6 +40,13 @@ MASKS = {
         np.random.default_rng(3).integers(0, 4, (BATCH, LQ)), axis=1), np.sort(
         np.random.default_rng(4).integers(0, 4, (BATCH, LK)), axis=1)),
     "top_left_window": lambda: masks.causal("top_left") & masks.sliding_window(11),
+    # runs with rows at the ends that see nothing, and keys between documents
+    "padded_rows": lambda: masks.causal() & masks.query_lengths(np.array([50, 61]))
+    & masks.key_lengths(np.array([60, 70])),
+    "documents_apart": lambda: masks.documents(  # padding keys between documents
+        np.repeat(np.array([[0, 1, 2, 3], [0, 1, 2, 2]]), [15, 15, 16, 15], axis=1),
+        np.repeat(np.array([[0, -1, 1, -1, 2, 3], [0, -1, 1, 2, -1, 3]]),
+                  [10, 15, 12, 10, 14, 9], axis=1)),
     "window_or_global": lambda: masks.sliding_window(6) | masks.global_tokens(
         np.array([[4, 40, -1], [20, 21, 69]])),
     "chunks": lambda: masks.chunks(16),
@@ -141,6 +148,23 @@ def test_plans_are_not_shared_where_the_mask_varies_and_its_block_form_does_not(
     out = attention(q, k, v, mask=mask, kernel="numpy_fast")
     assert_close(out, oracle(*(a.astype(np.float64) for a in (q, k, v)), mask=mask)[0],
                  "float32", "out")
+
+
+@pytest.mark.parametrize("name", ["packed", "window_in_documents", "top_left_window",
+                                  "padded_rows", "documents_apart"])
+def test_masks_of_runs_are_planned_from_them(monkeypatch, tiny_tiles, name):
+    planned = []
+    real = _blocks.span_blocks
+
+    def recorded(*args):
+        planned.append(real(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(_blocks, "span_blocks", recorded)
+    monkeypatch.setattr(masks.Intersection, "tile", None)  # never read pair by pair
+    attention(*_inputs(), mask=MASKS[name](), kernel="numpy_fast")
+    assert planned
+    assert all(plan is not None for plan in planned)
 
 
 @pytest.mark.parametrize("runs", [True, False], ids=["runs", "tiles"])
