@@ -129,9 +129,14 @@ def test_runs_of_keys_are_the_tile(name, shape):
     assert (spans is not None) == (name in RUNS)
     if spans is None:
         return
+    np.testing.assert_array_equal(_pairs_of_runs(spans, lq, lk), _truth(mask, lq, lk))
+
+
+def _pairs_of_runs(spans: tuple[np.ndarray, np.ndarray], lq: int, lk: int) -> np.ndarray:
+    """The pairs ``Mask.key_spans`` allows, ``(*batch, H, lq, lk)``."""
     start, stop = (np.broadcast_to(a, (*BATCH, HEADS, lq))[..., None] for a in spans)
     keys = np.arange(lk)
-    np.testing.assert_array_equal((keys >= start) & (keys < stop), _truth(mask, lq, lk))
+    return (keys >= start) & (keys < stop)
 
 
 @pytest.mark.parametrize("lk", [0, 5])
@@ -162,10 +167,7 @@ def test_restricted_masks_keep_their_pairs(name):
         np.testing.assert_array_equal(got, truth[..., q0:q1, k0:k1])
         spans = part.key_spans(q1 - q0, k1 - k0)
         if spans is not None:  # the runs of keys follow the part too
-            start, stop = (np.broadcast_to(a, (*BATCH, HEADS, q1 - q0))[..., None]
-                           for a in spans)
-            keys = np.arange(k1 - k0)
-            np.testing.assert_array_equal((keys >= start) & (keys < stop), got)
+            np.testing.assert_array_equal(_pairs_of_runs(spans, q1 - q0, k1 - k0), got)
         form = masks.block_mask(part, q1 - q0, k1 - k0, 4, 4)
         states = np.broadcast_to(form.states, (*BATCH, HEADS, *form.states.shape[-2:]))
         hidden = states == HIDDEN

@@ -223,17 +223,22 @@ def _packed(n: int = 512) -> tuple[tuple[np.ndarray, ...], masks.Mask]:
     return (q, k, v), masks.causal() & masks.documents(ids)
 
 
-def test_each_plan_is_made_once_and_threads_change_nothing(monkeypatch, threads):
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "tiles"])
+def test_each_plan_is_made_once_and_threads_change_nothing(monkeypatch, threads, runs):
     arrays, mask = _packed()
     made = []
-    real = _blocks.span_blocks  # called once for each plan made
+    planner = "span_blocks" if runs else "blocks_of"
+    real = getattr(_blocks, planner)  # called once for each plan made
 
-    def counted(p, plans, lead, q0, q1):
-        made.append((lead, q0, q1))
-        return real(p, plans, lead, q0, q1)
+    def counted(p, plans, *where):
+        made.append(where[-4:] if runs else where[:3])  # (lead, q0, q1), (b, h, q0)
+        return real(p, plans, *where)
 
-    monkeypatch.setattr(_blocks, "span_blocks", counted)
+    if not runs:
+        monkeypatch.setattr(masks.Documents, "key_spans", lambda self, lq, lk: None)
+    monkeypatch.setattr(_blocks, planner, counted)
     # many units, heads sharing a plan; the same tiles with any number of threads
+    _memo.clear_all()  # plans an earlier test made of an equal mask
     with configured(tile_bytes=16 << 10, min_units_per_thread=1):
         threads(1)
         one = attention(*arrays, mask=mask, return_lse=True, kernel="numpy_fast")
