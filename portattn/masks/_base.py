@@ -798,14 +798,16 @@ class Intersection(_Combination):
     def key_spans(self, lq, lk):
         import numpy as np
 
-        band = self.band(lq, lk)
-        spans = [] if band is None else [band.key_spans(lq, lk)]
-        for p in self.members:
+        spans = []
+        for p in self.members:  # the parts that may have none first, the band's last
             if p.kind not in POSITIONAL:
                 found = p.key_spans(lq, lk)
                 if found is None:
                     return None
                 spans.append(found)
+        band = self.band(lq, lk)
+        if band is not None:
+            spans.append(band.key_spans(lq, lk))
         start, stop = spans[0]
         for a, z in spans[1:]:
             start, stop = np.maximum(start, a), np.minimum(stop, z)

@@ -87,6 +87,7 @@ def _hidden(made: dict, start: Any, stop: Any, keys: int) -> Any:
     if hidden is None:
         columns = np.arange(keys)
         hidden = made[pattern] = (columns < start[:, None]) | (columns >= stop[:, None])
+        hidden.flags.writeable = False  # blocks and kept plans share it
     return hidden
 
 
