@@ -139,6 +139,27 @@ def _pairs_of_runs(spans: tuple[np.ndarray, np.ndarray], lq: int, lk: int) -> np
     return (keys >= start) & (keys < stop)
 
 
+@settings(max_examples=40, deadline=None)
+@given(hidden_shape=st.lists(st.integers(1, 3), max_size=3),
+       full_shape=st.lists(st.integers(1, 3), max_size=3), seed=st.integers(0, 2**16))
+def test_tile_states_name_each_tile_as_the_rule_says(hidden_shape, full_shape, seed):
+    """NumPy's states (built by arithmetic on the booleans) are hidden where ``hidden``,
+    else full where ``full``, else partial, in the broadcast shape, as int8."""
+    # sizes of 1 broadcast against any size: make the shapes compatible, right-aligned
+    width = max(len(hidden_shape), len(full_shape))
+    hidden_shape, full_shape = ([1] * (width - len(x)) + x for x in (hidden_shape, full_shape))
+    full_shape = [f if f == h or 1 in (f, h) else 1 for h, f in zip(hidden_shape, full_shape)]
+    rng = np.random.default_rng(seed)
+    hidden, full = rng.random(hidden_shape) < 0.4, rng.random(full_shape) < 0.5
+    states = masks.tile_states(hidden, full)
+    assert states.dtype == np.int8 and isinstance(states, np.ndarray)
+    want = np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL))
+    np.testing.assert_array_equal(states, want)
+    # ``hidden`` wins over ``full``, whichever comes as a view or a scalar
+    assert masks.tile_states(np.True_, np.True_) == HIDDEN
+    assert masks.tile_states(False, np.ones((2, 2), bool)[:, ::-1]).tolist() == [[FULL] * 2] * 2
+
+
 @pytest.mark.parametrize("lk", [0, 5])
 def test_a_function_over_no_query_has_no_tile(lk):
     mask = masks.function(lambda b, h, q, k: (q + k) % 3 == 0).bind(np, BATCH, HEADS, 0, lk)
