@@ -148,14 +148,16 @@ def test_tile_states_name_each_tile_as_the_rule_says(hidden_shape, full_shape, s
     # sizes of 1 broadcast against any size: make the shapes compatible, right-aligned
     width = max(len(hidden_shape), len(full_shape))
     hidden_shape, full_shape = ([1] * (width - len(x)) + x for x in (hidden_shape, full_shape))
-    full_shape = [f if f == h or 1 in (f, h) else 1 for h, f in zip(hidden_shape, full_shape)]
+    full_shape = [f if f == h or 1 in (f, h) else 1
+                  for h, f in zip(hidden_shape, full_shape, strict=True)]
     rng = np.random.default_rng(seed)
     hidden, full = rng.random(hidden_shape) < 0.4, rng.random(full_shape) < 0.5
     states = masks.tile_states(hidden, full)
-    assert states.dtype == np.int8 and isinstance(states, np.ndarray)
+    assert isinstance(states, np.ndarray)
+    assert states.dtype == np.int8
     want = np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL))
     np.testing.assert_array_equal(states, want)
-    # ``hidden`` wins over ``full``, whichever comes as a view or a scalar
+    # scalars, and views with negative strides, too
     assert masks.tile_states(np.True_, np.True_) == HIDDEN
     assert masks.tile_states(False, np.ones((2, 2), bool)[:, ::-1]).tolist() == [[FULL] * 2] * 2
 
