@@ -307,8 +307,14 @@ SHORT = {  # (query shape, key length, causal): short sequences, short key range
     "16x256x128": ((1, 16, 256, 128), 256, False),
     "cross-8x4096-over-128": ((1, 8, 4096, 64), 128, False),  # tall tiles over few keys
     "decode-8x4096x64": ((1, 8, 1, 64), 4096, True),
+    "decode-8x4096x64-planned": ((1, 8, 1, 64), 4096, True),
     "decode-32x4096x128": ((1, 32, 1, 128), 4096, True),
+    "decode-4x8x1024x64": ((4, 8, 1, 64), 1024, True),
+    "decode-8x256x64": ((1, 8, 1, 64), 256, True),
 }
+#: Settings a case runs with: the planned tiles' time on a decode step, for what the
+#: compiled decode loop gains
+SHORT_SETTINGS = {"decode-8x4096x64-planned": {"compiled_decode": False}}
 
 
 @pytest.mark.parametrize("case", list(SHORT), ids=list(SHORT))
@@ -317,6 +323,8 @@ def test_short_over_torch_in_turns(case: str, in_turns: Any, benchmark: Any,
     """numpy_fast over torch's SDPA on short sequences, short key ranges and decode steps
     (warm calls)."""
     torch = pytest.importorskip("torch")
+    from portattn_numpy import configured
+
     shape, keys, causal = SHORT[case]
     rng = np.random.default_rng(0)
     q = rng.standard_normal(shape, dtype=np.float32)
@@ -329,9 +337,12 @@ def test_short_over_torch_in_turns(case: str, in_turns: Any, benchmark: Any,
     # keys, and no mask at all for one query row over the cache
     is_causal = causal and shape[2] == keys
 
+    settings = SHORT_SETTINGS.get(case, {})
+
     def ours() -> None:
-        for _ in range(SMALL_REPEATS):
-            portattn.attention(q, k, v, mask=mask, kernel="numpy_fast")
+        with configured(**settings):
+            for _ in range(SMALL_REPEATS):
+                portattn.attention(q, k, v, mask=mask, kernel="numpy_fast")
 
     def peer() -> None:
         for _ in range(SMALL_REPEATS):

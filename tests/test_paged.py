@@ -150,6 +150,54 @@ def test_a_non_finite_value_reaches_only_the_rows_that_attend_it(backend):
     assert np.all(np.isfinite(out[1:, 2:]))
 
 
+def test_a_query_whose_every_score_is_nan_gives_nan(backend):
+    """A NaN query scores NaN against every key it sees, so no score is a largest one:
+    its row is NaN, not the zeros of a row that saw nothing."""
+    rng = np.random.default_rng(5)
+    sequences = [(3, 7), (1, 5)]
+    k_pool, v_pool, table, _ = _pool(rng, sequences, 4, "blhd", garbage=0.0)
+    q = rng.standard_normal((4, HQ, D)).astype(np.float32)
+    q[1, 0] = np.nan  # the second query of the first sequence, query head 0
+    a = backend.asarray
+    out, lse = (backend.to_numpy(x) for x in portattn.paged_attention(
+        a(q), a(k_pool), a(v_pool), block_table=a(table),
+        key_lengths=a(np.array([7, 5], dtype=np.int32)), query_starts=a(_starts(sequences)),
+        mask=masks.causal(), return_lse=True))
+    assert np.all(np.isnan(out[1, 0]))
+    finite = np.ones(out.shape[:2], dtype=bool)
+    finite[1, 0] = False
+    assert np.all(np.isfinite(out[finite]))
+    assert np.all(np.isfinite(lse.T[finite]))
+
+
+def test_scores_that_overflow_the_dtype_keep_the_rule(backend):
+    """float32 scores past its largest value are infinities, as in every other call:
+    ``+inf`` makes its row NaN, ``-inf`` gives its key weight 0."""
+    rng = np.random.default_rng(6)
+    sequences = [(2, 6)]
+    k_pool, v_pool, table, own = _pool(rng, sequences, 4, "blhd", garbage=0.0)
+    q = np.zeros((2, HQ, D), dtype=np.float32)
+    q[:, :, 0] = 1e30
+    key = own[0][0]  # (6, HKV, D): the sequence's keys in order
+    k_pool[table[0, 0], 1, 0, 0] = -1e30  # key 1 of KV head 0: a score of -inf
+    k_pool[table[0, 1], 0, 1, 0] = 1e30  # key 4 of KV head 1: +inf
+    key[1, 0, 0], key[4, 1, 0] = -1e30, 1e30
+    a = backend.asarray
+    with np.errstate(all="ignore"):  # NumPy-based kernels warn about overflow, by design
+        out = backend.to_numpy(portattn.paged_attention(
+            a(q), a(k_pool), a(v_pool), block_table=a(table),
+            key_lengths=a(np.array([6], dtype=np.int32)), query_starts=a(_starts(sequences))))
+    assert np.all(np.isnan(out[:, 2:]))  # query heads of KV head 1 see key 4
+    # KV head 0's rows: every key but key 1, whose scores overflowed to -inf
+    rest = [0, 2, 3, 4, 5]
+    expected = portattn.attention(
+        q[None, :, :2].transpose(0, 2, 1, 3).astype(np.float64),
+        key[None, rest, :1].transpose(0, 2, 1, 3).astype(np.float64),
+        own[0][1][None, rest, :1].transpose(0, 2, 1, 3).astype(np.float64),
+        kernel="reference")
+    np.testing.assert_allclose(out[:, :2], expected[0].transpose(1, 0, 2), rtol=1e-5)
+
+
 def test_a_cache_serves_prompts_forks_and_decodes(backend):
     """Prompts of several lengths in one packed batch, a fork that shares its parent's
     pages (copy on write of the partial last page), then decode steps that mix

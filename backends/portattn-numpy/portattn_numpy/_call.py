@@ -22,6 +22,7 @@ from portattn import masks
 from portattn.masks import FULL
 
 from ._changes import hiding_only, may_hide
+from ._decode import decode_step
 from ._run import planned
 from ._threads import get_num_threads, run_parallel
 
@@ -36,6 +37,9 @@ __all__ = ["attend"]
 def attend(inputs: AttentionInputs, config: Config, tile_bytes: int) -> tuple[Any, Any]:
     """``(out, lse)`` of the call, planned with ``config`` and score tiles of
     ``tile_bytes``."""
+    decoded = decode_step(inputs, config)
+    if decoded is not None:
+        return decoded
     if not _hides_any_pair(inputs, config):
         # every row weighs every value: NaN or inf among them reaches exactly the
         # rows that see them, and no pass over the values (a decode step's whole

@@ -2,7 +2,7 @@
 
 NumPy does not export its BLAS, but the library is loaded, and threadpoolctl (which
 ``_threads`` uses to hold it to one thread per call) knows its path. A compiled loop
-can call its CBLAS ``gemm`` and ``gemv`` by address, as NumPy's ``matmul`` does, with
+can call its CBLAS ``gemm`` by address, as NumPy's ``matmul`` does, with
 no Python between the calls.
 
 Only the 64-bit-integer interface is used, under the names that say so: NumPy's wheels
@@ -23,14 +23,12 @@ import numpy as np
 
 from ._threads import blas_library_paths
 
-__all__ = ["gemm_address", "gemv_address"]
+__all__ = ["gemm_address"]
 
 #: The ILP64 CBLAS names of each function, by dtype, the preferred first.
 SYMBOLS = {
     ("gemm", np.dtype(np.float32)): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
     ("gemm", np.dtype(np.float64)): ("scipy_cblas_dgemm64_", "cblas_dgemm64_"),
-    ("gemv", np.dtype(np.float32)): ("scipy_cblas_sgemv64_", "cblas_sgemv64_"),
-    ("gemv", np.dtype(np.float64)): ("scipy_cblas_dgemv64_", "cblas_dgemv64_"),
 }
 
 
@@ -38,11 +36,6 @@ def gemm_address(dtype: np.dtype[Any]) -> int | None:
     """The address of ``cblas_?gemm`` with 64-bit integers for ``dtype`` in a BLAS
     library this process has loaded, or None."""
     return _address("gemm", np.dtype(dtype))
-
-
-def gemv_address(dtype: np.dtype[Any]) -> int | None:
-    """The same for ``cblas_?gemv`` (a matrix times a vector)."""
-    return _address("gemv", np.dtype(dtype))
 
 
 @functools.cache

@@ -1,6 +1,6 @@
-"""``cblas_?gemm`` and ``cblas_?gemv`` called from compiled loops, by the addresses
-``_cblas`` finds: each call a Numba intrinsic, with no Python between the calls and
-no GIL held
+"""``cblas_?gemm`` called from compiled loops, by the address ``_cblas`` finds: each
+call a Numba intrinsic, with no Python between the calls and no GIL held; and an
+address as a typed pointer, for the rows a loop reads itself
 (``pip install portattn-numpy[jit]``; importing this module without Numba raises
 ``ImportError``)."""
 
@@ -12,7 +12,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["NO_TRANS", "ROW_MAJOR", "TRANS", "gemm", "gemv"]
+__all__ = ["NO_TRANS", "ROW_MAJOR", "TRANS", "gemm", "pointer"]
 
 #: CBLAS's ``CblasRowMajor``, ``CblasNoTrans`` and ``CblasTrans``.
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
@@ -48,28 +48,12 @@ def gemm(typingctx: Any, address: Any, trans_a: Any, trans_b: Any, m: Any, n: An
 
 
 @intrinsic
-def gemv(typingctx: Any, address: Any, trans: Any, m: Any, n: Any, alpha: Any, a: Any,
-         lda: Any, x: Any, beta: Any, y: Any) -> Any:
-    """``cblas_?gemv`` (row-major, 64-bit integers, unit strides) at ``address``: ``y =
-    alpha * op(a) @ x + beta * y`` for the ``m x n`` matrix ``a``; ``a``, ``x`` and
-    ``y`` are addresses."""
-    real = alpha
+def pointer(typingctx: Any, address: Any, like: Any) -> Any:
+    """``address`` as a pointer to the type of ``like`` (a float), for
+    ``numba.carray``: rows a compiled loop reads where ``?gemm``'s callers would."""
+    typed = types.CPointer(like)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        enum, integer, pointer = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-        scalar = context.get_value_type(real)
-        function = ir.FunctionType(ir.VoidType(), [
-            enum, enum, integer, integer, scalar, pointer, integer, pointer, integer, scalar,
-            pointer, integer])
-        address_, trans_, m_, n_, alpha_, a_, lda_, x_, beta_, y_ = args
-        one = ir.Constant(integer, 1)
-        callee = builder.inttoptr(address_, function.as_pointer())
-        builder.call(callee, [
-            ir.Constant(enum, ROW_MAJOR), builder.trunc(trans_, enum), m_, n_, alpha_,
-            builder.inttoptr(a_, pointer), lda_, builder.inttoptr(x_, pointer), one, beta_,
-            builder.inttoptr(y_, pointer), one])
-        return context.get_dummy_value()
+        return builder.inttoptr(args[0], context.get_value_type(typed))
 
-    int64 = types.int64
-    return types.void(int64, int64, int64, int64, real, int64, int64, int64, real,
-                      int64), codegen
+    return typed(types.int64, like), codegen

@@ -13,15 +13,19 @@ to the sequence's own positions. The chunk's key rows, then its value rows, are 
 from their pages into a scratch of ``_CHUNK`` rows that stays in cache (as BLAS packs
 its operands; nothing of the size of the sequence is made), and NumPy's own BLAS
 (``_cblas``) forms the chunk's scores and adds its weights times values to the item's
-accumulator. In between, each row's scores become their weights, base 2, in one
-vectorised pass (``_compiled_exp``), with the online softmax's running maximum and
-sum. A score change (softcap, ALiBi) is one more pass over the chunk's scores.
+accumulator; a head with one query row there (a decode step without grouped heads)
+takes loops of this module instead, which read its rows where they are. In between,
+each row's scores become their weights, base 2, in one vectorised pass
+(``_compiled_exp``), with the online softmax's running maximum and sum. A score change
+(softcap, ALiBi) is one more pass over the chunk's scores.
 
 An item whose sums or outputs come out not finite is done again by a careful scalar
 loop (float64 throughout), which keeps the package's rule: a row whose allowed keys
 include one with a NaN or inf entry, or whose values make its sum not finite, is NaN,
 with a NaN log-sum-exp; keys a row may not see, and page slots past a sequence's
-length, are never read into it.
+length, are never read into it. Scores past the largest value of the inputs' dtype are
+the infinities they are in every other kernel (``+inf`` makes the row NaN, ``-inf``
+gives the key weight 0), not the float64 values the careful loop could keep.
 
 Every size and order is the sequence's own, never the batch's: a sequence's output
 bits do not depend on the other sequences of the call.
@@ -36,9 +40,9 @@ import numba
 import numpy as np
 
 from . import _cblas
-from ._compiled_blas import NO_TRANS, TRANS, gemm, gemv
+from ._compiled_blas import NO_TRANS, TRANS, gemm, pointer
 from ._compiled_exp import DTYPES, LOOP_OPTIONS, constants, power
-from ._threads import get_num_threads, run_parallel
+from ._threads import run_parallel
 
 __all__ = ["TILE_QUERIES", "paged_forward"]
 
@@ -121,15 +125,41 @@ def _rows(pages: Any, head_major: bool, table: Any, s: int, kv0: int, spread: in
     return scratch.ctypes.data, spread * depth, depth * size
 
 
+@numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
+def _dots(address: int, lead: int, x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """``out[j] = row_j . x`` for the rows at ``address``, ``lead`` entries apart: the
+    scores of a head with one query row (a decode step without grouped heads), the sum
+    over the head dimension in SIMD lanes (about twice as fast as BLAS's ``gemv`` on a
+    chunk of a 64-wide head)."""
+    rows = numba.carray(pointer(address, x[0]), (out.shape[0], lead))
+    for j in range(out.shape[0]):
+        row = rows[j]
+        total = x[0] - x[0]
+        for d in range(x.shape[0]):
+            total += row[d] * x[d]
+        out[j] = total
+
+
 @numba.njit(**LOOP_OPTIONS)
-def _fast(address: int, vector_address: int, query: Any, key_pages: Any, value_pages: Any,
+def _add_weighted(address: int, lead: int, weights: Any,
+                  acc: Any) -> None:  # pragma: no cover - compiled
+    """``acc += weights @ rows``, the rows as :func:`_dots` reads them: that head's
+    weights times its values."""
+    rows = numba.carray(pointer(address, acc[0]), (weights.shape[0], lead))
+    for j in range(weights.shape[0]):
+        row, w = rows[j], weights[j]
+        for d in range(acc.shape[0]):
+            acc[d] += w * row[d]
+
+
+@numba.njit(**LOOP_OPTIONS)
+def _fast(address: int, query: Any, key_pages: Any, value_pages: Any,
           head_major: bool, table: Any, item: Any, spread: int, starts: Any, lengths: Any,
           lower: int, upper: int, scale: float, softcap: float, slopes: Any, sinks: Any, c: Any,
           one: Any, out: Any, lse: Any) -> bool:  # pragma: no cover - compiled
     """One item by BLAS (the module's docstring); False, writing nothing, where a sum
-    or an output is not finite. ``address`` is ``?gemm``'s, ``vector_address``
-    ``?gemv``'s (0: none), which takes a head's products when it has one row (a decode
-    step without grouped heads): ``gemm`` handles that case several times slower."""
+    or an output is not finite. ``address`` is ``?gemm``'s; a head with one query row
+    in a chunk takes compiled loops instead (:func:`_dots`, :func:`_add_weighted`)."""
     depth, value_depth = query.shape[2], value_pages.shape[3]
     kv_heads = key_pages.shape[1] if head_major else key_pages.shape[2]
     group = query.shape[1] // kv_heads
@@ -168,10 +198,8 @@ def _fast(address: int, vector_address: int, query: Any, key_pages: Any, value_p
         at, lead, apart = _rows(key_pages, head_major, table, s, kv0, spread, c0, c1, keys)
         for h in range(spread):
             r0, r1 = h * rows + i0 * group, h * rows + i1 * group
-            if r1 - r0 == 1 and vector_address:
-                gemv(vector_address, NO_TRANS, n, depth, one, at + h * apart, lead,
-                     q.ctypes.data + r0 * depth * size, zero,
-                     span.ctypes.data + r0 * chunk * size)
+            if r1 - r0 == 1:
+                _dots(at + h * apart, lead, q[r0], span[r0, :n])
             else:
                 gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
                      q.ctypes.data + r0 * depth * size, depth, at + h * apart, lead, zero,
@@ -193,8 +221,10 @@ def _fast(address: int, vector_address: int, query: Any, key_pages: Any, value_p
                 for j in range(b, n):
                     row[j] = -np.inf
                 m = _row_max(row[a:b], top[r])
-                if m == -np.inf:  # nothing seen yet: weights 0
-                    row[:] = 0
+                if m == -np.inf:
+                    if b > a:  # every score it sees is -inf or NaN: the careful loop's
+                        return False
+                    row[:] = 0  # nothing seen yet: weights 0
                     continue
                 if m > top[r]:
                     alpha = power(top[r] - m, c)
@@ -206,10 +236,8 @@ def _fast(address: int, vector_address: int, query: Any, key_pages: Any, value_p
                                 values)
         for h in range(spread):
             r0, r1 = h * rows + i0 * group, h * rows + i1 * group
-            if r1 - r0 == 1 and vector_address:
-                gemv(vector_address, TRANS, n, value_depth, one, at + h * apart, lead,
-                     span.ctypes.data + r0 * chunk * size, one,
-                     acc.ctypes.data + r0 * value_depth * size)
+            if r1 - r0 == 1:
+                _add_weighted(at + h * apart, lead, span[r0, :n], acc[r0])
             else:
                 gemm(address, NO_TRANS, NO_TRANS, r1 - r0, value_depth, n, one,
                      span.ctypes.data + r0 * chunk * size, chunk, at + h * apart, lead,
@@ -237,11 +265,14 @@ def _fast(address: int, vector_address: int, query: Any, key_pages: Any, value_p
 @numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
 def _careful(query: Any, key_pages: Any, value_pages: Any, head_major: bool, table: Any,
              item: Any, starts: Any, lengths: Any, lower: int, upper: int, scale: float,
-             softcap: float, slopes: Any, sinks: Any, out: Any,
-             lse: Any) -> None:  # pragma: no cover - compiled
+             softcap: float, slopes: Any, sinks: Any, out: Any, lse: Any,
+             largest: float) -> None:  # pragma: no cover - compiled
     """One item by a scalar loop in float64 that tells which rows see a non-finite
     value (the module's docstring). Reassociation lets the products over the head
-    dimension run in SIMD lanes; no flag assumes finite values."""
+    dimension run in SIMD lanes; no flag assumes finite values. A score past
+    ``largest`` (the inputs' dtype's) is what the fast loop and the other kernels make
+    of it in that dtype, an infinity: ``+inf`` makes its row NaN, ``-inf`` a weight of
+    0 (before a softcap, which bounds either)."""
     depth, value_depth = query.shape[2], value_pages.shape[3]
     page = key_pages.shape[2] if head_major else key_pages.shape[1]
     kv_heads = key_pages.shape[1] if head_major else key_pages.shape[2]
@@ -275,6 +306,9 @@ def _careful(query: Any, key_pages: Any, value_pages: Any, head_major: bool, tab
                     x += q[r, d] * k[d]
                 if not math.isfinite(x):
                     bad[r] = True
+                elif abs(x) > largest:  # overflows where the other kernels compute
+                    x = math.copysign(math.inf, x)
+                    bad[r] = bad[r] or (x > 0 and not capped)
                 if capped:
                     x = softcap * math.tanh(x / softcap)
                 if biased:
@@ -288,6 +322,10 @@ def _careful(query: Any, key_pages: Any, value_pages: Any, head_major: bool, tab
             new = top[r]
             for j in range(a, b + 1):
                 new = max(new, scores[r, j - j0])
+            if new == -np.inf:  # every score so far overflowed to -inf: weights 0
+                for j in range(a, b + 1):
+                    scores[r, j - j0] = 0.0
+                continue
             if new > top[r]:
                 alpha = math.exp(top[r] - new)
                 total[r] *= alpha
@@ -346,7 +384,7 @@ def work_items(query_starts: Any, kv_heads: int, spread: int) -> np.ndarray:
 def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool,
                   block_table: Any, query_starts: Any, key_lengths: Any, lower: int | None,
                   upper: int | None, scale: float, softcap: float | None,
-                  alibi_slopes: Any, sinks: Any) -> tuple[np.ndarray, np.ndarray]:
+                  alibi_slopes: Any, sinks: Any, threads: int) -> tuple[np.ndarray, np.ndarray]:
     """Attention of each sequence's queries to its paged keys and values.
 
     Args:
@@ -368,6 +406,7 @@ def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool
         softcap: scores become ``softcap * tanh(s / softcap)``; None for none.
         alibi_slopes: None or ``(S, Hq)``: ``-slope * |p - j|`` joins the score.
         sinks: None or ``(S, Hq)``: each row's denominator gains ``exp(sink)``.
+        threads: how many threads share the work items.
 
     Returns:
         ``(out, lse)``: ``(T, Hq, Dv)`` and ``(Hq, T)``, both in the dtype of
@@ -393,17 +432,18 @@ def paged_forward(query: Any, key_pages: Any, value_pages: Any, head_major: bool
             float(scale), 0.0 if softcap is None else float(softcap),
             none if alibi_slopes is None else np.ascontiguousarray(alibi_slopes, np.float64),
             none if sinks is None else np.ascontiguousarray(sinks, np.float64))
-    address, vector_address = _cblas.gemm_address(dtype), _cblas.gemv_address(dtype) or 0
+    address = _cblas.gemm_address(dtype)
     c, one = _EXP2[dtype], dtype.type(1)
+    largest = float(np.finfo(dtype).max)
 
     def worker(units: Any) -> None:
         for k in units:  # each item writes rows of its own: no two touch one
             item = items[k]
-            if address is None or not _fast(address, vector_address, *shared, item, spread,
+            if address is None or not _fast(address, *shared, item, spread,
                                             *rest, c, one, out, lse):
                 for kv in range(item[1], item[1] + spread):  # one head at a time
                     _careful(*shared, np.array([item[0], kv, item[2], item[3]]), *rest,
-                             out, lse)
+                             out, lse, largest)
 
-    run_parallel(worker, list(range(len(items))), get_num_threads())
+    run_parallel(worker, list(range(len(items))), threads)
     return out, lse

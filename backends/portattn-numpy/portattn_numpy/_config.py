@@ -109,6 +109,12 @@ class Config:
     compiled_blocks: bool = True
     """Run the fast way's blocks without a mask in one compiled call where Numba and
     NumPy's BLAS allow it (``_compiled_blocks``); False: NumPy calls between them."""
+    compiled_decode: bool = True
+    """Run decode steps (at most ``_decode.DECODE_QUERIES`` queries, a mask of causal
+    and window parts or none, no bias, score change or dropout) by the compiled paged
+    loop, the cache read as one page per batch element (``_decode``), where Numba and
+    NumPy's BLAS allow it; False: planned in tiles like any call. The ``on_tile`` and
+    ``on_unit`` hooks ask for the plan too."""
     split_global_tokens: bool = True
     """Compute ``band | global_tokens(positions)`` (a sliding window or causal band
     joined to global tokens) in three exact parts merged by their log-sum-exps: the
@@ -139,7 +145,7 @@ class Config:
                     and value >= 1)):
                 also = " or None" if name == "tile_bytes" else ""
                 return f"{name} must be a positive integer{also}; got {name}={value!r}"
-        for name in ("compiled_blocks", "split_global_tokens", "try_fast"):
+        for name in ("compiled_blocks", "compiled_decode", "split_global_tokens", "try_fast"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be True or False; got {name}={getattr(self, name)!r}"
         for name in ("on_tile", "on_unit"):

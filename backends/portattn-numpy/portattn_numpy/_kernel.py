@@ -91,6 +91,8 @@ class NumpyFastKernel(Kernel):
     def run_paged(self, call: PagedInputs) -> tuple[Any, Any]:
         import numpy as np
 
+        from ._decode import paged_threads
+
         band = None if call.mask is None else call.mask.band(0, 0)
         lower, upper = (None, None) if band is None else (band.lower, band.upper)
 
@@ -102,7 +104,9 @@ class NumpyFastKernel(Kernel):
             call.head_major, np.asarray(call.host_table, dtype=np.int32),
             np.asarray(call.query_starts, dtype=np.int64),
             np.asarray(call.key_lengths, dtype=np.int64), lower, upper, call.scale,
-            call.softcap, borrowed(call.alibi_slopes), borrowed(call.sinks))
+            call.softcap, borrowed(call.alibi_slopes), borrowed(call.sinks),
+            paged_threads(call.query.shape[1], call.query_starts, call.key_lengths,
+                          call.query.shape[2] + call.value_pages.shape[-1]))
         if call.namespace == "numpy":
             return out, lse
         return call.xp.from_dlpack(out), call.xp.from_dlpack(lse)

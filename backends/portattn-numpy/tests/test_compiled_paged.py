@@ -12,6 +12,7 @@ from portattn import masks
 
 pytest.importorskip("numba", reason="the compiled paged decode needs Numba (portattn-numpy[jit])")
 
+from portattn_numpy import get_num_threads
 from portattn_numpy._compiled_paged import paged_forward, work_items
 
 HQ, HKV, D, DV = 4, 2, 8, 6
@@ -62,7 +63,7 @@ def _oracle(batch, mask, head_major, **options):
 def _compiled(batch, band, head_major, scale, softcap=None, alibi_slopes=None, sinks=None):
     query, key_pages, value_pages, table, starts, lengths = batch
     return paged_forward(query, key_pages, value_pages, head_major, table, starts, lengths,
-                        *band, scale, softcap, alibi_slopes, sinks)
+                        *band, scale, softcap, alibi_slopes, sinks, get_num_threads())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

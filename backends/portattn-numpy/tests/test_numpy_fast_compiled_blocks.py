@@ -36,9 +36,8 @@ def _loops(dtype):
 
 @pytest.mark.skipif(not _ilp64_wheel(), reason="NumPy's BLAS is not its wheels' OpenBLAS")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_gemm_and_gemv_of_numpys_wheels_are_found(dtype):
+def test_the_gemm_of_numpys_wheels_is_found(dtype):
     assert _cblas.gemm_address(np.dtype(dtype))
-    assert _cblas.gemv_address(np.dtype(dtype))
 
 
 def test_a_library_without_those_names_gives_none(monkeypatch):
@@ -49,7 +48,7 @@ def test_a_library_without_those_names_gives_none(monkeypatch):
     _cblas._address.cache_clear()
     try:
         assert _cblas.gemm_address(np.dtype(np.float32)) is None
-        assert _cblas.gemv_address(np.dtype(np.float64)) is None
+        assert _cblas.gemm_address(np.dtype(np.float64)) is None
         assert _cblas.gemm_address(np.dtype(np.float16)) is None
     finally:
         _cblas._address.cache_clear()
