@@ -126,7 +126,8 @@ def _rows(pages: Any, head_major: bool, table: Any, s: int, kv0: int, spread: in
 
 
 @numba.njit(**{**LOOP_OPTIONS, "fastmath": {"contract", "reassoc"}})
-def _dots(address: int, lead: int, x: Any, out: Any) -> None:  # pragma: no cover - compiled
+def _dots(address: int, lead: int, x: Any, out: Any,
+          zero: Any) -> None:  # pragma: no cover - compiled
     """``out[j] = row_j . x`` for the rows at ``address``, ``lead`` entries apart: the
     scores of a head with one query row (a decode step without grouped heads), the sum
     over the head dimension in SIMD lanes (about twice as fast as BLAS's ``gemv`` on a
@@ -134,7 +135,7 @@ def _dots(address: int, lead: int, x: Any, out: Any) -> None:  # pragma: no cove
     rows = numba.carray(pointer(address, x[0]), (out.shape[0], lead))
     for j in range(out.shape[0]):
         row = rows[j]
-        total = x[0] - x[0]
+        total = zero
         for d in range(x.shape[0]):
             total += row[d] * x[d]
         out[j] = total
@@ -199,7 +200,7 @@ def _fast(address: int, query: Any, key_pages: Any, value_pages: Any,
         for h in range(spread):
             r0, r1 = h * rows + i0 * group, h * rows + i1 * group
             if r1 - r0 == 1:
-                _dots(at + h * apart, lead, q[r0], span[r0, :n])
+                _dots(at + h * apart, lead, q[r0], span[r0, :n], zero)
             else:
                 gemm(address, NO_TRANS, TRANS, r1 - r0, n, depth, one,
                      q.ctypes.data + r0 * depth * size, depth, at + h * apart, lead, zero,
