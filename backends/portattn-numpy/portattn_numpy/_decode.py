@@ -67,16 +67,8 @@ def decode_step(inputs: AttentionInputs, config: Config) -> tuple[Any, Any] | No
     paged = load("_compiled_paged")
     if paged is None or _cblas.gemm_address(inputs.query.dtype) is None:
         return None
-    key_pages, value_pages = _pages(inputs.key), _pages(inputs.value)
-    if key_pages is None or value_pages is None:
-        return None
     lq, lk, heads = inputs.q_len, inputs.kv_len, inputs.num_heads
     sequences = math.prod(inputs.batch_shape)
-    table = np.arange(sequences, dtype=np.int32)[:, None]  # sequence s: page s
-    # (*batch, Hq, Lq, D) -> (S * Lq, Hq, D): each sequence's queries end to end
-    query = inputs.query.reshape(sequences, heads, lq, -1).swapaxes(1, 2).reshape(
-        sequences * lq, heads, -1)
-    lower, upper = _band(inputs)
     starts = np.arange(0, (sequences + 1) * lq, lq, dtype=np.int64)
     lengths = np.full(sequences, lk, dtype=np.int64)
     threads = paged_threads(heads, starts, lengths, inputs.head_dim + inputs.value_head_dim)
@@ -84,6 +76,15 @@ def decode_step(inputs: AttentionInputs, config: Config) -> tuple[Any, Any] | No
         # one thread's worth of one row per head: the plan's stacked heads are as fast
         # (this loop took 1.04-1.09x their time at 8 heads of 64 over 256 and 2048 keys)
         return None
+    band = _band(inputs)
+    key_pages, value_pages = _pages(inputs.key), _pages(inputs.value)
+    if band is None or key_pages is None or value_pages is None:
+        return None
+    lower, upper = band
+    table = np.arange(sequences, dtype=np.int32)[:, None]  # sequence s: page s
+    # (*batch, Hq, Lq, D) -> (S * Lq, Hq, D): each sequence's queries end to end
+    query = inputs.query.reshape(sequences, heads, lq, -1).swapaxes(1, 2).reshape(
+        sequences * lq, heads, -1)
     out, lse = paged.paged_forward(query, key_pages, value_pages, True, table, starts,
                                    lengths, lower, upper, inputs.scale, inputs.softcap,
                                    None, None, threads)
@@ -110,8 +111,7 @@ def _takes(inputs: AttentionInputs, config: Config) -> bool:
         return False
     if inputs.alibi_slopes is not None or inputs.sinks is not None:
         return False
-    return inputs.mask is None or (is_positional(inputs.mask) and inputs.mask.band(
-        inputs.q_len, inputs.kv_len) is not None)
+    return inputs.mask is None or is_positional(inputs.mask)
 
 
 def _pages(array: Any) -> Any:
@@ -121,12 +121,15 @@ def _pages(array: Any) -> Any:
     return pool if np.may_share_memory(pool, array) else None  # else reshaped by a copy
 
 
-def _band(inputs: AttentionInputs) -> tuple[int | None, int | None]:
+def _band(inputs: AttentionInputs) -> tuple[int | None, int | None] | None:
     """The mask's band in the loop's terms: key ``j`` is seen from position ``p`` where
-    ``lower <= j - p <= upper`` (None: open), with query ``i`` at ``p = Lk - Lq + i``."""
+    ``lower <= j - p <= upper`` (None: open), with query ``i`` at ``p = Lk - Lq + i``;
+    None where the mask has no band."""
     if inputs.mask is None:
         return None, None
     band = inputs.mask.band(inputs.q_len, inputs.kv_len)
+    if band is None:
+        return None
     shift = inputs.kv_len - inputs.q_len  # j - i = (j - p) + shift
     return (None if band.lower is None else band.lower - shift,
             None if band.upper is None else band.upper - shift)
